@@ -1,0 +1,1 @@
+"""draftwise: a speculative-decoding engine and lab."""

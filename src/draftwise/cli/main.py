@@ -1,0 +1,47 @@
+"""`draftwise` command line: one subcommand per file in this package.
+
+Each subcommand module defines `add_parser(subparsers)` and `run(args) -> int`. Errors that a
+user can fix (bad paths, bad values) are printed as one line on stderr with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ["generate", "train", "serve", "bench", "check"]
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftwise", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(f"draftwise.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"draftwise.cli.{name}":
+                continue
+            raise
+        p = mod.add_parser(sub)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("draftwise: interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, FileNotFoundError) as e:
+        print(f"draftwise {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

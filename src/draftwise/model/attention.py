@@ -1,0 +1,77 @@
+"""Paged attention over a flat slot cache, in plain PyTorch.
+
+The K/V cache of one model is one tensor `[layers, 2, num_slots, kv_heads, head_dim]`; a slot is
+one token position of one sequence (slot = block_id * block_size + offset). A forward call over a
+padded batch of query tokens `[B, T]` is described by `AttentionMetadata`:
+
+- `write_index` / `write_slots`: which of the B*T new tokens write K/V, and where (padding and
+  tokens that need no cache write are absent: "a slot index of -1 means write nothing");
+- `gather_slots` `[B, L]`: the cache slot of each key position 0..L-1 of each sequence;
+- `mask` `[B, 1, T, L]`: True where query t of sequence b may attend key position l (causal on
+  absolute positions, limited to the sequence's valid length, optional sliding window).
+
+Stale K/V beyond a sequence's committed length (left by rejected proposals) is never attended:
+the causal mask on absolute positions excludes it, and the next step overwrites it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    write_index: torch.Tensor  # [N] long, flat index into B*T query tokens
+    write_slots: torch.Tensor  # [N] long, cache slot for each of those tokens
+    gather_slots: torch.Tensor  # [B, L] long
+    mask: torch.Tensor  # [B, 1, T, L] bool
+
+    @staticmethod
+    def build(
+        positions: torch.Tensor,  # [B, T] absolute positions (padding: any value, see valid)
+        valid: torch.Tensor,  # [B, T] bool, real query tokens
+        slot_mapping: torch.Tensor,  # [B, T] long, -1 = write nothing
+        gather_slots: torch.Tensor,  # [B, L] long
+        sliding_window: int | None = None,
+    ) -> "AttentionMetadata":
+        flat_slots = slot_mapping.reshape(-1)
+        write_index = torch.nonzero(flat_slots >= 0).squeeze(1)
+        write_slots = flat_slots[write_index]
+        L = gather_slots.shape[1]
+        key_pos = torch.arange(L, device=positions.device)  # [L]
+        pos = torch.where(valid, positions, torch.zeros_like(positions))  # padding attends key 0
+        mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, None, :] > (pos[:, :, None] - sliding_window)
+        return AttentionMetadata(write_index, write_slots, gather_slots, mask.unsqueeze(1))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, H, T, D]
+    k: torch.Tensor,  # [B, Hkv, T, D] new keys
+    v: torch.Tensor,  # [B, Hkv, T, D]
+    layer_cache: torch.Tensor,  # [2, num_slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [B, H, T, D]
+    B, Hkv, T, D = k.shape
+    if meta.write_index.numel():
+        k_flat = k.transpose(1, 2).reshape(B * T, Hkv, D)
+        v_flat = v.transpose(1, 2).reshape(B * T, Hkv, D)
+        layer_cache[0].index_copy_(0, meta.write_slots, k_flat.index_select(0, meta.write_index).to(layer_cache.dtype))
+        layer_cache[1].index_copy_(0, meta.write_slots, v_flat.index_select(0, meta.write_index).to(layer_cache.dtype))
+    keys = layer_cache[0][meta.gather_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = layer_cache[1][meta.gather_slots].transpose(1, 2)
+    return sdpa(q, keys.to(q.dtype), values.to(q.dtype), meta.mask, scale)
+
+
+def sdpa(q, k, v, mask, scale, is_causal: bool = False):
+    """Scaled dot-product attention with grouped-query heads."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if H != Hkv:
+        rep = H // Hkv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)

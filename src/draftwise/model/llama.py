@@ -1,0 +1,168 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain PyTorch.
+
+Module and parameter names mirror Hugging Face's `LlamaForCausalLM`, so a checkpoint's
+state dict loads without renaming. Two entry points share the weights:
+
+- `forward(input_ids, positions, kv_cache, meta)`: inference over a padded batch `[B, T]` that
+  reads and writes the paged K/V cache (see `model/attention.py`); returns hidden states.
+- `forward(input_ids)` with no cache: full causal attention, used by training and scoring.
+
+`compute_logits(hidden)` applies the final projection only where the caller needs logits.
+References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), HF transformers modeling_llama.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, paged_attention, sdpa
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / float(s["factor"])
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
+    factor = float(s["factor"])
+    lo, hi = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old = float(s.get("original_max_position_embeddings", 8192))
+    lo_wavelen, hi_wavelen = old / lo, old / hi
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, Hkv, D, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, H * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, Hkv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, Hkv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * D, h, bias=cfg.attention_bias and cfg.arch != "qwen2")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.scale = D ** -0.5
+
+    def forward(self, x, cos, sin, layer_cache=None, meta: AttentionMetadata | None = None):
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+        if meta is None:
+            mask = None
+            if cfg.sliding_window is not None and T > cfg.sliding_window:
+                i = torch.arange(T, device=x.device)
+                mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - cfg.sliding_window)
+            y = sdpa(q, k, v, mask, self.scale, is_causal=mask is None)
+        else:
+            y = paged_attention(q, k, v, layer_cache, meta, self.scale)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_cache=None, meta=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope(self, positions: torch.Tensor):  # positions [B, T] -> cos, sin [B, 1, T, D]
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor | None = None,  # [B, T]
+        kv_cache: torch.Tensor | None = None,  # [layers, 2, num_slots, Hkv, D]
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:  # hidden [B, T, hidden]
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, None if kv_cache is None else kv_cache[i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward without cache: `[B, T] -> [B, T, vocab]` (training, scoring)."""
+        return self.compute_logits(self.forward(input_ids))

@@ -1,0 +1,137 @@
+"""Load and save Hugging Face-format model directories (no hub access).
+
+A directory holds `config.json`, `model.safetensors` or `model.safetensors.index.json` with its
+shards, `tokenizer.json` (loaded with `tokenizers`), optionally `tokenizer_config.json` and
+`generation_config.json`. Every failure is a `ModelLoadError` naming the file and the field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig, ModelLoadError
+from .llama import LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: object | None  # tokenizers.Tokenizer
+    tokenizer_config: dict = field(default_factory=dict)
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.generation_config.get("eos_token_id", None)
+        if eos is None:
+            return list(self.config.eos_token_id)
+        return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: field 'weight_map' unreadable ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: shard listed in {index.name} 'weight_map' not found")
+        return files
+    raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json found")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               load_tokenizer: bool = True) -> LoadedModel:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: model directory not found")
+    cfg = ModelConfig.from_dir(path)
+    dt = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    expected = dict(model.state_dict())
+    loaded: dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name not in expected:
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    raise ModelLoadError(f"{f}: unexpected tensor '{name}' for architecture {cfg.arch}")
+                t = sf.get_tensor(name)
+                want = tuple(expected[name].shape)
+                if tuple(t.shape) != want:
+                    raise ModelLoadError(
+                        f"{f}: tensor '{name}' has shape {tuple(t.shape)}, config.json implies {want}"
+                    )
+                loaded[name] = t.to(dt)
+    if cfg.tie_word_embeddings:
+        loaded.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = [n for n in expected if n not in loaded]
+    if missing:
+        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}")
+    model = LlamaModel(cfg).to(dtype=dt)
+    model.load_state_dict(loaded, strict=False)
+    model.inv_freq = model.inv_freq.float()
+    model.to(device).eval().requires_grad_(False)
+
+    tokenizer = None
+    if load_tokenizer:
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelLoadError(f"{tok_file}: file not found (draftwise reads tokenizers' tokenizer.json)")
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception
+            raise ModelLoadError(f"{tok_file}: cannot be parsed ({e})") from None
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    gen_cfg = _read_json(path / "generation_config.json")
+    return LoadedModel(path, cfg, model, tokenizer, tok_cfg, gen_cfg)
+
+
+def _read_json(f: Path) -> dict:
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{f}: not valid JSON ({e})") from None
+
+
+def save_model(model: LlamaModel, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write `config.json` and `model.safetensors` (tokenizer files are the caller's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = dict(model.cfg.raw)
+    raw["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(dtype, "float32")
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
