@@ -1,0 +1,42 @@
+"""Configuration of the engine and of speculation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SpecConfig:
+    """`method`: a registered proposer name ("draft", "ngram") or None for plain decoding."""
+
+    method: str | None = None
+    k: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if self.method in ("none", ""):
+            self.method = None
+        if self.method is not None and not 1 <= self.k <= 16:
+            raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
+
+    @property
+    def num_spec(self) -> int:
+        return self.k if self.method else 0
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full contexts, capped
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_max_tokens: int = 131072  # cap of the default pool size
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")

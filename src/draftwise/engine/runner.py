@@ -1,0 +1,70 @@
+"""ModelRunner: one model, its paged K/V cache tensor and its block tables.
+
+`run(seq_ids, new_tokens, starts, num_logits)` places each sequence's new tokens at absolute
+positions `start .. start+T-1` (K/V capacity must already be reserved), runs one forward over the
+padded batch `[B, Tmax]`, and returns logits only for the last `num_logits[b]` positions of each
+sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
+chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv import KVManager
+from ..model.attention import AttentionMetadata
+from ..model.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.cfg = loaded.config
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.kv = KVManager(num_blocks, block_size)
+        cfg = self.cfg
+        self.cache = torch.zeros(
+            cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # [layers, 2, num_slots, Hkv, D]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @torch.inference_mode()
+    def run(
+        self,
+        seq_ids: list[int],
+        new_tokens: list[list[int]],
+        starts: list[int],
+        num_logits: list[int],
+        return_hidden: bool = False,
+    ):
+        B = len(seq_ids)
+        lens = [len(t) for t in new_tokens]
+        T = max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b in range(B):
+            n = lens[b]
+            ids[b, :n] = torch.tensor(new_tokens[b], dtype=torch.long)
+            pos[b, :n] = torch.arange(starts[b], starts[b] + n)
+            valid[b, :n] = True
+        ends = [s + n for s, n in zip(starts, lens)]
+        gather = self.kv.slots(seq_ids, ends)  # [B, L]
+        slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
+        meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
+        dev = self.device
+        if dev.type != "cpu":
+            ids, pos = ids.to(dev), pos.to(dev)
+            meta = AttentionMetadata(*(t.to(dev) for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)))
+        hidden = self.model(ids, pos, self.cache, meta)  # [B, T, hidden]
+        rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
+        sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
+        logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
+        if return_hidden:
+            return logits, sel
+        return logits

@@ -1,0 +1,145 @@
+"""Continuous batching: a waiting queue, a running set, a per-step token budget.
+
+`schedule()` decides, for one engine step, how many tokens each sequence feeds and how many
+proposals it may verify, and reserves K/V slots for them (target and drafter) before anything
+runs. Running sequences go first, in admission order; when a pool runs dry the most recently
+admitted sequence is preempted by recompute (its blocks freed, its committed tokens kept, and it
+is requeued at the front). Waiting requests are then admitted while blocks, the budget and
+`max_num_seqs` allow; a long prompt is prefilled in chunks. The scheduler only reserves
+capacity: committed tokens and lengths change in the engine's postprocess.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv import KVManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed from all_ids[num_computed:]
+    num_spec: int  # proposals this sequence may verify (0 while prefilling)
+
+    @property
+    def samples(self) -> bool:
+        """Does this step end at the sequence's last token (so a token is committed)?"""
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target_kv: KVManager,
+        draft_kv: KVManager | None,
+        max_model_len: int,
+        k: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+    ):
+        self.target_kv = target_kv
+        self.draft_kv = draft_kv
+        self.max_model_len = max_model_len
+        self.k = k
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_spec_for(self, seq: Sequence) -> int:
+        """Proposals to verify: never past max_tokens nor past the context (depends on lengths only)."""
+        left = seq.params.max_tokens - len(seq.output_ids) - 1
+        room = self.max_model_len - seq.num_tokens
+        return max(0, min(self.k, left, room))
+
+    def _reserve_ok(self, seq: Sequence, target_tokens: int, draft_tokens: int) -> bool:
+        ok = self.target_kv.can_reserve(seq.seq_id, target_tokens)
+        if ok and self.draft_kv is not None and draft_tokens:
+            ok = self.draft_kv.can_reserve(seq.seq_id, draft_tokens)
+        return ok
+
+    def _reserve(self, seq: Sequence, target_tokens: int, draft_tokens: int) -> None:
+        self.target_kv.reserve(seq.seq_id, target_tokens)
+        if self.draft_kv is not None and draft_tokens:
+            self.draft_kv.reserve(seq.seq_id, draft_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        self.target_kv.free(seq.seq_id)
+        if self.draft_kv is not None:
+            self.draft_kv.free(seq.seq_id)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.free(seq)
+        seq.num_computed = 0
+        seq.draft_computed = 0
+        seq.status = Status.WAITING
+        seq.stats.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            todo = seq.num_tokens - seq.num_computed
+            if todo > 1:  # prefill chunk
+                n, k = min(todo, budget), 0
+            else:
+                n, k = 1, min(self.num_spec_for(seq), budget - 1)
+            draft_tokens = seq.num_tokens + k - 1 if k else 0
+            while not self._reserve_ok(seq, seq.num_computed + n + k, draft_tokens):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is Status.WAITING:  # preempted itself: nothing after it runs either
+                break
+            self._reserve(seq, seq.num_computed + n + k, draft_tokens)
+            out.scheduled.append(ScheduledSeq(seq, n, k))
+            budget -= n + k
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve_ok(seq, seq.num_computed + n, 0):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._reserve(seq, seq.num_computed + n, 0)
+            out.scheduled.append(ScheduledSeq(seq, n, 0))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)
+        seq.status = Status.FINISHED

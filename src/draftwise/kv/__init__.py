@@ -1,0 +1,5 @@
+"""Paged K/V cache bookkeeping: a block pool and per-sequence block tables, one set per model."""
+from .block_pool import BlockPool, OutOfBlocks
+from .kv_manager import KVManager
+
+__all__ = ["BlockPool", "OutOfBlocks", "KVManager"]

@@ -1,0 +1,62 @@
+"""Block tables for one model's paged K/V cache.
+
+Each sequence owns a list of block ids; token position `i` lives in slot
+`table[i // block_size] * block_size + i % block_size` of the flat cache tensor.
+Capacity grows by `reserve` before a forward (the lookahead slots for K proposals plus one) and
+shrinks by `truncate` after verification, which frees only blocks that became empty. Rolling
+back rejected proposals is therefore bookkeeping: the stale K/V stays in place, is never attended
+(positions beyond the committed length are masked) and is overwritten later.
+"""
+from __future__ import annotations
+
+import torch
+
+from .block_pool import BlockPool
+
+
+class KVManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.tables: dict[int, list[int]] = {}
+
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        have = len(self.tables.get(seq_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_reserve(self, seq_id: int, num_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_tokens) <= self.pool.num_free
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make room for positions [0, num_tokens). Raises OutOfBlocks (and allocates nothing)."""
+        n = self.blocks_needed(seq_id, num_tokens)
+        if n:
+            self.tables.setdefault(seq_id, []).extend(self.pool.allocate(n))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep positions [0, num_tokens); free blocks that hold none of them."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(table):
+            self.pool.free(table[keep:])
+            del table[keep:]
+
+    def free(self, seq_id: int) -> None:
+        table = self.tables.pop(seq_id, None)
+        if table:
+            self.pool.free(table)
+
+    def slots(self, seq_ids: list[int], lengths: list[int], device="cpu") -> torch.Tensor:
+        """Slot of every position 0..L-1 of each sequence: `[B, max(lengths)]` (padding -> 0)."""
+        L = max(lengths) if lengths else 0
+        nb = -(-L // self.block_size)
+        table = torch.zeros(len(seq_ids), max(nb, 1), dtype=torch.long)
+        for b, sid in enumerate(seq_ids):
+            t = self.tables.get(sid, [])[:nb]
+            if t:
+                table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.arange(L)
+        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots.to(device)

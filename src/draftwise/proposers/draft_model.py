@@ -1,0 +1,72 @@
+"""A separate draft model with its own paged K/V cache.
+
+Each round the drafter first catches up on committed tokens it has not seen
+(`all_ids[draft_computed:]`: the last committed token, or more after a prefill, a preemption or
+a fully accepted round), then runs k-1 more single-token steps. At every proposed position q is
+produced by the same `process_logits` as the target's p, with the proposed tokens before that
+position in the history. The drafter never reads the target's K/V. After verification its cache
+length is set back to the committed path (`postprocess`), by bookkeeping only.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.runner import ModelRunner
+from ..sampling import process_logits
+from .base import DraftBlock, register_proposer
+
+
+@register_proposer("draft")
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner | None = None, eos_ids: list[int] | None = None, **_):
+        if runner is None:
+            raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
+        self.runner = runner
+        self.kv = runner.kv
+        self.eos_ids = list(eos_ids or [])
+
+    @torch.inference_mode()
+    def propose(self, seqs, ks):
+        blocks = [DraftBlock([], None) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
+        starts = {i: seqs[i].draft_computed for i in active}
+        while active:
+            logits = self.runner.run(
+                [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active)
+            )  # [A, V]
+            q_logits = process_logits(
+                logits,
+                [seqs[i].params for i in active],
+                [seqs[i].prompt_ids for i in active],
+                [seqs[i].output_ids + blocks[i].token_ids for i in active],
+                eos_ids=[self.eos_ids] * len(active),
+            )
+            q = torch.softmax(q_logits, dim=-1)  # [A, V]
+            nxt = []
+            for r, i in enumerate(active):
+                seq = seqs[i]
+                if seq.params.temperature == 0:
+                    tok = int(torch.argmax(q_logits[r]))
+                else:
+                    tok = int(torch.multinomial(q[r], 1, generator=seq.generator))
+                blocks[i].token_ids.append(tok)
+                probs[i].append(q[r])
+                starts[i] += len(feeds[i])
+                feeds[i] = [tok]
+                if len(blocks[i].token_ids) < ks[i]:
+                    nxt.append(i)
+            active = nxt
+        for i, b in enumerate(blocks):
+            if probs[i]:
+                b.probs = torch.stack(probs[i])  # [k_b, V]
+        return blocks
+
+    def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        k = len(block.token_ids)
+        if k == 0:
+            return
+        # the drafter fed the committed tokens and proposals d_1..d_{k-1}; keep the accepted ones
+        seq.draft_computed = num_tokens_before + min(num_accepted, k - 1)
+        self.kv.truncate(seq.seq_id, seq.draft_computed)

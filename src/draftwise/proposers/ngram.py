@@ -1,0 +1,44 @@
+"""Prompt lookup (n-gram) proposer: no model and no distribution.
+
+Find the most recent earlier occurrence of the last n tokens of prompt + output (n from
+`max_n` down to `min_n`) and propose the tokens that followed it. The proposal depends only on
+committed history, so it cannot bias the output; q is a point mass (`probs=None`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import DraftBlock, register_proposer
+
+
+def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    L = len(tokens)
+    if k <= 0 or L < 2:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        pattern = arr[L - n :]
+        # windows starting at i in [0, L-n-1) so the match is strictly earlier than the suffix
+        starts = np.nonzero(arr[: L - n] == pattern[0])[0]
+        for i in starts[::-1]:
+            if i + n < L and np.array_equal(arr[i : i + n], pattern):
+                follow = arr[i + n : i + n + k]
+                if len(follow):
+                    return follow.tolist()
+    return []
+
+
+@register_proposer("ngram")
+class NgramProposer:
+    kv = None
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, **_):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, seqs, ks):
+        return [DraftBlock(ngram_lookup(s.all_ids, k, self.max_n, self.min_n), None) for s, k in zip(seqs, ks)]
+
+    def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        pass
