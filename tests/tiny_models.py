@@ -23,7 +23,7 @@ def make_tokenizer(vocab_size: int = 320):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"]
     )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
@@ -53,6 +53,8 @@ def llama_config(vocab_size=320, hidden=64, layers=2, heads=4, kv_heads=2, inter
 
 def make_model_dir(path: Path, seed: int = 0, tokenizer=None, init_std: float = 0.5, **cfg_kwargs) -> Path:
     path = Path(path)
+    tokenizer = tokenizer or make_tokenizer()
+    cfg_kwargs.setdefault("vocab_size", tokenizer.get_vocab_size())
     torch.manual_seed(seed)
     cfg = ModelConfig.from_dict(llama_config(**cfg_kwargs))
     model = LlamaModel(cfg)
@@ -61,7 +63,7 @@ def make_model_dir(path: Path, seed: int = 0, tokenizer=None, init_std: float = 
             if p.dim() == 2:
                 p.normal_(0.0, init_std / p.shape[1] ** 0.5)
     save_model(model, path, dtype=torch.float32)
-    tok = tokenizer or make_tokenizer(cfg.vocab_size)
+    tok = tokenizer
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))

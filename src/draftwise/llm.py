@@ -13,6 +13,7 @@ from pathlib import Path
 from .engine import EngineConfig, LLMEngine, RequestStats, SpecConfig
 from .engine.sequence import Sequence, TokenLogprob
 from .model import load_model
+from .proposers import proposer_class
 from .paths import default_draft, default_target
 from .sampling import SamplingParams
 
@@ -55,10 +56,10 @@ class LLM:
         model_dir = Path(model) if model else default_target()
         target = load_model(model_dir, dtype=dtype, device=device)
         draft_model = None
-        if spec.method == "draft":
+        if spec.method and proposer_class(spec.method).needs_draft_model:
             draft_dir = Path(draft) if draft else (default_draft() if not model else None)
             if draft_dir is None:
-                raise ValueError("speculative method 'draft' needs a draft model directory (draft=...)")
+                raise ValueError(f"speculative method {spec.method!r} needs a draft model directory (draft=...)")
             draft_model = load_model(draft_dir, dtype=dtype, device=device, load_tokenizer=False)
         self.engine = LLMEngine(target, draft_model, spec, EngineConfig(dtype=dtype, device=device, **engine_kwargs))
         self.tokenizer = target.tokenizer

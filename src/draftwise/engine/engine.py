@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.loader import LoadedModel
-from ..proposers import DraftBlock, create_proposer
+from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits, rejection_sample
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
@@ -98,12 +98,10 @@ class LLMEngine:
         self.eos_ids = target.eos_token_ids
         self.vocab_size = target.config.vocab_size
         max_len = target.config.max_position_embeddings
-        if draft is not None and self.spec.method == "draft":
-            if draft.config.vocab_size != target.config.vocab_size:
-                raise ValueError(
-                    f"draft vocabulary size ({draft.config.vocab_size}, {draft.path}/config.json) does not match "
-                    f"the target's ({target.config.vocab_size}, {target.path}/config.json)"
-                )
+        cls = proposer_class(self.spec.method) if self.spec.method else None
+        if cls is not None and cls.needs_draft_model and draft is None:
+            raise ValueError(f"speculative method {self.spec.method!r} needs a draft model (--draft DIR)")
+        if cls is not None and cls.needs_draft_model:
             max_len = min(max_len, draft.config.max_position_embeddings)
         if cfg.max_model_len:
             max_len = min(max_len, cfg.max_model_len)
@@ -118,15 +116,12 @@ class LLMEngine:
             raise ValueError(f"num_kv_blocks must be >= {min_blocks} to hold one full context, got {num_blocks}")
         self.runner = ModelRunner(target, num_blocks, cfg.block_size)
         self.proposer = None
-        draft_kv = None
-        if self.spec.method == "draft":
-            if draft is None:
-                raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
-            self.draft_runner = ModelRunner(draft, num_blocks, cfg.block_size)
-            self.proposer = create_proposer("draft", runner=self.draft_runner, eos_ids=self.eos_ids)
-            draft_kv = self.proposer.kv
-        elif self.spec.method is not None:
-            self.proposer = create_proposer(self.spec.method, max_n=self.spec.ngram_max, min_n=self.spec.ngram_min)
+        if cls is not None:
+            self.proposer = cls(
+                target=target, draft=draft, num_blocks=num_blocks, block_size=cfg.block_size,
+                eos_ids=self.eos_ids, ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
+            )
+        draft_kv = self.proposer.kv if self.proposer is not None else None
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.num_spec, cfg.max_num_seqs, cfg.max_num_batched_tokens
         )

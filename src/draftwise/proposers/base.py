@@ -23,8 +23,13 @@ class DraftBlock:
 
 
 class Proposer(Protocol):
+    """Constructed with keyword context: target, draft (LoadedModel or None), num_blocks,
+    block_size, eos_ids, and the SpecConfig fields; each method takes what it needs."""
+
     name: str
+    needs_draft_model: bool  # the engine must be given a draft model directory
     kv: KVManager | None  # the drafter's own paged cache, if it has one
+    max_model_len: int | None  # the drafter's context limit, if any
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[DraftBlock]:
         """Up to ks[i] tokens for seqs[i]. May write scratch K/V; must not change `seqs`."""
@@ -50,11 +55,15 @@ def available_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_proposer(method: str, **kwargs) -> Proposer:
+def proposer_class(method: str):
     _load_builtins()
     if method not in _REGISTRY:
         raise ValueError(f"speculative method must be one of {', '.join(sorted(_REGISTRY))} or none, got {method!r}")
-    return _REGISTRY[method](**kwargs)
+    return _REGISTRY[method]
+
+
+def create_proposer(method: str, **kwargs) -> Proposer:
+    return proposer_class(method)(**kwargs)
 
 
 def _load_builtins() -> None:

@@ -18,11 +18,20 @@ from .base import DraftBlock, register_proposer
 
 @register_proposer("draft")
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner | None = None, eos_ids: list[int] | None = None, **_):
-        if runner is None:
+    needs_draft_model = True
+
+    def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
+                 eos_ids: list[int] | None = None, **_):
+        if draft is None:
             raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
-        self.runner = runner
-        self.kv = runner.kv
+        if target is not None and draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft vocabulary size ({draft.config.vocab_size}, {draft.path}/config.json) does not match "
+                f"the target's ({target.config.vocab_size}, {target.path}/config.json)"
+            )
+        self.runner = ModelRunner(draft, num_blocks, block_size)
+        self.kv = self.runner.kv
+        self.max_model_len = draft.config.max_position_embeddings
         self.eos_ids = list(eos_ids or [])
 
     @torch.inference_mode()

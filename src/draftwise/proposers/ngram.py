@@ -31,8 +31,11 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
 @register_proposer("ngram")
 class NgramProposer:
     kv = None
+    needs_draft_model = False
+    max_model_len = None
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, **_):
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, **_):
+        max_n, min_n = ngram_max, ngram_min
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n

@@ -1,0 +1,45 @@
+"""`draftwise generate PROMPT...`: complete prompts, with or without speculation."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..sampling import SamplingParams
+from .common import add_model_args, build_llm
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="complete prompts with or without speculation")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    add_model_args(p)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    return p
+
+
+def run(args) -> int:
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    llm = build_llm(args)
+    outs = llm.generate(list(args.prompts), params)
+    for prompt, o in zip(args.prompts, outs):
+        if args.json:
+            print(json.dumps(o.to_dict()))
+        else:
+            s = o.stats
+            print(prompt + o.text)
+            print(
+                f"[{len(o.token_ids)} tokens, finish={o.finish_reason}, rounds={s.rounds}, "
+                f"mean accepted length={s.mean_accepted_length:.2f}, "
+                f"{len(o.token_ids) / max(s.total_seconds, 1e-9):.1f} tok/s]",
+                file=sys.stderr,
+            )
+    return 0
