@@ -1,0 +1,85 @@
+"""`draftwise train`: train the tokenizer, the target, and a distilled draft on the stdlib corpus.
+
+    draftwise train tokenizer --out DIR
+    draftwise train target --out DIR [--tokenizer DIR] [--minutes N | --tokens N] [--resume]
+    draftwise train draft --target DIR --out DIR [--minutes N | --tokens N] [--ce-only] [--resume]
+    draftwise train all --out models [--target-minutes N] [--draft-minutes N] [--ce-minutes N]
+
+Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` continues from them.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .main import UserError
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("train", help="train the tokenizer / target / draft on the stdlib corpus",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["tokenizer", "target", "draft", "all"])
+    p.add_argument("--out", required=True, help="output directory (HF format)")
+    p.add_argument("--tokenizer", help="tokenizer directory (target; default: train one into --out)")
+    p.add_argument("--target", help="target model directory (draft)")
+    p.add_argument("--minutes", type=float, help="training-time budget in minutes")
+    p.add_argument("--tokens", type=int, help="training budget in tokens")
+    p.add_argument("--shape", choices=["target", "draft", "tiny"], help="model shape preset")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ce-only", action="store_true", help="draft: cross-entropy only, no distillation")
+    p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term (rest is CE)")
+    p.add_argument("--ckpt-dir", help="checkpoint directory (default checkpoints/<what>)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--target-minutes", type=float, default=55.0, help="all: target budget")
+    p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget")
+    p.add_argument("--ce-minutes", type=float, default=8.0, help="all: CE-only draft budget")
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ..train import pipeline
+
+    if args.minutes is not None and args.tokens is not None:
+        raise UserError("give --minutes or --tokens, not both")
+    t0 = time.time()
+    if args.what == "tokenizer":
+        pipeline.train_tokenizer_dir(args.out)
+    elif args.what == "target":
+        pipeline.train_target(args.out, tokenizer_dir=args.tokenizer, minutes=args.minutes, tokens=args.tokens,
+                              ckpt_dir=args.ckpt_dir or "checkpoints/target", resume=args.resume,
+                              overrides=_overrides(args))
+    elif args.what == "draft":
+        if not args.target:
+            raise UserError("train draft needs --target DIR (the model to distil from)")
+        if not Path(args.target, "config.json").is_file():
+            raise UserError(f"{args.target}: not a model directory (no config.json)")
+        pipeline.train_draft(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
+                             ckpt_dir=args.ckpt_dir or ("checkpoints/draft_ce" if args.ce_only else "checkpoints/draft"),
+                             resume=args.resume, ce_only=args.ce_only, alpha=args.alpha,
+                             overrides=_overrides(args))
+    else:
+        pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
+                           ce_minutes=args.ce_minutes, resume=args.resume)
+    print(json.dumps({"done": args.what, "out": args.out, "wall_seconds": round(time.time() - t0, 1)}))
+    return 0
+
+
+def _overrides(args) -> dict:
+    o = {}
+    for k in ("shape", "batch_size", "seq_len", "lr", "seed"):
+        v = getattr(args, k)
+        if v is not None:
+            o[k] = v
+    if args.warmup is not None:
+        o["warmup_steps"] = args.warmup
+    return o

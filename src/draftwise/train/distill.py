@@ -1,0 +1,63 @@
+"""Draft training: distillation from the target's next-token distributions.
+
+Loss per position: `alpha * KL(p_target || q_draft) + (1 - alpha) * CE(q_draft, next token)`
+(forward KL at temperature 1, summed over the vocabulary, averaged over positions). The target
+runs in bfloat16 without gradients on the same batch; nothing is precomputed. `ce_only=True`
+trains the same draft shape on cross-entropy alone (the comparison baseline). The draft shares
+the target's tokenizer and is at most 1/8 of its parameters.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..model.loader import load_model
+from . import corpus
+from .data import load_streams
+from .export import export_model
+from .shapes import PRESETS, build_model, count_params, llama_config
+from .trainer import ce_loss
+
+
+def kd_loss_fn(teacher, alpha: float = 0.9):
+    """A loss function `(draft, batch) -> loss` distilling `teacher` into the draft."""
+
+    def loss_fn(model, batch):
+        x, y = batch[:, :-1], batch[:, 1:]
+        with torch.no_grad():
+            t_logp = F.log_softmax(teacher.logits(x).float(), dim=-1)
+        s_logits = model.logits(x)
+        s_logp = F.log_softmax(s_logits.float(), dim=-1)
+        V = s_logp.shape[-1]
+        kl = F.kl_div(s_logp.reshape(-1, V), t_logp.reshape(-1, V), log_target=True, reduction="batchmean")
+        if alpha >= 1.0:
+            return kl
+        ce = F.nll_loss(s_logp.reshape(-1, V), y.reshape(-1))
+        return alpha * kl + (1 - alpha) * ce
+
+    return loss_fn
+
+
+def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/draft", resume=False,
+                ce_only=False, alpha=0.9, overrides=None, log=None) -> dict:
+    from .pipeline import DRAFT_DEFAULTS, corpus_stats, train_model
+
+    out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
+    hp = dict(DRAFT_DEFAULTS, **(overrides or {}))
+    teacher = load_model(target_dir, dtype="bfloat16")
+    tok = teacher.tokenizer
+    split = corpus.split()
+    streams = load_streams(tok, split, ckpt_dir)
+    tcfg = teacher.config
+    cfg_dict = llama_config(PRESETS[hp["shape"]], tcfg.vocab_size, tcfg.eos_token_id[0], tcfg.bos_token_id,
+                            tcfg.max_position_embeddings)
+    model = build_model(cfg_dict, seed=hp.get("seed", 0))
+    loss_fn = ce_loss if ce_only else kd_loss_fn(teacher.model, alpha)
+    summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log)
+    summary.update(role="draft", objective="cross-entropy" if ce_only else f"forward KL (alpha={alpha}) + CE",
+                   parameters=count_params(model), target=str(target_dir),
+                   target_parameters=count_params(teacher.model), corpus=corpus_stats(split, streams))
+    export_model(model, out, target_dir, summary)
+    return summary
