@@ -68,10 +68,7 @@ def paged_attention(
 
 
 def sdpa(q, k, v, mask, scale, is_causal: bool = False):
-    """Scaled dot-product attention with grouped-query heads."""
-    H, Hkv = q.shape[1], k.shape[1]
-    if H != Hkv:
-        rep = H // Hkv
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    """Scaled dot-product attention with grouped-query heads (no K/V repeat: enable_gqa)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )

@@ -56,6 +56,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _fuse(linears: list[nn.Linear]) -> nn.Linear:
+    w = torch.cat([l.weight for l in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    fused.weight.copy_(w)
+    if has_bias:
+        fused.bias.copy_(torch.cat([l.bias for l in linears]))
+    return fused.requires_grad_(False)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -78,9 +88,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer_cache=None, meta: AttentionMetadata | None = None):
         B, T, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if hasattr(self, "qkv_proj"):  # inference: one matmul instead of three
+            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
@@ -106,6 +119,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x):
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -159,6 +175,20 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, None if kv_cache is None else kv_cache[i], meta)
         return self.model.norm(x)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> "LlamaModel":
+        """For inference: q/k/v and gate/up become one matmul each (fewer calls per layer).
+
+        The fused model keeps its outputs but not Hugging Face parameter names: save unfused models.
+        """
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_proj = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            del a.q_proj, a.k_proj, a.v_proj
+            m.gate_up_proj = _fuse([m.gate_proj, m.up_proj])
+            del m.gate_proj, m.up_proj
+        return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -64,7 +64,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               load_tokenizer: bool = True) -> LoadedModel:
+               load_tokenizer: bool = True, fuse: bool = True) -> LoadedModel:
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: model directory not found")
@@ -98,6 +98,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     model.load_state_dict(loaded, strict=False)
     model.inv_freq = model.inv_freq.float()
     model.to(device).eval().requires_grad_(False)
+    if fuse:
+        model.fuse_projections()
 
     tokenizer = None
     if load_tokenizer:
