@@ -1,0 +1,94 @@
+"""FastAPI routes: the OpenAI endpoints, `/v1/models`, `/health`, `/metrics`; errors as envelopes.
+
+The engine thread starts with the app (lifespan) and, at shutdown, finishes whatever is still in
+flight before it stops; uvicorn's graceful shutdown (SIGTERM, Ctrl-C) has already waited for the
+open responses by then.
+
+`/health` doubles as a debug view: requests the server and the engine still hold, queue lengths
+and KV blocks used/free for the target and the draft (tests check that all blocks come back).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import LLMEngine
+from .async_engine import AsyncEngine
+from .chat import ChatTemplate
+from .errors import APIError
+from .metrics import CONTENT_TYPE, make_registry, render
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving import OpenAIServing
+
+
+def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
+              max_queue: int | None = None) -> FastAPI:
+    aeng = AsyncEngine(engine, max_queue=max_queue)
+    serving = OpenAIServing(aeng, model_name, aliases or set(), ChatTemplate(engine.target.tokenizer_config))
+    registry = make_registry(aeng, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aeng.start()
+        yield
+        await aeng.shutdown()
+
+    app = FastAPI(title="draftwise", lifespan=lifespan)
+    app.state.engine = aeng
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        aeng.record("rejected" if e.status < 500 else "error")
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        aeng.record("rejected")
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
+                        for er in errs) or "malformed request body"
+        return APIError(422, msg, param, "invalid_request_body").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return APIError(e.status_code, str(e.detail), None, None).response()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await serving.chat(req, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "draftwise",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        snap = aeng.snapshot
+        return {
+            "status": "ok", "model": model_name,
+            "speculation": {"method": engine.spec.method or "none", "k": engine.spec.num_spec},
+            "requests_in_server": aeng.num_in_flight, "requests_in_engine": snap.requests,
+            "waiting": snap.waiting, "running": snap.running, "kv_blocks": snap.kv,
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(registry), media_type=CONTENT_TYPE)
+
+    return app

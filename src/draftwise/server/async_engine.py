@@ -1,0 +1,282 @@
+"""The engine in a background thread; each request is an asyncio queue of outputs.
+
+`LLMEngine` is not thread-safe, so exactly one thread (the engine thread) touches it. The event
+loop validates a request (`check_request` only reads constants), then sends commands (add, abort)
+through a thread-safe queue and wakes the thread. The thread drains the commands, runs one
+`step()`, and hands every request's new output to its queue with one `call_soon_threadsafe` per
+step. After each step it publishes a `Snapshot` (counters, queue lengths, KV blocks) that
+`/health` and `/metrics` read without a lock.
+
+Streaming text is held back while it could be the start of a stop string (the engine cuts a stop
+string from the text once it is complete, so text already sent could not be taken back).
+
+Failure isolation: if `step()` raises, the engine cannot tell which request caused it, so the
+sequences of that step (the running set) are aborted, their blocks freed, and each of their
+streams ends with the error (HTTP 500); waiting and later requests are served as usual.
+Shutdown: `shutdown()` lets the thread finish every in-flight request, then joins it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ..engine import LLMEngine
+from ..engine.sequence import Sequence, Status, TokenLogprob
+from ..sampling import SamplingParams
+
+log = logging.getLogger("draftwise.server")
+
+
+@dataclass
+class RequestOutput:
+    """One delivery to a request's stream: what was added since the previous one."""
+
+    request_id: str
+    token_ids: list[int]  # newly committed tokens
+    text: str  # new text (may lag the tokens: incomplete characters, possible stop-string starts)
+    logprobs: list[TokenLogprob] | None  # of the new tokens, when requested
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    stats: dict | None = None  # RequestStats.to_dict(), when finished
+    error: str | None = None  # the engine failed on this request (answered with HTTP 500)
+
+
+class RequestStream:
+    """The event-loop side of one engine request: iterate it to get its `RequestOutput`s.
+
+    Several streams may share one queue (the choices of one HTTP request): the owner of the
+    queue then reads it directly and tells outputs apart by `request_id`.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue | None = None):
+        self.request_id = request_id
+        self.finished = False
+        self.queue: asyncio.Queue[RequestOutput] = queue if queue is not None else asyncio.Queue()
+
+    def put(self, out: RequestOutput) -> None:
+        self.finished = self.finished or out.finished
+        self.queue.put_nowait(out)
+
+    async def __aiter__(self):
+        while True:
+            out = await self.queue.get()
+            yield out
+            if out.finished:
+                return
+
+
+@dataclass
+class Snapshot:
+    """Engine state as of the end of the last step, for /health and /metrics."""
+
+    stats: dict = field(default_factory=dict)
+    waiting: int = 0
+    running: int = 0
+    requests: int = 0  # sequences the engine still holds
+    kv: dict = field(default_factory=dict)  # "target"/"draft" -> {"total", "used", "free"}
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.outcomes: dict[str, int] = {}  # finished requests by outcome (event-loop side)
+        self.snapshot = Snapshot()
+        self._streams: dict[str, RequestStream] = {}  # event-loop side
+        self._tracked: dict[str, _Tracked] = {}  # engine-thread side
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._publish()
+
+    # ------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="draftwise-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Finish every in-flight request, then stop the engine thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests the server has accepted and not yet answered in full."""
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted by the server but not running yet (as of the last step)."""
+        return max(0, len(self._streams) - self.snapshot.running)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    sink: asyncio.Queue | None = None) -> RequestStream:
+        """Validate (raises ValueError) and enqueue one request; the caller checks the queue limit."""
+        if self._stopping:
+            raise RuntimeError("the server is shutting down")
+        self.engine.check_request(prompt_ids, params)
+        stream = RequestStream(request_id, sink)
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, list(prompt_ids), params))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    def record(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def _deliver(self, batch: list[RequestOutput]) -> None:
+        for out in batch:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                self.record("error" if out.error else out.finish_reason or "unknown")
+
+    # ------------------------------------------------------------ engine-thread side
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            batch = self._drain_commands()
+            if eng.has_unfinished():
+                batch += self._step()
+            self._publish()
+            self._send(batch)
+            if eng.has_unfinished() or not self._commands.empty():
+                continue
+            if self._stopping:
+                return
+            self._wake.wait()
+            self._wake.clear()
+
+    def _send(self, batch: list[RequestOutput]) -> None:
+        if batch and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _drain_commands(self) -> list[RequestOutput]:
+        out = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return out
+            rid = cmd[1]
+            if cmd[0] == "add":
+                try:
+                    seq = self.engine.add_request(rid, cmd[2], cmd[3])
+                except Exception as e:  # validated already; a race or a bug: fail this request only
+                    out.append(RequestOutput(rid, [], "", None, True, error=str(e)))
+                    continue
+                self._tracked[rid] = _Tracked(seq)
+            elif cmd[0] == "abort" and rid in self._tracked:
+                t = self._tracked.pop(rid)
+                self.engine.abort(rid)
+                out.append(self._output(t, finished=True, reason="abort"))
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; aborting the requests of this step")
+            return self._fail_step(e)
+        batch = []
+        for o in outputs:
+            t = self._tracked.get(o.seq.request_id)
+            if t is None:
+                continue
+            out = self._output(t, finished=o.finished, reason=o.seq.finish_reason)
+            if o.finished:
+                del self._tracked[o.seq.request_id]
+                self.engine.release(o.seq.request_id)
+            batch.append(out)
+        return batch
+
+    def _fail_step(self, e: Exception) -> list[RequestOutput]:
+        # the running set is the step's batch; a finished-but-undelivered sequence was in it too
+        victims = [t for t in self._tracked.values() if t.seq.status is not Status.WAITING]
+        if not victims and self.engine.scheduler.waiting:  # failed before admitting: blame the head
+            head = self.engine.scheduler.waiting[0]
+            victims = [t for t in self._tracked.values() if t.seq is head]
+        batch = []
+        for t in victims:
+            rid = t.seq.request_id
+            del self._tracked[rid]
+            self.engine.abort(rid)
+            self.engine.release(rid)
+            out = self._output(t, finished=True, reason="abort")
+            out.error = f"internal error while generating: {type(e).__name__}: {e}"
+            batch.append(out)
+        return batch
+
+    def _output(self, t: _Tracked, finished: bool, reason: str | None) -> RequestOutput:
+        seq = t.seq
+        text = seq.text
+        end = len(text)
+        if not finished and seq.params.stop:
+            end -= stop_holdback(text, seq.params.stop)
+        new_text = text[t.sent_text : end] if end > t.sent_text else ""
+        t.sent_text = max(t.sent_text, end)
+        n = len(seq.output_ids)
+        new_ids = seq.output_ids[t.sent_tokens : n]
+        lps = seq.logprobs[t.sent_tokens : n] if seq.logprobs is not None else None
+        t.sent_tokens = n
+        return RequestOutput(
+            seq.request_id, new_ids, new_text, lps, finished, reason if finished else None,
+            num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n,
+            stats=seq.stats.to_dict() if finished else None,
+        )
+
+    def _publish(self) -> None:
+        eng = self.engine
+
+        def pool(kv):
+            if kv is None:
+                return None
+            p = kv.pool
+            return {"total": p.num_blocks, "used": p.num_used, "free": p.num_free}
+
+        draft_kv = getattr(eng.proposer, "kv", None) if eng.proposer is not None else None
+        self.snapshot = Snapshot(
+            stats=eng.stats.snapshot(),
+            waiting=len(eng.scheduler.waiting),
+            running=len(eng.scheduler.running),
+            requests=len(eng.seqs),
+            kv={"target": pool(eng.runner.kv), "draft": pool(draft_kv)},
+        )

@@ -1,0 +1,58 @@
+"""The chat template: messages -> one prompt string.
+
+When the model's `tokenizer_config.json` has a `chat_template` (a Jinja2 string, or a list of
+`{"name", "template"}` from which "default" is taken) it is rendered as Hugging Face does: in a
+sandbox, with `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
+`raise_exception`. Otherwise the plain template below is used, one line per message:
+
+    system: You are terse.
+    user: Say hi.
+    assistant:
+
+i.e. `"{role}: {content}\\n"` per message, then `"assistant:"` when a reply is wanted. The rendered
+text is tokenized without adding special tokens (a template that wants a BOS writes it).
+"""
+from __future__ import annotations
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _token_str(v) -> str:
+    if isinstance(v, dict):
+        return v.get("content", "") or ""
+    return v or ""
+
+
+def _raise(msg: str):
+    raise jinja2.TemplateError(msg)
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer_config: dict | None = None):
+        cfg = tokenizer_config or {}
+        source = cfg.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default") or next(iter(named.values()), None)
+        self.is_plain = not source
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(source or PLAIN_TEMPLATE)
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Raises ValueError when the template rejects the conversation."""
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"messages: the chat template rejected them: {e}") from None

@@ -1,0 +1,97 @@
+"""`/metrics`: Prometheus collectors over the engine's counters, in their own registry.
+
+Names are prefixed `draftwise:` (as vLLM's are `vllm:`). Everything is read at scrape time from
+the `Snapshot` the engine thread publishes after each step, plus the server's count of finished
+requests by outcome (stop, length, abort, error; `rejected` for requests answered 4xx/429
+before reaching the engine).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .async_engine import AsyncEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class EngineCollector:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        eng = self.engine
+        snap = eng.snapshot
+        st = snap.stats
+        m = ["model_name"]
+        v = [self.model_name]
+
+        c = CounterMetricFamily("draftwise:requests", "Finished requests by outcome.", labels=m + ["outcome"])
+        for outcome, n in sorted(eng.outcomes.items()):
+            c.add_metric(v + [outcome], n)
+        yield c
+
+        for name, doc, val in (
+            ("num_requests_waiting", "Requests queued in the server or the engine, not running yet.",
+             eng.num_queued),
+            ("num_requests_running", "Sequences in the engine's running set.", snap.running),
+        ):
+            g = GaugeMetricFamily(f"draftwise:{name}", doc, labels=m)
+            g.add_metric(v, val)
+            yield g
+
+        for state in ("used", "free"):
+            g = GaugeMetricFamily(f"draftwise:kv_blocks_{state}", f"KV cache blocks {state}.", labels=m + ["model"])
+            for which, pool in snap.kv.items():
+                if pool is not None:
+                    g.add_metric(v + [which], pool[state])
+            yield g
+
+        for key, name, doc in (
+            ("preemptions", "num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks."),
+            ("prompt_tokens", "prompt_tokens", "Prompt tokens received."),
+            ("generation_tokens", "generation_tokens", "Tokens generated (committed)."),
+            ("rounds", "spec_decode_num_rounds", "Verification rounds of decoding sequences."),
+            ("draft_tokens", "spec_decode_num_draft_tokens", "Tokens proposed by the drafter."),
+            ("accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted by the target."),
+            ("steps", "engine_steps", "Engine steps."),
+        ):
+            c = CounterMetricFamily(f"draftwise:{name}", doc, labels=m)
+            c.add_metric(v, st.get(key, 0))
+            yield c
+
+        c = CounterMetricFamily("draftwise:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted proposals by position in the proposal (0 = first).",
+                                labels=m + ["position"])
+        for pos, n in enumerate(st.get("accepted_per_position", [])):
+            c.add_metric(v + [str(pos)], n)
+        yield c
+
+        # tokens committed per round: 1 .. k+1 (accepted + the recovered or bonus token)
+        hist = st.get("committed_per_round", {})
+        top = max([len(st.get("accepted_per_position", [])) + 1] + list(hist))
+        buckets, acc = [], 0
+        for b in range(1, top + 1):
+            acc += hist.get(b, 0)
+            buckets.append((str(b), acc))
+        buckets.append(("+Inf", acc))
+        h = HistogramMetricFamily("draftwise:spec_decode_committed_per_round",
+                                  "Tokens committed per verification round.", labels=m)
+        h.add_metric(v, buckets, sum_value=st.get("committed_tokens", 0))
+        yield h
+
+        c = CounterMetricFamily("draftwise:step_seconds", "Engine step time by phase.", labels=m + ["phase"])
+        for phase in ("propose", "verify", "other"):
+            c.add_metric(v + [phase], st.get(f"{phase}_seconds", 0.0))
+        yield c
+
+
+def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(EngineCollector(engine, model_name))
+    return reg
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

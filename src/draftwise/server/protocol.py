@@ -1,0 +1,104 @@
+"""Request bodies of the OpenAI API (pydantic) and their mapping to `SamplingParams`.
+
+Fields the OpenAI API lacks are accepted as extra body fields, as vLLM does: `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`. Unknown fields are ignored.
+A body pydantic cannot parse (wrong types, missing `prompt`) is a 422; values of the right type
+but out of range are checked by `SamplingParams` and answered 400 naming the parameter.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from ..sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # extra body fields (vLLM-style)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the offending parameter."""
+        bias = None
+        if self.logit_bias is not None:
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise ValueError(f"logit_bias: token id must be an integer >= 0, got {k!r}") from None
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=bias, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, n=self.n,
+        )
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        c = self.content
+        if isinstance(c, list):
+            c = "".join(p.text for p in c)
+        d = {"role": self.role, "content": c or ""}
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # extra: render the assistant turn's opening

@@ -1,0 +1,335 @@
+"""The two OpenAI endpoints: a request becomes engine requests, their outputs become a response.
+
+Each choice (prompt x n) is its own engine request; with a `seed`, choice j gets seed + j, so
+choices differ yet each is reproducible. All choices of one HTTP request share one queue.
+
+Non-streamed: the response is built when every choice has finished; a client that disconnects
+meanwhile aborts them. Streamed (server-sent events): the response starts only once the first
+output arrives, so a request that fails in its first step is still answered with a 500; a later
+failure is sent as an `{"error": ...}` event. The stream ends with `data: [DONE]`; leaving it
+early (client disconnect) aborts the unfinished choices, which frees their KV blocks.
+
+Every response carries a `draftwise` object: the request's speculation statistics summed over its
+choices (each choice also has its own).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, RequestOutput
+from .chat import ChatTemplate
+from .errors import APIError, from_value_error
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stats: dict | None = None
+    text_offset: int = 0  # completions logprobs: offset of the next token's text
+    started: bool = False  # chat streaming: the role delta was sent
+    logprobs: list = field(default_factory=list)
+
+
+def spec_summary(stats: list[dict], method: str | None, k: int) -> dict:
+    rounds = sum(s["rounds"] for s in stats)
+    committed = sum(s["mean_accepted_length"] * s["rounds"] for s in stats)
+    proposed = sum(s["proposed_tokens"] for s in stats)
+    accepted = sum(s["accepted_tokens"] for s in stats)
+    per_pos = [sum(col) for col in zip(*(s["accepted_per_position"] for s in stats))] if stats else []
+    return {
+        "method": method or "none", "k": k if method else 0, "rounds": rounds,
+        "proposed_tokens": proposed, "accepted_tokens": accepted,
+        "mean_accepted_length": committed / rounds if rounds else 0.0,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "accepted_per_position": per_pos,
+        "preemptions": sum(s["preemptions"] for s in stats),
+    }
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, model_aliases: set[str], chat: ChatTemplate):
+        self.engine = engine
+        self.model_name = model_name
+        self.aliases = {model_name} | model_aliases
+        self.chat_template = chat
+        self.tokenizer = engine.engine.tokenizer
+        spec = engine.engine.spec
+        self.method, self.k = spec.method, spec.num_spec
+
+    # ------------------------------------------------------------------ helpers
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.aliases:
+            raise APIError(404, f"The model '{name}' does not exist.", "model", "model_not_found")
+
+    def token_str(self, tok: int) -> str:
+        return self.tokenizer.decode([tok], skip_special_tokens=False) if self.tokenizer is not None else str(tok)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send token ids", "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str, param_name: str):
+        """Validate everything, then add prompt x n engine requests sharing one queue."""
+        for ids in prompts:
+            try:
+                self.engine.engine.check_request(ids, params)
+            except ValueError as e:
+                raise from_value_error(e, param_name) from None
+        n = params.n
+        limit = self.engine.max_queue
+        if limit is not None and self.engine.num_queued + len(prompts) * n > limit:
+            raise APIError(429, f"The server's queue is full ({self.engine.num_queued} requests waiting, "
+                                f"limit {limit}); retry later.", None, "queue_full")
+        sink: asyncio.Queue = asyncio.Queue()
+        choices = []
+        for pi, ids in enumerate(prompts):
+            for j in range(n):
+                p = params
+                if params.seed is not None and j:
+                    p = dataclasses.replace(params, seed=(params.seed + j) % 2**63)
+                rid = f"{prefix}-{pi * n + j}"
+                self.engine.add_request(rid, ids, p, sink)
+                choices.append(_Choice(pi * n + j, rid))
+        return sink, choices
+
+    async def _collect(self, sink: asyncio.Queue, choices: list[_Choice], first=None):
+        """Outputs of all choices until they finish; yields (choice, output)."""
+        by_id = {c.request_id: c for c in choices}
+        left = len(choices)
+        while left:
+            out: RequestOutput = first if first is not None else await sink.get()
+            first = None
+            c = by_id[out.request_id]
+            if out.finished:
+                left -= 1
+                c.finish_reason, c.stats = out.finish_reason, out.stats
+            yield c, out
+
+    async def _first(self, sink: asyncio.Queue, raw: Request) -> RequestOutput | None:
+        """Wait for the first output while watching for the client leaving (None if it left)."""
+        get = asyncio.ensure_future(sink.get())
+        gone = asyncio.ensure_future(_disconnected(raw))
+        try:
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if get in done:
+            return get.result()
+        get.cancel()
+        return None
+
+    def _abort_unfinished(self, choices: list[_Choice]) -> None:
+        for c in choices:
+            if c.finish_reason is None:
+                self.engine.abort(c.request_id)
+
+    def _usage(self, prompts: list[list[int]], choices: list[_Choice]) -> dict:
+        p = sum(len(x) for x in prompts)
+        g = sum(c.num_tokens for c in choices)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+    def _summary(self, choices: list[_Choice]) -> dict:
+        return spec_summary([c.stats for c in choices if c.stats], self.method, self.k)
+
+    async def _run(self, kind, req, prompts, params, fmt, raw: Request, param_name: str):
+        """`fmt` = (chunk(choice, output) -> [choice dicts], add(choice, output), final(choice) -> dict)."""
+        fmt_chunk, fmt_add, fmt_final = fmt
+        prefix = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        sink, choices = self.submit(prompts, params, prefix, param_name)
+        created = int(time.time())
+        head = {"id": prefix, "object": kind, "created": created, "model": self.model_name}
+        try:
+            first = await self._first(sink, raw)
+        except BaseException:
+            self._abort_unfinished(choices)
+            raise
+        if first is None:  # the client left before anything was generated
+            self._abort_unfinished(choices)
+            return JSONResponse({}, status_code=499)
+        if first.error:
+            self._abort_unfinished(choices)
+            raise APIError(500, first.error, None, "internal_error")
+        if req.stream:
+            return StreamingResponse(self._stream(req, prompts, choices, sink, first, raw, head, fmt_chunk),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.ensure_future(_disconnected(raw))  # the client leaving aborts the choices
+        watcher.add_done_callback(lambda f: f.cancelled() or self._abort_unfinished(choices))
+        try:
+            async for c, out in self._collect(sink, choices, first):
+                if out.error:
+                    raise APIError(500, out.error, None, "internal_error")
+                fmt_add(c, out)
+                c.num_tokens = out.num_output_tokens
+        finally:
+            watcher.cancel()
+            self._abort_unfinished(choices)
+        body = dict(head)
+        body["choices"] = [fmt_final(c) for c in choices]
+        body["usage"] = self._usage(prompts, choices)
+        body["draftwise"] = self._summary(choices)
+        return JSONResponse(body)
+
+    async def _stream(self, req, prompts, choices, sink, first, raw, head, fmt_chunk):
+        chunk_kind = head["object"] + ".chunk" if head["object"] == "chat.completion" else head["object"]
+        base = dict(head, object=chunk_kind)
+        try:
+            async for c, out in self._collect(sink, choices, first):
+                if out.error:
+                    err = APIError(500, out.error, None, "internal_error").body()
+                    yield sse(err)
+                    break
+                c.num_tokens = out.num_output_tokens
+                for choice in fmt_chunk(c, out):
+                    yield sse(dict(base, choices=[choice]))
+            else:
+                if req.include_usage:
+                    yield sse(dict(base, choices=[], usage=self._usage(prompts, choices),
+                                   draftwise=self._summary(choices)))
+            yield "data: [DONE]\n\n"
+        finally:  # also on client disconnect (the task is cancelled): nothing awaited here
+            self._abort_unfinished(choices)
+
+    # ------------------------------------------------------------------ /v1/completions
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", "echo", "unsupported")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.encode(x) for x in p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = [list(x) for x in p]
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+        try:
+            params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        want_lp = req.logprobs is not None
+
+        def lp_block(c: _Choice, out: RequestOutput) -> dict | None:
+            if not want_lp:
+                return None
+            toks = [self.token_str(lp.token_id) for lp in out.logprobs]
+            offsets = []
+            for t in toks:
+                offsets.append(c.text_offset)
+                c.text_offset += len(t)
+            return {
+                "tokens": toks,
+                "token_logprobs": [lp.logprob for lp in out.logprobs],
+                "top_logprobs": [{self.token_str(i): v for i, v in lp.top} for lp in out.logprobs],
+                "text_offset": offsets,
+            }
+
+        def fmt_add(c: _Choice, out: RequestOutput) -> None:
+            c.text += out.text
+            if want_lp:
+                c.logprobs.append(lp_block(c, out))
+
+        def fmt_final(c: _Choice) -> dict:
+            lp = None
+            if want_lp:
+                lp = {key: [x for blk in c.logprobs for x in blk[key]]
+                      for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                    "draftwise": c.stats}
+
+        def fmt_chunk(c: _Choice, out: RequestOutput):
+            if not (out.text or out.token_ids or out.finished):
+                return []
+            ch = {"index": c.index, "text": out.text, "logprobs": lp_block(c, out),
+                  "finish_reason": out.finish_reason if out.finished else None}
+            if out.finished:
+                ch["draftwise"] = out.stats
+            return [ch]
+
+        fmt = (fmt_chunk, fmt_add, fmt_final)
+        return await self._run("text_completion", req, prompts, params, fmt, raw, "prompt")
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", "messages", "invalid_value")
+        try:
+            text = self.chat_template.render([m.as_dict() for m in req.messages], req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages", "invalid_value") from None
+        ids = self.encode(text, special=False)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs", "invalid_value")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.engine.engine.max_model_len - len(ids))
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            params = req.sampling_params(max_tokens, lp)
+        except ValueError as e:
+            raise from_value_error(e, "messages") from None
+
+        def lp_entries(out: RequestOutput) -> list[dict]:
+            def entry(tok, v):
+                s = self.token_str(tok)
+                return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return [dict(entry(x.token_id, x.logprob), top_logprobs=[entry(i, v) for i, v in x.top])
+                    for x in out.logprobs]
+
+        def fmt_add(c: _Choice, out: RequestOutput) -> None:
+            c.text += out.text
+            if req.logprobs:
+                c.logprobs.extend(lp_entries(out))
+
+        def fmt_final(c: _Choice) -> dict:
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": {"content": c.logprobs} if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "draftwise": c.stats}
+
+        def fmt_chunk(c: _Choice, out: RequestOutput):
+            chunks = []
+            if not c.started:
+                c.started = True
+                chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None})
+            if out.text or out.token_ids:
+                chunks.append({"index": c.index, "delta": {"content": out.text},
+                               "logprobs": {"content": lp_entries(out)} if req.logprobs else None,
+                               "finish_reason": None})
+            if out.finished:
+                chunks.append({"index": c.index, "delta": {}, "logprobs": None,
+                               "finish_reason": out.finish_reason, "draftwise": out.stats})
+            return chunks
+
+        fmt = (fmt_chunk, fmt_add, fmt_final)
+        return await self._run("chat.completion", req, [ids], params, fmt, raw, "messages")
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client has gone (the body was read already, so receive() waits for that)."""
+    while True:
+        msg = await raw.receive()
+        if msg["type"] == "http.disconnect":
+            return
