@@ -63,7 +63,7 @@ def test_shipped_model_loads_in_draftwise_and_transformers_with_same_logits(name
     snippet = text[:600]
     ids = ours.tokenizer.encode(snippet).ids
     assert hf_tok(snippet)["input_ids"] == ids
-    hf = AutoModelForCausalLM.from_pretrained(str(d), torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     x = torch.tensor([ids])
     with torch.no_grad():
         a = ours.model.logits(x)

@@ -3,7 +3,7 @@
     draftwise train tokenizer --out DIR
     draftwise train target --out DIR [--tokenizer DIR] [--minutes N | --tokens N] [--resume]
     draftwise train draft --target DIR --out DIR [--minutes N | --tokens N] [--ce-only] [--resume]
-    draftwise train all --out models [--target-minutes N] [--draft-minutes N] [--ce-minutes N]
+    draftwise train all --out models [--target-minutes N] [--draft-minutes N]
 
 Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` continues from them.
 """
@@ -38,7 +38,6 @@ def add_parser(subparsers):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--target-minutes", type=float, default=55.0, help="all: target budget")
     p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget")
-    p.add_argument("--ce-minutes", type=float, default=8.0, help="all: CE-only draft budget")
     return p
 
 
@@ -69,7 +68,7 @@ def run(args) -> int:
                              overrides=_overrides(args))
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
-                           ce_minutes=args.ce_minutes, resume=args.resume)
+                           resume=args.resume)
     print(json.dumps({"done": args.what, "out": args.out, "wall_seconds": round(time.time() - t0, 1)}))
     return 0
 

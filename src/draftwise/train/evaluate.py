@@ -93,7 +93,7 @@ def generate(model_dir, prompt_ids: list[list[int]], max_new_tokens: int = 128, 
     """Target completions with transformers' `generate` (left padding, KV cache), stopping at EOS."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     outs = []

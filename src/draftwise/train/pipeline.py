@@ -15,7 +15,7 @@ from .tokenizer import EOS, load_tokenizer, save_tokenizer, train_tokenizer
 from .trainer import Trainer, TrainConfig, peak_rss_mb
 
 TARGET_DEFAULTS = dict(shape="target", batch_size=8, seq_len=512, lr=1.5e-3, warmup_steps=200)
-DRAFT_DEFAULTS = dict(shape="draft", batch_size=16, seq_len=512, lr=3e-3, warmup_steps=100)
+DRAFT_DEFAULTS = dict(shape="draft", batch_size=16, seq_len=512, lr=3e-3, warmup_steps=50)
 VAL_WINDOWS = 16  # periodic validation: 16 x 512 held-out tokens; the final one uses all
 
 
@@ -85,7 +85,10 @@ def train_draft(*a, **k):  # filled in by distill
     return _t(*a, **k)
 
 
-def train_all(out, target_minutes=55.0, draft_minutes=15.0, ce_minutes=8.0, resume=False) -> dict:
+def train_all(out, target_minutes=55.0, draft_minutes=15.0, resume=False) -> dict:
+    """Tokenizer, target, distilled draft, then the CE-only comparison draft (same shape, same
+    number of training tokens as the distilled one; kept in checkpoints/, not shipped), then
+    the evaluation and the model card."""
     from .report import write_model_card
 
     out = Path(out)
@@ -93,8 +96,9 @@ def train_all(out, target_minutes=55.0, draft_minutes=15.0, ce_minutes=8.0, resu
     tok_dir = Path("checkpoints/tokenizer")
     train_tokenizer_dir(tok_dir)
     train_target(out / "target", tokenizer_dir=tok_dir, minutes=target_minutes, resume=resume)
-    train_draft(out / "draft", out / "target", minutes=draft_minutes, resume=resume)
-    train_draft(Path("checkpoints/draft_ce_model"), out / "target", minutes=ce_minutes, resume=resume,
-                ce_only=True, ckpt_dir="checkpoints/draft_ce")
+    hp = {"warmup_steps": 50}
+    kd = train_draft(out / "draft", out / "target", minutes=draft_minutes, resume=resume, overrides=hp)
+    train_draft(Path("checkpoints/draft_ce_model"), out / "target", tokens=kd["tokens"], resume=resume,
+                ce_only=True, ckpt_dir="checkpoints/draft_ce", overrides=hp)
     write_model_card(out, ce_draft_dir=Path("checkpoints/draft_ce_model"), total_wall_s=time.time() - t0)
     return {"wall_seconds": round(time.time() - t0, 1)}

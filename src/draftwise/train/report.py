@@ -28,7 +28,7 @@ def _step_seconds(model_dir, n: int = 64) -> float:
     """Seconds per decoding step (batch 1, KV cache, transformers) after a 64-token prompt."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.randint(1, 8000, (1, 64), generator=torch.Generator().manual_seed(0))
     out = m(ids, use_cache=True)
     past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -211,8 +211,8 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "# or step by step:",
         "draftwise train tokenizer --out checkpoints/tokenizer",
         "draftwise train target --out models/target --tokenizer checkpoints/tokenizer --minutes 55",
-        "draftwise train draft --target models/target --out models/draft --minutes 15",
-        "draftwise train draft --target models/target --out checkpoints/draft_ce_model --ce-only --minutes 8",
+        "draftwise train draft --target models/target --out models/draft --minutes 15 --warmup 50",
+        "draftwise train draft --target models/target --out checkpoints/draft_ce_model --ce-only --tokens N  # N: the distilled draft's tokens",
         "```",
         "",
         "Checkpoints (model, optimizer, RNG, data position, elapsed time) are written to `checkpoints/` every",
