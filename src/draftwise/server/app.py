@@ -9,6 +9,7 @@ and KV blocks used/free for the target and the draft (tests check that all block
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -24,6 +25,8 @@ from .errors import APIError
 from .metrics import CONTENT_TYPE, make_registry, render
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+
+log = logging.getLogger("draftwise.server")
 
 
 def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
@@ -58,6 +61,12 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
                         for er in errs) or "malformed request body"
         return APIError(422, msg, param, "invalid_request_body").response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):  # a bug in one request: 500, keep serving
+        log.exception("request failed")
+        aeng.record("error")
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
