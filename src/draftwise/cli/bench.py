@@ -1,0 +1,108 @@
+"""`draftwise bench`: replay workloads with and without speculation across load levels."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .main import UserError
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="replay a workload with and without speculation across concurrency levels",
+                       description="Replay workloads for every config and load level; write results.json, "
+                                   "report.md and plots to --out.")
+    p.add_argument("--workload", default=None,
+                   help="shipped workload name(s) (code-easy, code-hard, grounded; comma-separated) or a JSONL path "
+                        "(default: all shipped; --quick: grounded,code-hard)")
+    p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N (default: "
+                                                    "none,draft:k=2,draft:k=4,ngram:k=4)")
+    p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32")
+    p.add_argument("--request-rate", default=None, help="open-loop levels in requests/s, e.g. 0.5,1")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of open-loop gaps (1 = Poisson)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: the whole workload)")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens")
+    p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
+                                               "(keys: ttft, tpot, itl, e2e)")
+    p.add_argument("--dollars-per-hour", type=float, default=None, help="machine price, for cost per million tokens")
+    p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 8 requests, 32 tokens, concurrency 1,4, configs none,draft:k=4,ngram:k=4")
+    p.add_argument("--model", help="target model directory (default: the embedded target)")
+    p.add_argument("--draft", help="draft model directory (default: the embedded draft when --model is not given)")
+    p.add_argument("--url", default=None, help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000)")
+    p.add_argument("--served-model", default=None, help="model name for --url (default: the first of /v1/models)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--markdown", default=None, metavar="PATH", help="also write the report to PATH (e.g. BENCHMARKS.md)")
+    return p
+
+
+def run(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from ..lab.arrivals import parse_levels
+    from ..lab.metrics import parse_slo
+    from ..lab.report import build_results, markdown, write_report
+    from ..lab.runner import QUICK, BenchPlan, parse_configs, run_bench
+    from ..lab.workload import load_workload
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    q = QUICK if args.quick else {}
+    wl_names = args.workload or ("grounded,code-hard" if args.quick else "code-easy,code-hard,grounded")
+    workloads = [load_workload(w.strip()) for w in wl_names.split(",") if w.strip()]
+    n = args.num_requests or q.get("num_requests")
+    if n is not None and n < 1:
+        raise UserError(f"--num-requests must be >= 1, got {n}")
+    workloads = [w.head(n) for w in workloads]
+    configs = parse_configs(args.configs or q.get("configs", "none,draft:k=2,draft:k=4,ngram:k=4"))
+    if args.url:
+        configs = []
+    conc = args.concurrency
+    if conc is None and args.request_rate is None:
+        conc = q.get("concurrency", "1,2,4,8,16,32")
+    levels = parse_levels(conc, args.request_rate, args.burstiness)
+    if not levels:
+        raise UserError("give --concurrency and/or --request-rate")
+    max_tokens = args.max_tokens or q.get("max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if args.dollars_per_hour is not None and args.dollars_per_hour < 0:
+        raise UserError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
+    if args.model and not Path(args.model).is_dir():
+        raise UserError(f"--model: not a directory: {args.model}")
+    if args.draft and not Path(args.draft).is_dir():
+        raise UserError(f"--draft: not a directory: {args.draft}")
+    plan = BenchPlan(
+        workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
+        served_model=args.served_model, dtype=args.dtype, device=args.device, slo=parse_slo(args.slo),
+        dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, seed=args.seed,
+        **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
+    )
+    console = Console(stderr=True)
+    results = run_bench(plan, console)
+    settings = {
+        "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
+        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens,
+        "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
+        "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
+        "dtype": args.dtype, "device": args.device, "seed": args.seed, "quick": args.quick,
+    }
+    results = build_results(results, settings, ["draftwise", "bench"] + sys.argv[2:] if sys.argv[1:2] == ["bench"]
+                            else ["draftwise", "bench"])
+    out = Path(args.out)
+    write_report(results, out)
+    if args.markdown:
+        rel = os.path.relpath(out.resolve(), Path(args.markdown).resolve().parent)
+        Path(args.markdown).write_text(markdown(results, title="Benchmarks", image_prefix=f"{rel}/") + "\n")
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots")
+    bad = [(w["name"], r["config"], r["level_label"]) for w in results["workloads"] for r in w["runs"]
+           if r.get("correctness") and r["correctness"]["mismatching_requests"]]
+    for b in bad:
+        console.print(f"[yellow]greedy mismatch vs none: {b}[/yellow]")
+    return 0
+

@@ -1,0 +1,91 @@
+"""`draftwise check`: certify that a speculative configuration is lossless on your models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import add_model_args, spec_from_args
+from .main import UserError
+
+
+def add_parser(sub):
+    p = sub.add_parser("check", help="certify that speculation leaves the output unchanged (exit 1 on any FAIL)",
+                       description="Greedy equality, distribution test, KV rollback and stops inside accepted "
+                                   "blocks; prints PASS/FAIL per check and exits non-zero on any FAIL.")
+    add_model_args(p)
+    p.add_argument("--temperature", type=float, default=1.0, help="temperature of the distribution test (default 1)")
+    p.add_argument("--prompts", default=None,
+                   help="prompts: a workload JSONL (field 'prompt') or a text file with one prompt per line "
+                        "(default: the first 6 of the shipped code-easy workload)")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    p.add_argument("--samples", type=int, default=400, help="samples per prompt in the distribution test")
+    p.add_argument("--horizon", type=int, default=4, help="tokens per sample in the distribution test")
+    p.add_argument("--alpha", type=float, default=0.01, help="significance level of the distribution test")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def load_prompts(path: str | None) -> list[str]:
+    from ..lab.workload import load_workload, read_jsonl
+
+    if path is None:
+        return [r.prompt for r in load_workload("code-easy").requests[:6]]
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--prompts: file not found: {path}")
+    if p.suffix == ".jsonl":
+        return [r.prompt for r in read_jsonl(p)]
+    lines = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"--prompts: no prompts in {path}")
+    return lines
+
+
+def run(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from ..lab.check import CheckSetup, run_checks
+    from ..model import load_model
+    from ..paths import default_draft, default_target
+    from ..proposers import proposer_class
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name in ("max_tokens", "samples", "horizon"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.temperature > 0:
+        raise UserError(f"--temperature must be > 0 for the distribution test, got {args.temperature}")
+    spec = spec_from_args(args)
+    if spec.method is None:
+        raise UserError("check needs a speculative method (--method draft or ngram)")
+    target = load_model(Path(args.model) if args.model else default_target(), dtype=args.dtype, device=args.device)
+    draft = None
+    if proposer_class(spec.method).needs_draft_model:
+        draft_dir = args.draft or (None if args.model else default_draft())
+        if draft_dir is None:
+            raise UserError(f"method {spec.method!r} needs --draft DIR")
+        draft = load_model(Path(draft_dir), dtype=args.dtype, device=args.device, load_tokenizer=False)
+    if target.tokenizer is None:
+        raise UserError(f"{target.path} has no tokenizer.json")
+    max_len = target.config.max_position_embeddings
+    if draft is not None:
+        max_len = min(max_len, draft.config.max_position_embeddings)
+    budget = max(1, min(256, max_len - 4 * args.max_tokens - spec.k - 2))  # rollback runs 4x max_tokens
+    prompts = [target.tokenizer.encode(t).ids[-budget:] for t in load_prompts(args.prompts)]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise UserError("no non-empty prompts")
+    setup = CheckSetup(target, draft, spec, prompts, temperature=args.temperature, max_tokens=args.max_tokens,
+                       samples=args.samples, horizon=args.horizon, alpha=args.alpha, seed=args.seed)
+    console = Console()
+    console.print(f"draftwise check: target {target.path}, method {spec.method}, k={spec.k}"
+                  + (f", draft {draft.path}" if draft is not None else "") + f", {len(prompts)} prompts")
+    results = run_checks(setup, on_start=lambda name: console.print(f"  running {name} ...", style="dim"))
+    for r in results:
+        figs = ", ".join(f"{k}={v}" for k, v in r.figures.items() if v is not None)
+        tag = "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]"
+        console.print(f"{tag} {r.name}: {figs}" + (f" ({r.detail})" if r.detail else ""))
+    failed = [r.name for r in results if not r.passed]
+    console.print(f"{len(results) - len(failed)}/{len(results)} checks passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

@@ -1,0 +1,7 @@
+"""The lab: replay workloads with and without speculation (`bench`) and certify exactness (`check`).
+
+One concept per file: `workload` (JSONL requests), `make_workloads` (the shipped ones),
+`arrivals` (closed and open loop), `backends` (in-process engine, OpenAI-compatible HTTP),
+`metrics` (latency/throughput figures), `correctness` (greedy and distribution comparisons),
+`runner` (bench orchestration), `report` (results.json, report.md, plots), `check` (the suite).
+"""

@@ -1,0 +1,271 @@
+"""Backends that replay a workload at one load level and return what the client saw.
+
+- `EngineBackend`: the embedded engine in-process, driven step by step. Every `StepOutput`'s new
+  tokens are timestamped when the step returns; tokens committed by one speculative round arrive
+  together (one delivery). Speculation counters come from the engine's `EngineStats`.
+- `HTTPBackend`: any OpenAI-compatible server (`/v1/completions`, streaming), e.g. `draftwise
+  serve`, vLLM or SGLang. Speculation counters are read from `/metrics` before and after the run
+  when the server exposes them: draftwise's `draftwise:*` or vLLM's `vllm:spec_decode_*`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from ..sampling import SamplingParams
+from .arrivals import LoadLevel, arrival_times
+from .metrics import RequestRecord, stats_delta
+from .workload import Request
+
+
+@dataclass
+class RunOutput:
+    records: list[RequestRecord]
+    wall: float
+    engine_stats: dict = field(default_factory=dict)  # EngineStats-shaped delta ({} if unknown)
+
+
+def sampling_params(req: Request, seed: int, max_tokens: int | None = None) -> SamplingParams:
+    """The same params for every config: fixed length (EOS ignored), a per-request seed."""
+    return SamplingParams(temperature=req.temperature, max_tokens=max_tokens or req.max_tokens,
+                          seed=seed if req.temperature > 0 else None, ignore_eos=True)
+
+
+class EngineBackend:
+    name = "in-process"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._runs = 0
+
+    def encode(self, requests: list[Request], max_prompt_tokens: int) -> list[list[int]]:
+        """Token ids of each prompt, keeping the last `max_prompt_tokens` (small test models)."""
+        return [self.engine.encode(r.prompt)[-max_prompt_tokens:] for r in requests]
+
+    def run(self, requests: list[Request], prompts: list[list[int]], params: list[SamplingParams],
+            level: LoadLevel, seed: int = 0, on_done: Callable[[], None] | None = None) -> RunOutput:
+        eng = self.engine
+        self._runs += 1
+        tag = f"run{self._runs}"
+        n = len(requests)
+        offsets = arrival_times(n, level.value, level.burstiness, seed) if level.kind == "rate" else None
+        records: dict[str, RequestRecord] = {}
+        pending = deque(range(n))
+        before = eng.stats.snapshot()
+        t0 = time.perf_counter()
+        last = t0
+
+        inflight = 0
+
+        def admit(i: int, arrival: float) -> None:
+            nonlocal inflight
+            rid = f"{tag}-{i}"
+            eng.add_request(rid, prompts[i], params[i])
+            records[rid] = RequestRecord(requests[i].id, arrival, prompt_tokens=len(prompts[i]))
+            inflight += 1
+
+        while pending or eng.has_unfinished():
+            now = time.perf_counter()
+            if offsets is None:
+                while pending and inflight < level.value:
+                    admit(pending.popleft(), now)
+            else:
+                while pending and t0 + offsets[pending[0]] <= now:
+                    i = pending.popleft()
+                    admit(i, t0 + offsets[i])
+                if not eng.has_unfinished():
+                    time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
+                    continue
+            outs = eng.step()
+            t = time.perf_counter()
+            for o in outs:
+                rec = records[o.seq.request_id]
+                if o.new_token_ids:
+                    rec.deliveries.append((t, len(o.new_token_ids)))
+                if o.finished:
+                    seq = o.seq
+                    rec.token_ids = list(seq.output_ids)
+                    rec.text = seq.text
+                    rec.finish_reason = seq.finish_reason
+                    rec.committed_per_round = list(seq.stats.committed_per_round)
+                    eng.release(seq.request_id)
+                    inflight -= 1
+                    last = t
+                    if on_done:
+                        on_done()
+        ordered = [records[f"{tag}-{i}"] for i in range(n)]
+        return RunOutput(ordered, last - t0, stats_delta(before, eng.stats.snapshot()))
+
+
+# ------------------------------------------------------------------------------------- HTTP
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def parse_prometheus(text: str, prefixes=("draftwise:", "vllm:spec_decode")) -> dict[tuple, float]:
+    """{(name, ((label, value), ...)): value} for samples whose name starts with a prefix."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or not m.group(1).startswith(prefixes):
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        try:
+            out[(m.group(1), labels)] = float(m.group(3))
+        except ValueError:
+            continue
+    return out
+
+
+def spec_stats_from_metrics(before: dict, after: dict) -> dict:
+    """An EngineStats-shaped delta from two scrapes ({} when the server exposes no counters)."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+    def total(*names: str) -> float | None:
+        vals = [v for (n, labels), v in delta.items() if n in names and not any(l == "position" for l, _ in labels)]
+        return sum(vals) if vals else None
+
+    def per_position(*names: str) -> list[int]:
+        pos = {}
+        for (n, labels), v in delta.items():
+            lab = dict(labels)
+            if n in names and "position" in lab:
+                pos[int(lab["position"])] = pos.get(int(lab["position"]), 0) + v
+        return [int(pos[j]) for j in sorted(pos)]
+
+    # vLLM: drafts = rounds; accepted tokens exclude the bonus/recovered token
+    rounds = total("vllm:spec_decode_num_drafts_total", "draftwise:spec_decode_rounds_total", "draftwise:spec_rounds_total")
+    drafted = total("vllm:spec_decode_num_draft_tokens_total", "draftwise:spec_decode_draft_tokens_total",
+                    "draftwise:spec_draft_tokens_total", "draftwise:draft_tokens_total")
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total", "draftwise:spec_decode_accepted_tokens_total",
+                     "draftwise:spec_accepted_tokens_total", "draftwise:accepted_tokens_total")
+    if rounds is None or accepted is None:
+        return {}
+    out = {"rounds": int(rounds), "draft_tokens": int(drafted or 0), "accepted_tokens": int(accepted),
+           "committed_tokens": int(rounds + accepted)}
+    out["accepted_per_position"] = per_position(
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total", "draftwise:spec_decode_accepted_per_position_total",
+        "draftwise:spec_accepted_per_position_total")
+    for key, names in (("propose_seconds", ("draftwise:propose_seconds_total", "draftwise:spec_decode_propose_seconds_total")),
+                       ("verify_seconds", ("draftwise:verify_seconds_total", "draftwise:spec_decode_verify_seconds_total")),
+                       ("other_seconds", ("draftwise:other_seconds_total", "draftwise:spec_decode_other_seconds_total"))):
+        v = total(*names)
+        if v is not None:
+            out[key] = v
+    return out
+
+
+class HTTPBackend:
+    """Streams `/v1/completions` from an OpenAI-compatible server at `url`."""
+
+    name = "http"
+
+    def __init__(self, url: str, model: str | None = None, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.timeout = timeout
+        with httpx.Client(timeout=30.0) as c:
+            if model is None:
+                r = c.get(f"{self.url}/v1/models")
+                r.raise_for_status()
+                data = r.json().get("data") or []
+                if not data:
+                    raise ValueError(f"{self.url}/v1/models lists no model; pass --served-model")
+                model = data[0]["id"]
+        self.model = model
+
+    def encode(self, requests: list[Request], max_prompt_tokens: int) -> list[list[int]]:
+        return [[] for _ in requests]  # the server tokenizes
+
+    def scrape(self) -> dict:
+        try:
+            r = httpx.get(f"{self.url}/metrics", timeout=10.0)
+            return parse_prometheus(r.text) if r.status_code == 200 else {}
+        except httpx.HTTPError:
+            return {}
+
+    def run(self, requests, prompts, params, level: LoadLevel, seed: int = 0, on_done=None) -> RunOutput:
+        before = self.scrape()
+        records, wall = asyncio.run(self._run(requests, params, level, seed, on_done))
+        return RunOutput(records, wall, spec_stats_from_metrics(before, self.scrape()))
+
+    async def _run(self, requests, params, level, seed, on_done):
+        n = len(requests)
+        records = [RequestRecord(r.id, 0.0) for r in requests]
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=self.timeout, limits=limits) as client:
+            t0 = time.perf_counter()
+
+            async def one(i: int, arrival: float) -> None:
+                await self._stream(client, requests[i], params[i], records[i], arrival)
+                if on_done:
+                    on_done()
+
+            if level.kind == "concurrency":
+                queue = deque(range(n))
+
+                async def worker():
+                    while queue:
+                        await one(queue.popleft(), time.perf_counter())
+
+                await asyncio.gather(*(worker() for _ in range(int(level.value))))
+            else:
+                offsets = arrival_times(n, level.value, level.burstiness, seed)
+
+                async def delayed(i):
+                    await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+                    await one(i, t0 + offsets[i])
+
+                await asyncio.gather(*(delayed(i) for i in range(n)))
+        last = max((r.deliveries[-1][0] for r in records if r.deliveries), default=t0)
+        return records, last - t0
+
+    async def _stream(self, client, req: Request, p: SamplingParams, rec: RequestRecord, arrival: float) -> None:
+        rec.arrival = arrival
+        body = {"model": self.model, "prompt": req.prompt, "max_tokens": p.max_tokens, "temperature": p.temperature,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if p.seed is not None:
+            body["seed"] = p.seed
+        usage_tokens = None
+        try:
+            async with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    t = time.perf_counter()
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+                    for ch in chunk.get("choices") or []:
+                        text = ch.get("text") or ""
+                        lp = ch.get("logprobs") or {}
+                        ntok = len(lp.get("tokens") or []) or (1 if text else 0)
+                        if ntok:
+                            rec.deliveries.append((t, ntok))
+                            rec.text += text
+                        if ch.get("finish_reason"):
+                            rec.finish_reason = ch["finish_reason"]
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
+            return
+        if usage_tokens is not None and rec.deliveries:  # chunks may carry several tokens each
+            extra = usage_tokens - rec.output_tokens
+            if extra > 0:
+                t, k = rec.deliveries[-1]
+                rec.deliveries[-1] = (t, k + extra)

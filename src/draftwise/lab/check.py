@@ -1,0 +1,186 @@
+"""The exactness suite behind `draftwise check`: is a (target, drafter, method, k) lossless?
+
+- greedy: speculative greedy output equals plain greedy output token for token; a mismatch is
+  tolerated only at a near-tie of the target (top-2 logit gap < 1e-5), and counted;
+- distribution: at temperature T, seeded repeated samples of the first `horizon` tokens under
+  speculation vs plain sampling: chi-square per position (Bonferroni-combined p-value), and the
+  observed total variation next to plain-vs-plain (the sampling-noise floor);
+- rollback: after rounds with rejections, the logits read through the cache (target, and the
+  drafter's own cache) equal a fresh full recompute of the committed prefix;
+- stops: max_tokens, stop_token_ids and stop strings that land inside accepted blocks cut the
+  output exactly where plain decoding stops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import EngineConfig, LLMEngine, SpecConfig
+from ..proposers import proposer_class
+from ..sampling import SamplingParams
+from . import correctness
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    figures: dict = field(default_factory=dict)
+    detail: str = ""
+
+
+@dataclass
+class CheckSetup:
+    target: object  # LoadedModel
+    draft: object | None
+    spec: SpecConfig
+    prompts: list[list[int]]  # token ids, already fitted to the context
+    temperature: float = 1.0
+    max_tokens: int = 32
+    samples: int = 400
+    horizon: int = 4
+    dist_prompts: int = 3
+    dist_prompt_tokens: int = 32
+    alpha: float = 0.01
+    seed: int = 0
+
+
+def make_engine(s: CheckSetup, spec: SpecConfig | None = None) -> LLMEngine:
+    spec = spec if spec is not None else s.spec
+    draft = s.draft if spec.method and proposer_class(spec.method).needs_draft_model else None
+    return LLMEngine(s.target, draft, spec, EngineConfig(max_num_seqs=64, kv_cache_max_tokens=64 * 1024))
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> list:
+    seqs = [engine.add_request(f"{tag}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while engine.has_unfinished():
+        engine.step()
+    for q in seqs:
+        engine.release(q.request_id)
+    return seqs
+
+
+def check_greedy(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+    sp = SamplingParams(temperature=0, max_tokens=s.max_tokens, ignore_eos=True)
+    base = generate(plain, s.prompts, [sp] * len(s.prompts), "greedy-plain")
+    got = generate(spec, s.prompts, [sp] * len(s.prompts), "greedy-spec")
+    mismatches, ties = [], 0
+    for p, b, g in zip(s.prompts, base, got):
+        j = correctness.first_difference(b.output_ids, g.output_ids)
+        if j is None:
+            continue
+        if j < len(b.output_ids) and correctness.near_tie(s.target.model, p + b.output_ids, len(p) + j):
+            ties += 1
+        else:
+            mismatches.append(j)
+    rounds = sum(q.stats.rounds for q in got)
+    figs = {"prompts": len(s.prompts), "tokens": sum(len(q.output_ids) for q in got), "mismatches": len(mismatches),
+            "near_tie_divergences": ties, "first_mismatch": min(mismatches, default=None),
+            "mean_accepted_length": round(sum(q.stats.committed_in_rounds for q in got) / rounds, 3) if rounds else None}
+    return CheckResult("greedy equality", not mismatches, figs)
+
+
+def check_distribution(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+    ids = [p[-s.dist_prompt_tokens:] for p in s.prompts[: s.dist_prompts]]
+    args = (ids, s.temperature, s.horizon, s.samples)
+    ref = correctness.sample_counts(plain, *args, seed=s.seed + 1_000_000, tag="dist-plain-a")
+    floor = correctness.sample_counts(plain, *args, seed=s.seed + 2_000_000, tag="dist-plain-b")
+    got = correctness.sample_counts(spec, *args, seed=s.seed + 3_000_000, tag="dist-spec")
+    cmp = correctness.compare_distributions(ref, got)
+    noise = correctness.compare_distributions(ref, floor)
+    figs = {"temperature": s.temperature, "prompts": len(ids), "horizon": s.horizon, "samples": s.samples,
+            "tests": cmp["tests"], "informative_tests": cmp["informative_tests"], "p_value": round(cmp["p_value"], 4),
+            "alpha": s.alpha, "tv_spec_vs_plain": round(cmp["mean_tv"], 4),
+            "tv_plain_vs_plain": round(noise["mean_tv"], 4)}
+    ok = cmp["p_value"] >= s.alpha and cmp["informative_tests"] > 0
+    detail = "" if cmp["informative_tests"] else "no test had two cells after pooling: raise --samples"
+    return CheckResult(f"distribution (T={s.temperature:g})", ok, figs, detail)
+
+
+def _cached_next_logits(runner, seq_id: int, ids: list[int], computed: int) -> torch.Tensor:
+    runner.kv.reserve(seq_id, len(ids))
+    return runner.run([seq_id], [ids[computed:]], [computed], [1])[0]
+
+
+def check_rollback(s: CheckSetup, spec: LLMEngine) -> CheckResult:
+    n = min(3, len(s.prompts))
+    temps = [0.0, s.temperature or 1.0, 0.0][:n]
+    params = [SamplingParams(temperature=t, seed=s.seed + i, max_tokens=s.max_tokens * 4, ignore_eos=True)
+              for i, t in enumerate(temps)]
+    seqs = [spec.add_request(f"rollback-{i}", s.prompts[i][-64:], params[i]) for i in range(n)]
+    for _ in range(8):
+        spec.step()
+    drafter = getattr(spec.proposer, "runner", None)
+    tol = 1e-4 if next(s.target.model.parameters()).dtype == torch.float32 else 5e-2
+    worst_p, worst_q, rejections, checked = 0.0, 0.0, 0, 0
+    for seq in seqs:
+        if seq.is_finished or seq.is_prefilling:
+            continue
+        checked += 1
+        rejections += seq.stats.proposed_tokens - seq.stats.accepted_tokens
+        ids = seq.all_ids
+        with torch.inference_mode():
+            fresh_p = s.target.model.logits(torch.tensor([ids]))[0, -1]
+            got_p = _cached_next_logits(spec.runner, seq.seq_id, ids, seq.num_computed)
+            worst_p = max(worst_p, float((got_p - fresh_p).abs().max() / max(1.0, float(fresh_p.abs().max()))))
+            if drafter is not None:
+                fresh_q = drafter.model.logits(torch.tensor([ids]))[0, -1]
+                got_q = _cached_next_logits(drafter, seq.seq_id, ids, seq.draft_computed)
+                worst_q = max(worst_q, float((got_q - fresh_q).abs().max() / max(1.0, float(fresh_q.abs().max()))))
+    for seq in seqs:
+        spec.abort(seq.request_id)
+    figs = {"sequences": checked, "rejected_proposals": rejections, "max_rel_err_target": f"{worst_p:.2e}",
+            "max_rel_err_drafter": f"{worst_q:.2e}" if drafter is not None else None, "tolerance": tol}
+    ok = checked > 0 and worst_p <= tol and worst_q <= tol
+    detail = "" if rejections else "no proposal was rejected, so no rollback was exercised"
+    return CheckResult("KV rollback", ok, figs, detail)
+
+
+def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+    prompt = s.prompts[0]
+    base_seq = generate(plain, [prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)], "stop-base")[0]
+    base = base_seq.output_ids
+    cases: list[tuple[str, SamplingParams, list[int], str]] = []
+    for n in (1, 3, 7, 13):
+        cases.append((f"max_tokens={n}", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), base[:n], "length"))
+    for j in (5, 11, 23):
+        first = base.index(base[j])
+        cases.append((f"stop_token_ids@{j}", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                            stop_token_ids=[base[j]]), base[: first + 1], "stop"))
+    text_cases = []
+    if spec.tokenizer is not None:
+        text = base_seq.text
+        for start, length in ((5, 3), (12, 5), (20, 2)):
+            stop = text[start: start + length]
+            if stop.strip():
+                text_cases.append((stop, text[: text.find(stop)]))
+    params = [c[1] for c in cases] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[st])
+                                      for st, _ in text_cases]
+    got = generate(spec, [prompt] * len(params), params, "stops")
+    failures, inside = [], 0
+    for (name, _, want, reason), q in zip(cases, got):
+        inside += 1 + sum(q.stats.committed_per_round) > len(q.output_ids)
+        if q.output_ids != want or q.finish_reason != reason:
+            failures.append(name)
+    for (stop, want_text), q in zip(text_cases, got[len(cases):]):
+        inside += 1 + sum(q.stats.committed_per_round) > len(q.output_ids)
+        if q.text != want_text or q.finish_reason != "stop" or q.output_ids != base[: len(q.output_ids)]:
+            failures.append(f"stop={stop!r}")
+    figs = {"cases": len(params), "cut_inside_a_block": inside, "failures": failures or None}
+    return CheckResult("stops inside accepted blocks", not failures, figs)
+
+
+def run_checks(s: CheckSetup, on_start=None) -> list[CheckResult]:
+    plain = make_engine(s, SpecConfig())
+    spec = make_engine(s)
+    steps = [("greedy equality", lambda: check_greedy(s, plain, spec)),
+             ("distribution", lambda: check_distribution(s, plain, spec)),
+             ("KV rollback", lambda: check_rollback(s, spec)),
+             ("stops", lambda: check_stops(s, plain, spec))]
+    results = []
+    for name, fn in steps:
+        if on_start:
+            on_start(name)
+        results.append(fn())
+    return results

@@ -1,0 +1,127 @@
+"""Build the shipped workloads from the held-out split of the training corpus (stdlib sources).
+
+    python -m draftwise.lab.make_workloads [--out DIR] [--n 24]
+
+- `code-easy`: the file's text just before a short function, its header and first body line;
+  the continuation is ordinary code (greedy).
+- `code-hard`: prompts that end where a docstring or a comment starts: prose, where a small
+  drafter and the target disagree (sampled at temperature 1).
+- `grounded`: a function shown in full, then asked for again unchanged ("refactor" edits that
+  keep most lines): the continuation repeats prompt text, where n-gram lookup shines (greedy).
+
+Deterministic: candidates are collected in path/line order and picked evenly spaced. Prompts
+stay short (a few hundred tokens) so that prompt + max_tokens fits a 1024-token context.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+from ..train.corpus import split
+from .workload import WORKLOADS_DIR, Request, write_jsonl
+
+MAX_CONTEXT_CHARS = 900  # preceding file text kept before the function
+MAX_GROUNDED_CHARS = 1100  # the function shown in a grounded prompt
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
+            yield node
+
+
+def _context(lines: list[str], upto: int, max_chars: int) -> str:
+    """Whole lines before line index `upto`, at most max_chars."""
+    out, n = [], 0
+    for line in reversed(lines[:upto]):
+        if n + len(line) > max_chars:
+            break
+        out.append(line)
+        n += len(line)
+    return "".join(reversed(out))
+
+
+def _docstring_node(fn) -> ast.Constant | None:
+    if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+            and isinstance(fn.body[0].value.value, str):
+        return fn.body[0].value
+    return None
+
+
+def candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, str, int, float]]]:
+    """(id, prompt, max_tokens, temperature) candidates per workload, in path/line order."""
+    easy, hard, grounded = [], [], []
+    for rel, text in files:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        stem = rel.removesuffix(".py").replace("/", ".")
+        for fn in _functions(tree):
+            start = (fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno) - 1
+            end = fn.end_lineno
+            body = fn.body[1:] if _docstring_node(fn) else fn.body
+            n_lines = end - start
+            fid = f"{stem}:{fn.lineno}:{fn.name}"
+            # code-easy: short functions without a docstring, prompt ends after the first body line
+            if not _docstring_node(fn) and 4 <= n_lines <= 25 and body:
+                first = body[0].lineno - 1
+                prompt = _context(lines, start, MAX_CONTEXT_CHARS) + "".join(lines[start : first + 1])
+                easy.append((fid, prompt, 64, 0.0))
+            # code-hard: prompt ends at the opening quotes of a docstring
+            doc = _docstring_node(fn)
+            if doc is not None and doc.end_lineno - doc.lineno >= 2:
+                head = "".join(lines[start : doc.lineno - 1])
+                quote_line = lines[doc.lineno - 1]
+                q = quote_line.find('"""') if '"""' in quote_line else quote_line.find("'''")
+                if q >= 0:
+                    prompt = _context(lines, start, MAX_CONTEXT_CHARS) + head + quote_line[: q + 3]
+                    hard.append((fid, prompt, 64, 1.0))
+            # grounded: the whole function, then the same function asked for again
+            src = "".join(lines[start:end])
+            if 8 <= n_lines and len(src) <= MAX_GROUNDED_CHARS and fn.col_offset == 0:
+                header = lines[fn.lineno - 1]
+                prompt = (f"# {rel}\n{src}\n\n# The same function, reformatted only "
+                          f"(identical behaviour and names):\n{header}")
+                grounded.append((fid, prompt, 128, 0.0))
+        # code-hard, second kind: block comments inside code
+        for i, line in enumerate(lines):
+            s = line.lstrip()
+            if s.startswith("# ") and len(s) > 40 and i > 5 and not lines[i - 1].lstrip().startswith("#"):
+                prompt = _context(lines, i, MAX_CONTEXT_CHARS) + line[: len(line) - len(s)] + "# "
+                hard.append((f"{stem}:{i + 1}:comment", prompt, 64, 1.0))
+    return {"code-easy": easy, "code-hard": hard, "grounded": grounded}
+
+
+def pick(items: list, n: int) -> list:
+    if len(items) <= n:
+        return list(items)
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(n)]
+
+
+def build(out: Path = WORKLOADS_DIR, n: int = 24) -> dict[str, int]:
+    files = split().texts("held_out")
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for name, items in candidates(files).items():
+        chosen = pick(items, n)
+        reqs = [Request(f"{name}-{i:02d}:{fid}", prompt, mt, temp, name) for i, (fid, prompt, mt, temp) in enumerate(chosen)]
+        write_jsonl(out / f"{name}.jsonl", reqs)
+        counts[name] = len(reqs)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=WORKLOADS_DIR)
+    ap.add_argument("--n", type=int, default=24, help="requests per workload")
+    args = ap.parse_args(argv)
+    for name, c in build(args.out, args.n).items():
+        print(f"{args.out / name}.jsonl: {c} requests")
+
+
+if __name__ == "__main__":
+    main()

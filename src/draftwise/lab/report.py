@@ -1,0 +1,244 @@
+"""Write a bench's results: `results.json` (versioned schema), `report.md`, and PNG plots.
+
+Schema "draftwise.bench/1": {schema, created, command, environment, settings, workloads: [{name,
+num_requests, sampled, truncated_prompts, runs: [{config, level, level_label, <metrics.summarize
+fields>, speculation, memory, vs_none, correctness}], distribution: {config: {...}}}]}.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+SCHEMA = "draftwise.bench/1"
+
+
+def environment() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    commit = None
+    try:
+        repo = Path(__file__).resolve().parents[3]
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        if commit and dirty:
+            commit += "-dirty"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu, "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "git_commit": commit,
+    }
+
+
+def build_results(workloads: list[dict], settings: dict, command: list[str]) -> dict:
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "environment": environment(),
+        "settings": settings,
+        "workloads": workloads,
+    }
+
+
+# ------------------------------------------------------------------------------ markdown
+def _f(x, fmt="{:.1f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def workload_table(wl: dict) -> str:
+    head = ("| config | level | out tok/s | req/s | goodput/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+            "TPOT p50 / p99 ms | E2E p50 / p99 ms | accepted len | ms/token draft+verify+other | "
+            "peak RSS MiB | $/Mtok | speedup | goodput ratio | greedy mismatches |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in wl["runs"]:
+        sp = r.get("speculation") or {}
+        ms = sp.get("ms_per_token") or {}
+        vs = r.get("vs_none") or {}
+        cor = r.get("correctness")
+        mism = "–" if not cor else f"{cor['mismatching_requests']}/{cor['compared']}" + (
+            f" (first at {cor['first_differing_position']})" if cor["mismatching_requests"] else "")
+        mem = (r.get("memory") or {}).get("peak_rss_mib")
+        split = ("–" if not ms else f"{ms['drafting']:.2f}+{ms['verification']:.2f}+{ms['scheduling_state']:.2f}"
+                 f" = {ms['total']:.2f}")
+        rows.append(
+            f"| {r['config']} | {r['level_label']} | {_f(r['output_tokens_per_s'])} | {_f(r['requests_per_s'], '{:.2f}')} "
+            f"| {_f(r['goodput_requests_per_s'], '{:.2f}')} "
+            f"| {_f(r['ttft_ms']['p50'], '{:.0f}')} / {_f(r['ttft_ms']['p99'], '{:.0f}')} "
+            f"| {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} "
+            f"| {_f(r['tpot_ms']['p50'])} / {_f(r['tpot_ms']['p99'])} "
+            f"| {_f(r['e2e_ms']['p50'], '{:.0f}')} / {_f(r['e2e_ms']['p99'], '{:.0f}')} "
+            f"| {_f(sp.get('mean_accepted_length'), '{:.2f}')} | {split} | {_f(mem, '{:.0f}')} "
+            f"| {_f(r.get('cost_per_million_output_tokens'), '{:.2f}')} "
+            f"| {_f(vs.get('speedup'), '{:.2f}x')} | {_f(vs.get('goodput_ratio'), '{:.2f}x')} | {mism} |")
+    return "\n".join(rows)
+
+
+def acceptance_table(wl: dict) -> str:
+    rows = ["| config | level | rounds | acceptance rate | acceptance by position | committed per round (tokens: rounds) |",
+            "|---|---|---|---|---|---|"]
+    for r in wl["runs"]:
+        sp = r.get("speculation") or {}
+        if not sp or not sp.get("proposed_tokens"):
+            continue
+        pos = " ".join(f"{a:.2f}" for a in sp["acceptance_by_position"])
+        hist = " ".join(f"{k}:{v}" for k, v in sp["committed_per_round"].items())
+        rows.append(f"| {r['config']} | {r['level_label']} | {sp['rounds']} | {_f(sp['acceptance_rate'], '{:.2f}')} "
+                    f"| {pos} | {hist} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def distribution_table(wl: dict) -> str:
+    if not wl.get("distribution"):
+        return ""
+    s = wl["distribution_settings"]
+    rows = [f"Sampled-output check at temperature {s['temperature']:g}: {s['samples']} seeded samples of the "
+            f"first {s['horizon']} tokens of {s['prompts']} prompts per config, chi-square per position vs `none`.",
+            "", "| config | tests | Bonferroni p | max TV | mean TV |", "|---|---|---|---|---|"]
+    for label, d in wl["distribution"].items():
+        rows.append(f"| {label} | {d['tests']} | {d['p_value']:.3f} | {d['max_tv']:.3f} | {d['mean_tv']:.3f} |")
+    return "\n".join(rows)
+
+
+def findings(wl: dict) -> list[str]:
+    """One line per speculative config: where it pays off against `none`."""
+    out = []
+    configs = [c for c in dict.fromkeys(r["config"] for r in wl["runs"]) if c != "none"]
+    for c in configs:
+        runs = [r for r in wl["runs"] if r["config"] == c and r.get("vs_none") and r["vs_none"]["speedup"]]
+        if not runs:
+            continue
+        wins = [r["level_label"] for r in runs if r["vs_none"]["speedup"] >= 1.05]
+        best = max(runs, key=lambda r: r["vs_none"]["speedup"])
+        worst = min(runs, key=lambda r: r["vs_none"]["speedup"])
+        acc = [r["speculation"]["mean_accepted_length"] for r in runs if r.get("speculation") and r["speculation"].get("mean_accepted_length")]
+        acc_s = f", mean accepted length {sum(acc) / len(acc):.2f}" if acc else ""
+        where = f"faster (>= 1.05x) at {', '.join(wins)}" if wins else "never faster by 5% or more"
+        out.append(f"`{c}`: {where}; best {best['vs_none']['speedup']:.2f}x at {best['level_label']}, "
+                   f"worst {worst['vs_none']['speedup']:.2f}x at {worst['level_label']}{acc_s}.")
+    return out
+
+
+def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = "") -> str:
+    env = results["environment"]
+    st = results["settings"]
+    lines = [f"# {title}", "",
+             f"`{' '.join(results['command'])}`", "",
+             f"{results['created']} · {env['cpu']} ({env['cpu_count']} CPUs, {env['torch_threads']} torch threads)"
+             + (f" · GPU {env['gpu']}" if env["gpu"] else "") + f" · torch {env['torch']} · commit {env['git_commit']}",
+             "", f"Settings: {json.dumps(st)}", "",
+             "Columns: ITL = time between deliveries (a speculative round delivers its tokens together); "
+             "TPOT = (E2E - TTFT) / (tokens - 1); ms/token = engine time per committed output token split into "
+             "drafting + verification + scheduling/state; speedup and goodput ratio are against `none` at the same "
+             "level; greedy mismatches count requests whose token ids differ from `none`'s.", ""]
+    for wl in results["workloads"]:
+        lines += [f"## {wl['name']}", "",
+                  f"{wl['num_requests']} requests" + (f", {wl['truncated_prompts']} prompts truncated to fit the context"
+                                                     if wl.get("truncated_prompts") else "") + ".", "",
+                  workload_table(wl), ""]
+        acc = acceptance_table(wl)
+        if acc:
+            lines += ["Acceptance:", "", acc, ""]
+        dist = distribution_table(wl)
+        if dist:
+            lines += [dist, ""]
+        f = findings(wl)
+        if f:
+            lines += ["Where speculation pays off:", ""] + [f"- {x}" for x in f] + [""]
+        plots = wl.get("plots", [])
+        lines += [f"![{Path(p).stem}]({image_prefix}{p})" for p in plots] + ([""] if plots else [])
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ plots
+def plot_workload(wl: dict, out: Path) -> list[str]:
+    """PNG files (relative names) for one workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    configs = list(dict.fromkeys(r["config"] for r in wl["runs"]))
+    closed = [r for r in wl["runs"] if r["level"]["kind"] == "concurrency"]
+    if closed:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for c in configs:
+            rs = sorted((r for r in closed if r["config"] == c), key=lambda r: r["level"]["value"])
+            x = [r["level"]["value"] for r in rs]
+            axes[0].plot(x, [r["output_tokens_per_s"] for r in rs], marker="o", label=c)
+            axes[1].plot(x, [r["tpot_ms"]["p50"] for r in rs], marker="o", label=c)
+        for ax, yl in zip(axes, ("output tokens/s", "p50 TPOT (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(yl)
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"{wl['name']}: throughput and TPOT vs concurrency")
+        fig.tight_layout()
+        names.append(_save(fig, out, f"{wl['name']}-concurrency.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c in configs:
+        rs = sorted((r for r in wl["runs"] if r["config"] == c), key=lambda r: r["output_tokens_per_s"])
+        ax.plot([r["output_tokens_per_s"] for r in rs], [r["e2e_ms"]["p50"] for r in rs], marker="o", label=c)
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("p50 end-to-end latency (ms)")
+    ax.set_title(f"{wl['name']}: latency vs throughput")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    names.append(_save(fig, out, f"{wl['name']}-latency-throughput.png"))
+    spec = [c for c in configs if c != "none"]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        width = 0.8 / len(spec)
+        for i, c in enumerate(spec):
+            hist: dict[int, int] = {}
+            for r in wl["runs"]:
+                if r["config"] == c and r.get("speculation"):
+                    for k, v in r["speculation"]["committed_per_round"].items():
+                        hist[int(k)] = hist.get(int(k), 0) + v
+            tot = sum(hist.values()) or 1
+            xs = sorted(hist)
+            ax.bar([x + i * width for x in xs], [hist[x] / tot for x in xs], width=width, label=c)
+        ax.set_xlabel("tokens committed per round")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_title(f"{wl['name']}: committed per round (all levels)")
+        ax.legend()
+        fig.tight_layout()
+        names.append(_save(fig, out, f"{wl['name']}-committed-per-round.png"))
+    return names
+
+
+def _save(fig, out: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(out / name, dpi=100)
+    plt.close(fig)
+    return name
+
+
+def write_report(results: dict, out: Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for wl in results["workloads"]:
+        wl["plots"] = plot_workload(wl, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(results) + "\n")

@@ -1,0 +1,226 @@
+"""`bench` orchestration: every workload x config x load level, the same requests each time.
+
+For each workload the target (and draft) are loaded once; each config gets its own engine,
+warmed up on a few short requests before anything is measured. Each (config, level) run yields
+latency/throughput figures (`metrics`), speculation counters (an `EngineStats` delta), peak
+memory, and correctness against `none` at the same level (`correctness`). `none` is always run:
+it is the reference for speedups and for exactness.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..engine import EngineConfig, LLMEngine, SpecConfig
+from . import correctness, memory
+from .arrivals import LoadLevel
+from .backends import EngineBackend, HTTPBackend, sampling_params
+from .metrics import speculation_figures, summarize
+from .workload import Workload
+
+QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests=8, max_tokens=32,
+             dist_prompts=2, dist_samples=100, dist_horizon=3)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One `--configs` entry: "none", "draft:k=4", "ngram:k=3"."""
+
+    label: str
+    method: str | None
+    k: int = 4
+
+    @property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(method=self.method, k=self.k)
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    out = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        method, *opts = entry.split(":")
+        k = 4
+        for o in opts:
+            key, sep, val = o.partition("=")
+            if key != "k" or not sep or not val.isdigit():
+                raise ValueError(f"--configs entries look like none, draft:k=4 or ngram:k=2; got {entry!r}")
+            k = int(val)
+        method = None if method in ("none", "") else method
+        SpecConfig(method=method, k=k)  # validates k
+        out.append(BenchConfig("none" if method is None else f"{method}:k={k}", method, k))
+    labels = [c.label for c in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--configs lists a config twice: {text!r}")
+    if "none" not in labels:  # the reference for speedups and exactness
+        out.insert(0, BenchConfig("none", None))
+    return sorted(out, key=lambda c: c.label != "none")
+
+
+@dataclass
+class BenchPlan:
+    workloads: list[Workload]
+    configs: list[BenchConfig]
+    levels: list[LoadLevel]
+    model: str | None = None
+    draft: str | None = None
+    url: str | None = None
+    served_model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    slo: dict = field(default_factory=dict)
+    dollars_per_hour: float | None = None
+    max_tokens: int | None = None  # cap per request (--quick)
+    seed: int = 0
+    warmup_requests: int = 2
+    dist_prompts: int = 3
+    dist_samples: int = 200
+    dist_horizon: int = 4
+    dist_prompt_tokens: int = 32
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
+    """Run everything; returns one entry per workload: {"name", "runs": [...], ...}."""
+    console = console or Console(stderr=True)
+    if plan.url:
+        return [_run_http(plan, w, console) for w in plan.workloads]
+    from ..model import load_model
+    from ..paths import default_draft, default_target
+
+    target = load_model(Path(plan.model) if plan.model else default_target(), dtype=plan.dtype, device=plan.device)
+    draft = None
+    if any(_uses_draft(c) for c in plan.configs):
+        draft_dir = plan.draft or (None if plan.model else default_draft())
+        if draft_dir is None:
+            raise ValueError("a draft config needs --draft DIR when --model is given")
+        draft = load_model(Path(draft_dir), dtype=plan.dtype, device=plan.device, load_tokenizer=False)
+    return [_run_workload(plan, w, target, draft, console) for w in plan.workloads]
+
+
+def _needs_draft(method: str) -> bool:
+    from ..proposers import proposer_class
+
+    return proposer_class(method).needs_draft_model
+
+
+def _engine(plan: BenchPlan, cfg: BenchConfig, target, draft, max_seqs: int, max_len_needed: int) -> LLMEngine:
+    ecfg = EngineConfig(dtype=plan.dtype, device=plan.device, max_num_seqs=max_seqs,
+                        kv_cache_max_tokens=max_seqs * (max_len_needed + 2 * cfg.k + 16))
+    return LLMEngine(target, draft if _uses_draft(cfg) else None, cfg.spec, ecfg)
+
+
+def _uses_draft(cfg: BenchConfig) -> bool:
+    return cfg.method is not None and _needs_draft(cfg.method)
+
+
+def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> dict:
+    reqs = wl.requests
+    max_len = target.config.max_position_embeddings
+    if draft is not None:
+        max_len = min(max_len, draft.config.max_position_embeddings)
+    max_k = max(c.k for c in plan.configs)
+    mts = [min(r.max_tokens, plan.max_tokens or r.max_tokens) for r in reqs]
+    params = [sampling_params(r, plan.seed + i, mt) for i, (r, mt) in enumerate(zip(reqs, mts))]
+    full = [target.tokenizer.encode(r.prompt).ids for r in reqs]
+    # keep each prompt's tail so that prompt + max_tokens + lookahead fits the context
+    prompts = [ids[-(max_len - mt - max_k - 2):] for ids, mt in zip(full, mts)]
+    truncated = sum(len(a) != len(b) for a, b in zip(full, prompts))
+    need = max(len(p) + mt for p, mt in zip(prompts, mts))
+    max_seqs = max([int(lv.value) for lv in plan.levels if lv.kind == "concurrency"] + [32])
+    dist_ids = [p[-plan.dist_prompt_tokens:] for p in prompts[: plan.dist_prompts]]
+    temp = max((r.temperature for r in reqs), default=0.0)
+
+    runs, outputs, dist = [], {}, {}
+    ref_counts = None
+    total = len(plan.configs) * len(plan.levels) * len(reqs)
+    with _progress(console) as progress:
+        task = progress.add_task(f"{wl.name}", total=total)
+        for cfg in plan.configs:
+            engine = _engine(plan, cfg, target, draft, max_seqs, need)
+            backend = EngineBackend(engine)
+            progress.update(task, description=f"{wl.name} {cfg.label} warm-up")
+            n_w = min(plan.warmup_requests, len(reqs))
+            backend.run(reqs[:n_w], prompts[:n_w], [sampling_params(r, 0, 8) for r in reqs[:n_w]],
+                        LoadLevel("concurrency", max(1, n_w)))
+            for level in plan.levels:
+                progress.update(task, description=f"{wl.name} {cfg.label} {level.label}")
+                memory.reset_peak()
+                out = backend.run(reqs, prompts, params, level, seed=plan.seed,
+                                  on_done=lambda: progress.advance(task))
+                summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
+                run = {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
+                       "level": level.to_dict(), "level_label": level.label, **summary,
+                       "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
+                       "memory": memory.peak_memory()}
+                outputs[(cfg.label, level.label)] = out.records
+                runs.append(run)
+            if wl.sampled:  # the distribution test, once per config
+                progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
+                seed = 10_000 if cfg.method is None else 20_000
+                counts = correctness.sample_counts(engine, dist_ids, temp, plan.dist_horizon, plan.dist_samples, seed=seed)
+                if cfg.method is None:
+                    ref_counts = counts
+                else:
+                    dist[cfg.label] = correctness.compare_distributions(ref_counts, counts)
+            del engine, backend
+    _compare_to_none(runs, outputs, reqs)
+    return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
+            "truncated_prompts": truncated, "runs": runs, "distribution": dist,
+            "distribution_settings": {"prompts": len(dist_ids), "samples": plan.dist_samples,
+                                      "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
+
+
+def _compare_to_none(runs: list[dict], outputs: dict, reqs) -> None:
+    """Speedup, goodput ratio and greedy exactness of every run against `none` at its level."""
+    base = {r["level_label"]: r for r in runs if r["config"] == "none"}
+    greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
+    for run in runs:
+        ref = base.get(run["level_label"])
+        if ref is None:
+            continue
+        run["vs_none"] = {
+            "speedup": run["output_tokens_per_s"] / ref["output_tokens_per_s"] if ref["output_tokens_per_s"] else None,
+            "goodput_ratio": (run["goodput_requests_per_s"] / ref["goodput_requests_per_s"]
+                              if ref["goodput_requests_per_s"] else None),
+        }
+        mine = outputs.get((run["config"], run["level_label"]))
+        theirs = outputs.get(("none", run["level_label"]))
+        if mine is None or theirs is None or not greedy:
+            run["correctness"] = None
+            continue
+        run["correctness"] = correctness.greedy_comparison(
+            [reqs[i].id for i in greedy], [theirs[i].token_ids for i in greedy], [mine[i].token_ids for i in greedy])
+
+
+def _run_http(plan: BenchPlan, wl: Workload, console: Console) -> dict:
+    backend = HTTPBackend(plan.url, plan.served_model)
+    reqs = wl.requests
+    params = [sampling_params(r, plan.seed + i, min(r.max_tokens, plan.max_tokens or r.max_tokens)) for i, r in enumerate(reqs)]
+    runs = []
+    with _progress(console) as progress:
+        task = progress.add_task(wl.name, total=len(plan.levels) * len(reqs))
+        n_w = min(plan.warmup_requests, len(reqs))
+        progress.update(task, description=f"{wl.name} warm-up")
+        backend.run(reqs[:n_w], [[]] * n_w, [sampling_params(r, 0, 8) for r in reqs[:n_w]], LoadLevel("concurrency", max(1, n_w)))
+        for level in plan.levels:
+            progress.update(task, description=f"{wl.name} server {level.label}")
+            t0 = time.perf_counter()
+            out = backend.run(reqs, [[]] * len(reqs), params, level, seed=plan.seed, on_done=lambda: progress.advance(task))
+            summary = summarize(out.records, out.wall or time.perf_counter() - t0, plan.slo, plan.dollars_per_hour)
+            runs.append({"config": f"server:{backend.model}", "method": "server", "k": 0, "level": level.to_dict(),
+                         "level_label": level.label, **summary,
+                         "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]) if out.engine_stats else None,
+                         "memory": None, "correctness": None})
+    return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "truncated_prompts": 0,
+            "runs": runs, "distribution": {}, "distribution_settings": None, "backend": plan.url}

@@ -1,0 +1,116 @@
+"""Workloads: JSONL files of requests, one a line: `id`, `prompt`, `max_tokens`, optional
+`temperature` (default 0 = greedy) and `category`.
+
+Shipped workloads live in `draftwise/workloads/NAME.jsonl` (built by `make_workloads`);
+`load_workload` takes a shipped name or a path and raises `ValueError` naming the file, line and
+field of the first problem.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    category: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[Request]
+
+    @property
+    def sampled(self) -> bool:
+        return any(r.temperature > 0 for r in self.requests)
+
+    def head(self, n: int | None) -> "Workload":
+        """The first n requests (all when n is None), cycling if n exceeds the workload."""
+        if n is None or n == len(self.requests):
+            return self
+        reqs = [self.requests[i % len(self.requests)] for i in range(n)]
+        if n > len(self.requests):  # repeated requests get distinct ids
+            reqs = [Request(f"{r.id}#{i // len(self.requests)}" if i >= len(self.requests) else r.id,
+                            r.prompt, r.max_tokens, r.temperature, r.category) for i, r in enumerate(reqs)]
+        return Workload(self.name, reqs)
+
+
+def shipped_workloads() -> list[str]:
+    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.jsonl"))
+
+
+def parse_request(obj, where: str) -> Request:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("id", "prompt", "max_tokens"):
+        if key not in obj:
+            raise ValueError(f"{where}: missing field {key!r}")
+    unknown = set(obj) - {"id", "prompt", "max_tokens", "temperature", "category"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    rid, prompt, mt = obj["id"], obj["prompt"], obj["max_tokens"]
+    temp, cat = obj.get("temperature", 0.0), obj.get("category", "")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise ValueError(f"{where}: 'id' must be a string, got {rid!r}")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+        raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1, got {mt!r}")
+    if not isinstance(temp, (int, float)) or isinstance(temp, bool) or not 0 <= temp < float("inf"):
+        raise ValueError(f"{where}: 'temperature' must be a finite number >= 0, got {temp!r}")
+    if not isinstance(cat, str):
+        raise ValueError(f"{where}: 'category' must be a string, got {cat!r}")
+    return Request(str(rid), prompt, mt, float(temp), cat)
+
+
+def read_jsonl(path: Path) -> list[Request]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"workload file not found: {path}")
+    reqs, seen = [], set()
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+        r = parse_request(obj, where)
+        if r.id in seen:
+            raise ValueError(f"{where}: duplicate id {r.id!r}")
+        seen.add(r.id)
+        reqs.append(r)
+    if not reqs:
+        raise ValueError(f"{path}: no requests")
+    return reqs
+
+
+def write_jsonl(path: Path, requests: list[Request]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            d = r.to_dict()
+            if not d["category"]:
+                del d["category"]
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+
+
+def load_workload(name_or_path: str) -> Workload:
+    p = Path(name_or_path)
+    if p.suffix == ".jsonl" or p.exists() or "/" in name_or_path:
+        return Workload(p.stem, read_jsonl(p))
+    shipped = WORKLOADS_DIR / f"{name_or_path}.jsonl"
+    if not shipped.is_file():
+        raise ValueError(f"unknown workload {name_or_path!r}: use one of {', '.join(shipped_workloads())} or a .jsonl path")
+    return Workload(name_or_path, read_jsonl(shipped))

@@ -1,0 +1,101 @@
+"""Lab metrics from synthetic timestamps, against hand-computed values."""
+import pytest
+
+from draftwise.lab.metrics import RequestRecord, distribution, parse_slo, speculation_figures, stats_delta, summarize
+
+
+def rec(rid, arrival, deliveries):
+    return RequestRecord(rid, arrival, deliveries=deliveries)
+
+
+@pytest.fixture
+def records():
+    # r1: first token at 0.5 s, then a round delivering 3 tokens at 0.7, then 1 at 1.0: 5 tokens
+    r1 = rec("a", 0.0, [(0.5, 1), (0.7, 3), (1.0, 1)])
+    # r2 arrives at 1.0, first token at 1.2, then one token at 1.6: 2 tokens
+    r2 = rec("b", 1.0, [(1.2, 1), (1.6, 1)])
+    return [r1, r2]
+
+
+def test_per_request_figures(records):
+    r1, r2 = records
+    assert r1.output_tokens == 5
+    assert r1.ttft == pytest.approx(0.5)
+    assert r1.e2e == pytest.approx(1.0)
+    assert r1.itls == pytest.approx([0.2, 0.3])  # tokens of one round arrive together: one gap
+    assert r1.tpot == pytest.approx((1.0 - 0.5) / 4)
+    assert r2.tpot == pytest.approx(0.4)
+    assert rec("c", 0.0, [(0.3, 1)]).tpot is None
+
+
+def test_summary(records):
+    s = summarize(records, wall=2.0, slo={"ttft": 300.0}, dollars_per_hour=3.6)
+    assert s["output_tokens"] == 7
+    assert s["output_tokens_per_s"] == pytest.approx(3.5)
+    assert s["requests_per_s"] == pytest.approx(1.0)
+    # only r2 (TTFT 200 ms) meets ttft <= 300 ms
+    assert s["goodput_requests_per_s"] == pytest.approx(0.5)
+    assert s["slo_attainment"] == pytest.approx(0.5)
+    assert s["ttft_ms"]["mean"] == pytest.approx(350.0)
+    assert s["ttft_ms"]["p50"] == pytest.approx(350.0)
+    assert s["ttft_ms"]["p90"] == pytest.approx(200 + 0.9 * 300)
+    assert s["e2e_ms"]["p99"] == pytest.approx(600 + 0.99 * 400)
+    assert s["itl_ms"]["p50"] == pytest.approx(300.0)  # gaps 200, 300, 400
+    assert s["tpot_ms"]["mean"] == pytest.approx((125 + 400) / 2)
+    assert s["tokens_per_delivery"] == pytest.approx(7 / 5)
+    # $3.6/h = $0.001/s at 3.5 tok/s -> 0.001/3.5 * 1e6 $ per million tokens
+    assert s["cost_per_million_output_tokens"] == pytest.approx(1e3 / 3.5)
+
+
+def test_goodput_with_two_slos(records):
+    s = summarize(records, wall=2.0, slo={"ttft": 600.0, "tpot": 200.0})
+    # r1: ttft 500 ok, tpot 125 ok; r2: ttft 200 ok, tpot 400 too slow
+    assert s["goodput_requests_per_s"] == pytest.approx(0.5)
+    s = summarize(records, wall=2.0, slo={"e2e": 650.0})
+    assert s["goodput_requests_per_s"] == pytest.approx(0.5)  # only r2 (600 ms)
+    s = summarize(records, wall=2.0, slo={"itl": 350.0})
+    # r1 p99 gap = 0.2 + 0.99 * 0.1 = 0.299 s ok; r2 gap 0.4 s too slow
+    assert s["goodput_requests_per_s"] == pytest.approx(0.5)
+    assert summarize(records, wall=2.0)["goodput_requests_per_s"] == pytest.approx(1.0)
+
+
+def test_errors_and_empty():
+    bad = RequestRecord("x", 0.0, error="boom")
+    s = summarize([bad], wall=1.0, slo={"ttft": 1.0})
+    assert s["completed"] == 0 and s["errors"] == 1 and s["goodput_requests_per_s"] == 0
+    assert s["ttft_ms"]["p50"] is None
+    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_percentiles_linear_interpolation():
+    d = distribution([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert d["p50"] == pytest.approx(5.5)
+    assert d["p90"] == pytest.approx(9.1)
+    assert d["p99"] == pytest.approx(9.91)
+
+
+def test_parse_slo():
+    assert parse_slo("ttft=500, tpot=50") == {"ttft": 500.0, "tpot": 50.0}
+    assert parse_slo(None) == {}
+    for bad in ("ttft", "foo=1", "tpot=-1"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_speculation_figures_and_delta():
+    before = {"rounds": 2, "propose_seconds": 0.1, "verify_seconds": 0.2, "other_seconds": 0.0, "draft_tokens": 8,
+              "accepted_tokens": 4, "committed_tokens": 6, "accepted_per_position": [2, 1, 1, 0],
+              "committed_per_round": {3: 1, 2: 1}}
+    after = {"rounds": 6, "propose_seconds": 0.5, "verify_seconds": 1.0, "other_seconds": 0.1, "draft_tokens": 24,
+             "accepted_tokens": 10, "committed_tokens": 20, "accepted_per_position": [5, 3, 1, 1],
+             "committed_per_round": {3: 2, 2: 1, 1: 1, 5: 1, 4: 1}}
+    d = stats_delta(before, after)
+    assert d["rounds"] == 4 and d["accepted_per_position"] == [3, 2, 0, 1]
+    assert d["committed_per_round"] == {3: 1, 1: 1, 5: 1, 4: 1}
+    f = speculation_figures(d, output_tokens=16)
+    assert f["mean_accepted_length"] == pytest.approx(14 / 4)
+    assert f["acceptance_rate"] == pytest.approx(6 / 16)
+    assert f["acceptance_by_position"] == pytest.approx([0.75, 0.5, 0.0, 0.25])
+    ms = f["ms_per_token"]
+    assert ms["drafting"] == pytest.approx(400 / 16) and ms["verification"] == pytest.approx(800 / 16)
+    assert ms["total"] == pytest.approx(1300 / 16)
