@@ -102,6 +102,11 @@ def run(args) -> int:
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots")
     bad = [(w["name"], r["config"], r["level_label"]) for w in results["workloads"] for r in w["runs"]
            if r.get("correctness") and r["correctness"]["mismatching_requests"]]
+    for w in results["workloads"]:
+        for r in w["runs"]:
+            if r["errors"]:
+                console.print(f"[red]{w['name']} {r['config']} {r['level_label']}: {r['errors']} requests failed, "
+                              f"e.g. {r['error_examples'][0]}[/red]")
     for b in bad:
         console.print(f"[yellow]greedy mismatch vs none: {b}[/yellow]")
     return 0

@@ -126,41 +126,52 @@ def parse_prometheus(text: str, prefixes=("draftwise:", "vllm:spec_decode")) -> 
     return out
 
 
+# counter names (as scraped, with `_total`) of the same quantities in draftwise and vLLM
+SPEC_COUNTERS = {
+    "rounds": ("draftwise:spec_decode_num_rounds_total", "vllm:spec_decode_num_drafts_total"),
+    "draft_tokens": ("draftwise:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "accepted_tokens": ("draftwise:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
+}
+PER_POSITION = ("draftwise:spec_decode_num_accepted_tokens_per_pos_total",
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+PHASE_SECONDS = "draftwise:step_seconds_total"  # label phase = propose | verify | other
+COMMITTED_HIST = "draftwise:spec_decode_committed_per_round_bucket"  # cumulative, label le
+
+
 def spec_stats_from_metrics(before: dict, after: dict) -> dict:
     """An EngineStats-shaped delta from two scrapes ({} when the server exposes no counters)."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
 
-    def total(*names: str) -> float | None:
-        vals = [v for (n, labels), v in delta.items() if n in names and not any(l == "position" for l, _ in labels)]
-        return sum(vals) if vals else None
-
-    def per_position(*names: str) -> list[int]:
-        pos = {}
+    def by(name: str, label: str | None = None) -> dict:
+        """Sum over every other label, keyed by `label`'s value (or None)."""
+        out = {}
         for (n, labels), v in delta.items():
-            lab = dict(labels)
-            if n in names and "position" in lab:
-                pos[int(lab["position"])] = pos.get(int(lab["position"]), 0) + v
-        return [int(pos[j]) for j in sorted(pos)]
+            if n == name:
+                key = dict(labels).get(label) if label else None
+                out[key] = out.get(key, 0.0) + v
+        return out
 
-    # vLLM: drafts = rounds; accepted tokens exclude the bonus/recovered token
-    rounds = total("vllm:spec_decode_num_drafts_total", "draftwise:spec_decode_rounds_total", "draftwise:spec_rounds_total")
-    drafted = total("vllm:spec_decode_num_draft_tokens_total", "draftwise:spec_decode_draft_tokens_total",
-                    "draftwise:spec_draft_tokens_total", "draftwise:draft_tokens_total")
-    accepted = total("vllm:spec_decode_num_accepted_tokens_total", "draftwise:spec_decode_accepted_tokens_total",
-                     "draftwise:spec_accepted_tokens_total", "draftwise:accepted_tokens_total")
-    if rounds is None or accepted is None:
+    found = {key: next((by(n)[None] for n in names if by(n)), None) for key, names in SPEC_COUNTERS.items()}
+    if found["rounds"] is None or found["accepted_tokens"] is None:
         return {}
-    out = {"rounds": int(rounds), "draft_tokens": int(drafted or 0), "accepted_tokens": int(accepted),
-           "committed_tokens": int(rounds + accepted)}
-    out["accepted_per_position"] = per_position(
-        "vllm:spec_decode_num_accepted_tokens_per_pos_total", "draftwise:spec_decode_accepted_per_position_total",
-        "draftwise:spec_accepted_per_position_total")
-    for key, names in (("propose_seconds", ("draftwise:propose_seconds_total", "draftwise:spec_decode_propose_seconds_total")),
-                       ("verify_seconds", ("draftwise:verify_seconds_total", "draftwise:spec_decode_verify_seconds_total")),
-                       ("other_seconds", ("draftwise:other_seconds_total", "draftwise:spec_decode_other_seconds_total"))):
-        v = total(*names)
-        if v is not None:
-            out[key] = v
+    out = {k: int(v or 0) for k, v in found.items()}
+    out["committed_tokens"] = out["rounds"] + out["accepted_tokens"]  # accepted + one recovered/bonus per round
+    for name in PER_POSITION:
+        pos = by(name, "position")
+        if pos:
+            out["accepted_per_position"] = [int(pos[p]) for p in sorted(pos, key=int)]
+    phases = by(PHASE_SECONDS, "phase")
+    for phase in ("propose", "verify", "other"):
+        if phase in phases:
+            out[f"{phase}_seconds"] = phases[phase]
+    cum = {float(le): v for le, v in by(COMMITTED_HIST, "le").items() if le not in (None, "+Inf")}
+    prev, hist = 0.0, {}
+    for le in sorted(cum):
+        if cum[le] - prev:
+            hist[int(le)] = int(cum[le] - prev)
+        prev = cum[le]
+    if hist:
+        out["committed_per_round"] = hist
     return out
 
 
@@ -233,7 +244,8 @@ class HTTPBackend:
     async def _stream(self, client, req: Request, p: SamplingParams, rec: RequestRecord, arrival: float) -> None:
         rec.arrival = arrival
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": p.max_tokens, "temperature": p.temperature,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+                "logprobs": 0}  # the chunk's token list gives tokens per delivery
         if p.seed is not None:
             body["seed"] = p.seed
         usage_tokens = None

@@ -113,6 +113,7 @@ def summarize(records: list[RequestRecord], wall: float, slo: dict[str, float] |
         "num_requests": len(records),
         "completed": len(done),
         "errors": len(records) - len(done),
+        "error_examples": sorted({r.error or "no tokens" for r in records if r not in done})[:3],
         "wall_seconds": wall,
         "output_tokens": out_tokens,
         "prompt_tokens": sum(r.prompt_tokens for r in done),

@@ -1,0 +1,49 @@
+"""`bench --url`: the streaming HTTP backend against `draftwise serve` (in-process), and /metrics parsing."""
+import json
+
+from draftwise import LLM, SpecConfig
+from draftwise.cli.main import main
+from draftwise.lab.backends import parse_prometheus, spec_stats_from_metrics
+from server_harness import ServerThread
+
+VLLM_BEFORE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+"""
+VLLM_AFTER = VLLM_BEFORE.replace("} 10.0", "} 30.0").replace("} 30.0\nvllm:spec_decode_num_acc", "} 90.0\nvllm:spec_decode_num_acc") \
+    .replace("} 12.0", "} 52.0").replace('"0"} 7.0', '"0"} 27.0').replace('"1"} 4.0', '"1"} 16.0').replace('"2"} 1.0', '"2"} 9.0')
+
+
+def test_vllm_metrics():
+    before, after = parse_prometheus(VLLM_BEFORE), parse_prometheus(VLLM_AFTER)
+    assert not any(n == "vllm:num_requests_running" for n, _ in after)
+    st = spec_stats_from_metrics(before, after)
+    assert st == {"rounds": 20, "draft_tokens": 60, "accepted_tokens": 40, "committed_tokens": 60,
+                  "accepted_per_position": [20, 12, 8]}
+    assert spec_stats_from_metrics({}, {}) == {}
+
+
+def test_bench_url_against_draftwise_serve(target_dir, tmp_path):
+    wl = tmp_path / "short.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 12}) + "\n"
+                          for i, p in enumerate(["def add(a, b):", "class Point:\n", "for i in", "import os\n"])))
+    engine = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=3)).engine
+    with ServerThread(engine, "tiny") as srv:
+        rc = main(["bench", "--url", srv.url, "--workload", str(wl), "--max-tokens", "12",
+                   "--concurrency", "1,2", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = res["workloads"][0]["runs"]
+    assert [r["level_label"] for r in runs] == ["c=1", "c=2"]
+    for r in runs:
+        assert r["config"] == "server:tiny" and r["completed"] == 4 and r["output_tokens"] == 4 * 12
+        sp = r["speculation"]
+        # the target drafting for itself: every proposal accepted, several tokens per delivery
+        assert sp["proposed_tokens"] > 0 and sp["acceptance_rate"] == 1.0
+        assert sp["mean_accepted_length"] > 1 and r["tokens_per_delivery"] > 1
+        assert sum(sp["committed_per_round"].values()) == sp["rounds"]
