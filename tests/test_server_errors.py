@@ -1,4 +1,5 @@
 """Error cases answer their status with the OpenAI envelope; failures and disconnects free everything."""
+import asyncio
 import time
 
 import httpx
@@ -139,3 +140,29 @@ def test_disconnect_aborts_and_frees_blocks(srv):
     h = srv.wait_idle()
     assert h["requests_in_server"] == 0 and h["requests_in_engine"] == 0
     assert h["kv_blocks"]["target"]["used"] == 0 and h["kv_blocks"]["draft"]["used"] == 0
+
+
+def test_failure_among_others_fails_only_that_request(srv):
+    """Four greedy requests decode together; a fifth, failing one joins them: only it gets the 500,
+    the others (requeued and re-admitted one by one to find the culprit) finish unchanged."""
+    bodies = [{"prompt": [SLOW if i == 0 else 20 + i, 3, 4, 5], "max_tokens": 60, "ignore_eos": True,
+               "temperature": 0} for i in range(4)]
+
+    async def run(with_poison: bool):
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            tasks = [asyncio.create_task(c.post("/v1/completions", json=b)) for b in bodies]
+            bad = None
+            if with_poison:
+                await asyncio.sleep(0.3)  # the four are decoding by now
+                bad = await c.post("/v1/completions", json={"prompt": [POISON, 1], "max_tokens": 5})
+            return [await t for t in tasks], bad
+
+    want, _ = asyncio.run(run(False))
+    got, bad = asyncio.run(run(True))
+    envelope(bad, 500)
+    assert [r.status_code for r in got] == [200] * 4
+    assert [r.json()["choices"][0]["text"] for r in got] == [r.json()["choices"][0]["text"] for r in want]
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in got)
+    h = srv.wait_idle()
+    assert h["kv_blocks"]["target"]["used"] == 0 and h["kv_blocks"]["draft"]["used"] == 0
+    assert srv.engine.engine.scheduler.max_num_seqs == 64  # isolation over

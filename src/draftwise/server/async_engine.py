@@ -10,9 +10,16 @@ step. After each step it publishes a `Snapshot` (counters, queue lengths, KV blo
 Streaming text is held back while it could be the start of a stop string (the engine cuts a stop
 string from the text once it is complete, so text already sent could not be taken back).
 
-Failure isolation: if `step()` raises, the engine cannot tell which request caused it, so the
-sequences of that step (the running set) are aborted, their blocks freed, and each of their
-streams ends with the error (HTTP 500); waiting and later requests are served as usual.
+Failure isolation: if `step()` raises, the exception does not say which request caused it. If it
+was raised before postprocess (nothing committed yet) and several sequences were in the step,
+they are all requeued by recompute (exactly what a preemption does: their outputs are unchanged,
+and the preemption counters count it) and re-admitted one at a time, each joining sequences that
+already ran a step without failing; the one whose admission makes a step fail is the culprit.
+The culprit is aborted and its stream ends with the error (HTTP 500); the others go on. When that
+cannot be decided (a failure inside postprocess, or of a sequence that had already passed), all
+sequences of the step are aborted with the error. Waiting and later requests are served as usual.
+(A seeded sampled request caught in a failed step may not reproduce its seed's output: the step
+had already drawn from its generator.)
 Shutdown: `shutdown()` lets the thread finish every in-flight request, then joins it.
 """
 from __future__ import annotations
@@ -21,9 +28,11 @@ import asyncio
 import logging
 import queue
 import threading
+import traceback
 from dataclasses import dataclass, field
 
 from ..engine import LLMEngine
+from ..engine.scheduler import SchedulerOutput
 from ..engine.sequence import Sequence, Status, TokenLogprob
 from ..sampling import SamplingParams
 
@@ -110,6 +119,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._suspects: list[_Tracked] = []  # failure isolation: sequences still to re-admit one by one
+        self._max_num_seqs = engine.scheduler.max_num_seqs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._publish()
@@ -134,8 +145,9 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests accepted by the server but not running yet (as of the last step)."""
-        return max(0, len(self._streams) - self.snapshot.running)
+        """Requests waiting to run: those beyond `max_num_seqs`, or the engine's waiting queue
+        (requests held back for lack of KV blocks), whichever is larger."""
+        return max(0, len(self._streams) - self._max_num_seqs, self.snapshot.waiting)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     sink: asyncio.Queue | None = None) -> RequestStream:
@@ -211,11 +223,14 @@ class AsyncEngine:
                 out.append(self._output(t, finished=True, reason="abort"))
 
     def _step(self) -> list[RequestOutput]:
+        waiting_before = {id(t.seq) for t in self._suspects if t.seq.status is Status.WAITING}
         try:
             outputs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed; aborting the requests of this step")
-            return self._fail_step(e)
+            log.exception("engine step failed")
+            batch = self._fail_step(e, waiting_before)
+            self._isolate_next()
+            return batch
         batch = []
         for o in outputs:
             t = self._tracked.get(o.seq.request_id)
@@ -226,14 +241,43 @@ class AsyncEngine:
                 del self._tracked[o.seq.request_id]
                 self.engine.release(o.seq.request_id)
             batch.append(out)
+        if self._suspects:
+            ran = {id(o.seq) for o in outputs}
+            self._suspects = [t for t in self._suspects if id(t.seq) not in ran]
+            self._isolate_next()
         return batch
 
-    def _fail_step(self, e: Exception) -> list[RequestOutput]:
-        # the running set is the step's batch; a finished-but-undelivered sequence was in it too
-        victims = [t for t in self._tracked.values() if t.seq.status is not Status.WAITING]
-        if not victims and self.engine.scheduler.waiting:  # failed before admitting: blame the head
-            head = self.engine.scheduler.waiting[0]
-            victims = [t for t in self._tracked.values() if t.seq is head]
+    def _fail_step(self, e: Exception, waiting_before: set[int]) -> list[RequestOutput]:
+        sched = self.engine.scheduler
+        running = [t for t in self._tracked.values() if t.seq.status is not Status.WAITING]
+        in_postprocess = any(f.name == "postprocess" for f in traceback.extract_tb(e.__traceback__))
+        if not in_postprocess:
+            probes = [t for t in running if id(t.seq) in waiting_before]
+            if len(probes) == 1:  # isolating: the sequence just admitted made the step fail
+                return self._abort_with_error(probes, e)
+            if not waiting_before and len(running) > 1 and not self._suspects:
+                by_seq = {id(t.seq): t for t in running}
+                order = [by_seq[id(s)] for s in sched.running if id(s) in by_seq]
+                for t in reversed(order):  # requeued at the front, in their admission order
+                    sched._preempt(t.seq, SchedulerOutput())
+                self._suspects = order
+                log.warning("isolating the failure: re-admitting %d sequences one at a time", len(order))
+                return []
+        if not running and sched.waiting:  # failed before admitting anything: blame the head
+            running = [t for t in self._tracked.values() if t.seq is sched.waiting[0]]
+        return self._abort_with_error(running, e)
+
+    def _isolate_next(self) -> None:
+        """While isolating, admit one more suspect only when all running sequences have passed."""
+        sched = self.engine.scheduler
+        self._suspects = [t for t in self._suspects if t.seq.request_id in self._tracked]
+        if not self._suspects:
+            sched.max_num_seqs = self._max_num_seqs
+            return
+        untested = any(t.seq.status is Status.RUNNING for t in self._suspects)
+        sched.max_num_seqs = max(1, len(sched.running) + (0 if untested else 1))
+
+    def _abort_with_error(self, victims: list[_Tracked], e: Exception) -> list[RequestOutput]:
         batch = []
         for t in victims:
             rid = t.seq.request_id
