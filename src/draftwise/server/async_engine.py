@@ -53,6 +53,8 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far
     stats: dict | None = None  # RequestStats.to_dict(), when finished
     error: str | None = None  # the engine failed on this request (answered with HTTP 500)
+    ttft: float | None = None  # seconds from arrival in the engine to the first token, when finished
+    e2e: float | None = None  # seconds from arrival in the engine to the end, when finished
 
 
 class RequestStream:
@@ -113,6 +115,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self.outcomes: dict[str, int] = {}  # finished requests by outcome (event-loop side)
+        self.on_finish: list = []  # callables(RequestOutput) run in the event loop (metrics)
         self.snapshot = Snapshot()
         self._streams: dict[str, RequestStream] = {}  # event-loop side
         self._tracked: dict[str, _Tracked] = {}  # engine-thread side
@@ -178,6 +181,8 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 self.record("error" if out.error else out.finish_reason or "unknown")
+                for hook in self.on_finish:
+                    hook(out)
 
     # ------------------------------------------------------------ engine-thread side
     def _run(self) -> None:
@@ -301,11 +306,16 @@ class AsyncEngine:
         new_ids = seq.output_ids[t.sent_tokens : n]
         lps = seq.logprobs[t.sent_tokens : n] if seq.logprobs is not None else None
         t.sent_tokens = n
-        return RequestOutput(
+        out = RequestOutput(
             seq.request_id, new_ids, new_text, lps, finished, reason if finished else None,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n,
             stats=seq.stats.to_dict() if finished else None,
         )
+        if finished:
+            if seq.first_token_time is not None:
+                out.ttft = seq.first_token_time - seq.arrival_time
+            out.e2e = (seq.finish_time or seq.first_token_time or seq.arrival_time) - seq.arrival_time
+        return out
 
     def _publish(self) -> None:
         eng = self.engine

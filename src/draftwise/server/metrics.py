@@ -3,11 +3,12 @@
 Names are prefixed `draftwise:` (as vLLM's are `vllm:`). Everything is read at scrape time from
 the `Snapshot` the engine thread publishes after each step, plus the server's count of finished
 requests by outcome (stop, length, abort, error; `rejected` for requests answered 4xx/429
-before reaching the engine).
+before reaching the engine). Two histograms are observed as requests finish: time to first token
+and end-to-end latency, both measured inside the engine (from `add_request`).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .async_engine import AsyncEngine
@@ -87,9 +88,25 @@ class EngineCollector:
         yield c
 
 
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
 def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(EngineCollector(engine, model_name))
+    ttft = Histogram("draftwise:time_to_first_token_seconds", "Time to first token (in the engine).",
+                     ["model_name"], buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+    e2e = Histogram("draftwise:e2e_request_latency_seconds", "Request latency (in the engine), finished requests.",
+                    ["model_name"], buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+
+    def observe(out):
+        if out.error is None and out.finish_reason != "abort":
+            if out.ttft is not None:
+                ttft.observe(out.ttft)
+            if out.e2e is not None:
+                e2e.observe(out.e2e)
+
+    engine.on_finish.append(observe)
     return reg
 
 

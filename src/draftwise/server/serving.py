@@ -169,7 +169,7 @@ class OpenAIServing:
             self._abort_unfinished(choices)
             raise APIError(500, first.error, None, "internal_error")
         if req.stream:
-            return StreamingResponse(self._stream(req, prompts, choices, sink, first, raw, head, fmt_chunk),
+            return StreamingResponse(self._stream(req, prompts, choices, sink, first, head, fmt_chunk),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watcher = asyncio.ensure_future(_disconnected(raw))  # the client leaving aborts the choices
         watcher.add_done_callback(lambda f: f.cancelled() or self._abort_unfinished(choices))
@@ -188,7 +188,7 @@ class OpenAIServing:
         body["draftwise"] = self._summary(choices)
         return JSONResponse(body)
 
-    async def _stream(self, req, prompts, choices, sink, first, raw, head, fmt_chunk):
+    async def _stream(self, req, prompts, choices, sink, first, head, fmt_chunk):
         chunk_kind = head["object"] + ".chunk" if head["object"] == "chat.completion" else head["object"]
         base = dict(head, object=chunk_kind)
         try:
