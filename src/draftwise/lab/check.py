@@ -138,6 +138,8 @@ def check_rollback(s: CheckSetup, spec: LLMEngine) -> CheckResult:
 
 
 def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+    """Stops with the user's config, and with the target drafting for itself (every proposal
+    accepted), so that stops surely land inside multi-token blocks."""
     prompt = s.prompts[0]
     base_seq = generate(plain, [prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)], "stop-base")[0]
     base = base_seq.output_ids
@@ -157,17 +159,20 @@ def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult
                 text_cases.append((stop, text[: text.find(stop)]))
     params = [c[1] for c in cases] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[st])
                                       for st, _ in text_cases]
-    got = generate(spec, [prompt] * len(params), params, "stops")
-    failures, inside = [], 0
-    for (name, _, want, reason), q in zip(cases, got):
-        inside += 1 + sum(q.stats.committed_per_round) > len(q.output_ids)
-        if q.output_ids != want or q.finish_reason != reason:
-            failures.append(name)
-    for (stop, want_text), q in zip(text_cases, got[len(cases):]):
-        inside += 1 + sum(q.stats.committed_per_round) > len(q.output_ids)
-        if q.text != want_text or q.finish_reason != "stop" or q.output_ids != base[: len(q.output_ids)]:
-            failures.append(f"stop={stop!r}")
-    figs = {"cases": len(params), "cut_inside_a_block": inside, "failures": failures or None}
+    self_draft = LLMEngine(s.target, s.target, SpecConfig(method="draft", k=max(s.spec.k, 4)),
+                           EngineConfig(max_num_seqs=16, kv_cache_max_tokens=16 * 1024))
+    failures, inside = [], {}
+    for label, eng in (("config", spec), ("self-draft", self_draft)):
+        got = generate(eng, [prompt] * len(params), params, f"stops-{label}")
+        inside[label] = sum(1 + sum(q.stats.committed_per_round) > len(q.output_ids) for q in got)
+        for (name, _, want, reason), q in zip(cases, got):
+            if q.output_ids != want or q.finish_reason != reason:
+                failures.append(f"{label}:{name}")
+        for (stop, want_text), q in zip(text_cases, got[len(cases):]):
+            if q.text != want_text or q.finish_reason != "stop" or q.output_ids != base[: len(q.output_ids)]:
+                failures.append(f"{label}:stop={stop!r}")
+    figs = {"cases": 2 * len(params), "cut_inside_a_block": f"{inside['config']} (config) + "
+            f"{inside['self-draft']} (target as its own drafter)", "failures": failures or None}
     return CheckResult("stops inside accepted blocks", not failures, figs)
 
 

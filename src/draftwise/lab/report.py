@@ -110,10 +110,12 @@ def distribution_table(wl: dict) -> str:
         return ""
     s = wl["distribution_settings"]
     rows = [f"Sampled-output check at temperature {s['temperature']:g}: {s['samples']} seeded samples of the "
-            f"first {s['horizon']} tokens of {s['prompts']} prompts per config, chi-square per position vs `none`.",
-            "", "| config | tests | Bonferroni p | max TV | mean TV |", "|---|---|---|---|---|"]
+            f"first {s['horizon']} tokens of {s['prompts']} prompts per config, chi-square per position vs `none` "
+            f"(informative = at least two cells after pooling tokens seen fewer than 10 times).",
+            "", "| config | tests (informative) | Bonferroni p | max TV | mean TV |", "|---|---|---|---|---|"]
     for label, d in wl["distribution"].items():
-        rows.append(f"| {label} | {d['tests']} | {d['p_value']:.3f} | {d['max_tv']:.3f} | {d['mean_tv']:.3f} |")
+        rows.append(f"| {label} | {d['tests']} ({d['informative_tests']}) | {d['p_value']:.3f} | {d['max_tv']:.3f} "
+                    f"| {d['mean_tv']:.3f} |")
     return "\n".join(rows)
 
 
