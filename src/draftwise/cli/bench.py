@@ -5,7 +5,6 @@ import os
 import sys
 from pathlib import Path
 
-from .main import UserError
 
 
 def add_parser(sub):
@@ -57,7 +56,7 @@ def run(args) -> int:
     workloads = [load_workload(w.strip()) for w in wl_names.split(",") if w.strip()]
     n = args.num_requests or q.get("num_requests")
     if n is not None and n < 1:
-        raise UserError(f"--num-requests must be >= 1, got {n}")
+        raise ValueError(f"--num-requests must be >= 1, got {n}")
     workloads = [w.head(n) for w in workloads]
     configs = parse_configs(args.configs or q.get("configs", "none,draft:k=2,draft:k=4,ngram:k=4"))
     if args.url:
@@ -67,16 +66,16 @@ def run(args) -> int:
         conc = q.get("concurrency", "1,2,4,8,16,32")
     levels = parse_levels(conc, args.request_rate, args.burstiness)
     if not levels:
-        raise UserError("give --concurrency and/or --request-rate")
+        raise ValueError("give --concurrency and/or --request-rate")
     max_tokens = args.max_tokens or q.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
-        raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
+        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if args.dollars_per_hour is not None and args.dollars_per_hour < 0:
-        raise UserError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
+        raise ValueError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
     if args.model and not Path(args.model).is_dir():
-        raise UserError(f"--model: not a directory: {args.model}")
+        raise ValueError(f"--model: not a directory: {args.model}")
     if args.draft and not Path(args.draft).is_dir():
-        raise UserError(f"--draft: not a directory: {args.draft}")
+        raise ValueError(f"--draft: not a directory: {args.draft}")
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
         served_model=args.served_model, dtype=args.dtype, device=args.device, slo=parse_slo(args.slo),

@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import add_model_args, spec_from_args
-from .main import UserError
 
 
 def add_parser(sub):
@@ -31,12 +30,12 @@ def load_prompts(path: str | None) -> list[str]:
         return [r.prompt for r in load_workload("code-easy").requests[:6]]
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--prompts: file not found: {path}")
+        raise ValueError(f"--prompts: file not found: {path}")
     if p.suffix == ".jsonl":
         return [r.prompt for r in read_jsonl(p)]
     lines = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
-        raise UserError(f"--prompts: no prompts in {path}")
+        raise ValueError(f"--prompts: no prompts in {path}")
     return lines
 
 
@@ -53,21 +52,21 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     for name in ("max_tokens", "samples", "horizon"):
         if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.temperature > 0:
-        raise UserError(f"--temperature must be > 0 for the distribution test, got {args.temperature}")
+        raise ValueError(f"--temperature must be > 0 for the distribution test, got {args.temperature}")
     spec = spec_from_args(args)
     if spec.method is None:
-        raise UserError("check needs a speculative method (--method draft or ngram)")
+        raise ValueError("check needs a speculative method (--method draft or ngram)")
     target = load_model(Path(args.model) if args.model else default_target(), dtype=args.dtype, device=args.device)
     draft = None
     if proposer_class(spec.method).needs_draft_model:
         draft_dir = args.draft or (None if args.model else default_draft())
         if draft_dir is None:
-            raise UserError(f"method {spec.method!r} needs --draft DIR")
+            raise ValueError(f"method {spec.method!r} needs --draft DIR")
         draft = load_model(Path(draft_dir), dtype=args.dtype, device=args.device, load_tokenizer=False)
     if target.tokenizer is None:
-        raise UserError(f"{target.path} has no tokenizer.json")
+        raise ValueError(f"{target.path} has no tokenizer.json")
     max_len = target.config.max_position_embeddings
     if draft is not None:
         max_len = min(max_len, draft.config.max_position_embeddings)
@@ -75,7 +74,7 @@ def run(args) -> int:
     prompts = [target.tokenizer.encode(t).ids[-budget:] for t in load_prompts(args.prompts)]
     prompts = [p for p in prompts if p]
     if not prompts:
-        raise UserError("no non-empty prompts")
+        raise ValueError("no non-empty prompts")
     setup = CheckSetup(target, draft, spec, prompts, temperature=args.temperature, max_tokens=args.max_tokens,
                        samples=args.samples, horizon=args.horizon, alpha=args.alpha, seed=args.seed)
     console = Console()

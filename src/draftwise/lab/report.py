@@ -74,7 +74,8 @@ def workload_table(wl: dict) -> str:
         vs = r.get("vs_none") or {}
         cor = r.get("correctness")
         mism = "–" if not cor else f"{cor['mismatching_requests']}/{cor['compared']}" + (
-            f" (first at {cor['first_differing_position']})" if cor["mismatching_requests"] else "")
+            f" (first at {cor['first_differing_position']}, {cor.get('near_ties', '?')} near-ties)"
+            if cor["mismatching_requests"] else "")
         mem = (r.get("memory") or {}).get("peak_rss_mib")
         split = ("–" if not ms else f"{ms['drafting']:.2f}+{ms['verification']:.2f}+{ms['scheduling_state']:.2f}"
                  f" = {ms['total']:.2f}")

@@ -174,15 +174,16 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                 else:
                     dist[cfg.label] = correctness.compare_distributions(ref_counts, counts)
             del engine, backend
-    _compare_to_none(runs, outputs, reqs)
+    _compare_to_none(runs, outputs, reqs, prompts, target)
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
             "truncated_prompts": truncated, "runs": runs, "distribution": dist,
             "distribution_settings": {"prompts": len(dist_ids), "samples": plan.dist_samples,
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
 
 
-def _compare_to_none(runs: list[dict], outputs: dict, reqs) -> None:
-    """Speedup, goodput ratio and greedy exactness of every run against `none` at its level."""
+def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target=None) -> None:
+    """Speedup, goodput ratio and greedy exactness of every run against `none` at its level.
+    A mismatch at a near-tie of the target (top-2 logit gap < 1e-5) is counted apart."""
     base = {r["level_label"]: r for r in runs if r["config"] == "none"}
     greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
     for run in runs:
@@ -199,8 +200,17 @@ def _compare_to_none(runs: list[dict], outputs: dict, reqs) -> None:
         if mine is None or theirs is None or not greedy:
             run["correctness"] = None
             continue
-        run["correctness"] = correctness.greedy_comparison(
+        cmp = correctness.greedy_comparison(
             [reqs[i].id for i in greedy], [theirs[i].token_ids for i in greedy], [mine[i].token_ids for i in greedy])
+        if target is not None:
+            index = {reqs[i].id: i for i in greedy}
+            for m in cmp["mismatches"]:
+                i = index[m["id"]]
+                ids = prompts[i] + theirs[i].token_ids
+                m["near_tie"] = (m["position"] < len(theirs[i].token_ids)
+                                 and correctness.near_tie(target.model, ids, len(prompts[i]) + m["position"]))
+            cmp["near_ties"] = sum(bool(m.get("near_tie")) for m in cmp["mismatches"])
+        run["correctness"] = cmp
 
 
 def _run_http(plan: BenchPlan, wl: Workload, console: Console) -> dict:
