@@ -36,7 +36,7 @@ def add_parser(subparsers):
     p.add_argument("--ckpt-dir", help="checkpoint directory (default checkpoints/<what>)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--target-minutes", type=float, default=55.0, help="all: target budget")
+    p.add_argument("--target-minutes", type=float, default=80.0, help="all: target budget")
     p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget")
     return p
 

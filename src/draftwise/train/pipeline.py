@@ -85,7 +85,7 @@ def train_draft(*a, **k):  # filled in by distill
     return _t(*a, **k)
 
 
-def train_all(out, target_minutes=55.0, draft_minutes=15.0, resume=False) -> dict:
+def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False) -> dict:
     """Tokenizer, target, distilled draft, then the CE-only comparison draft (same shape, same
     number of training tokens as the distilled one; kept in checkpoints/, not shipped), then
     the evaluation and the model card."""

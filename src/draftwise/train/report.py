@@ -210,7 +210,7 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "make models      # = draftwise train all --out models",
         "# or step by step:",
         "draftwise train tokenizer --out checkpoints/tokenizer",
-        "draftwise train target --out models/target --tokenizer checkpoints/tokenizer --minutes 55",
+        "draftwise train target --out models/target --tokenizer checkpoints/tokenizer --minutes 80",
         "draftwise train draft --target models/target --out models/draft --minutes 15 --warmup 50",
         "draftwise train draft --target models/target --out checkpoints/draft_ce_model --ce-only --tokens N  # N: the distilled draft's tokens",
         "```",
