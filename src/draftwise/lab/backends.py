@@ -45,10 +45,6 @@ class EngineBackend:
         self.engine = engine
         self._runs = 0
 
-    def encode(self, requests: list[Request], max_prompt_tokens: int) -> list[list[int]]:
-        """Token ids of each prompt, keeping the last `max_prompt_tokens` (small test models)."""
-        return [self.engine.encode(r.prompt)[-max_prompt_tokens:] for r in requests]
-
     def run(self, requests: list[Request], prompts: list[list[int]], params: list[SamplingParams],
             level: LoadLevel, seed: int = 0, on_done: Callable[[], None] | None = None) -> RunOutput:
         eng = self.engine
@@ -194,9 +190,6 @@ class HTTPBackend:
                     raise ValueError(f"{self.url}/v1/models lists no model; pass --served-model")
                 model = data[0]["id"]
         self.model = model
-
-    def encode(self, requests: list[Request], max_prompt_tokens: int) -> list[list[int]]:
-        return [[] for _ in requests]  # the server tokenizes
 
     def scrape(self) -> dict:
         try:

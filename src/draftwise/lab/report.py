@@ -120,6 +120,23 @@ def distribution_table(wl: dict) -> str:
     return "\n".join(rows)
 
 
+def speedup_matrix(wl: dict) -> str:
+    """Rows = speculative configs, columns = levels: output tok/s speedup over `none`."""
+    levels = list(dict.fromkeys(r["level_label"] for r in wl["runs"]))
+    configs = [c for c in dict.fromkeys(r["config"] for r in wl["runs"]) if c != "none"]
+    if not configs:
+        return ""
+    cell = {(r["config"], r["level_label"]): (r.get("vs_none") or {}).get("speedup") for r in wl["runs"]}
+    base = {r["level_label"]: r["output_tokens_per_s"] for r in wl["runs"] if r["config"] == "none"}
+    rows = ["| speedup vs none | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels),
+            "| none (out tok/s) | " + " | ".join(_f(base.get(lv)) for lv in levels) + " |"]
+    for c in configs:
+        rows.append(f"| {c} | " + " | ".join(
+            ("**" + _f(cell.get((c, lv)), "{:.2f}x") + "**") if (cell.get((c, lv)) or 0) >= 1.05
+            else _f(cell.get((c, lv)), "{:.2f}x") for lv in levels) + " |")
+    return "\n".join(rows)
+
+
 def findings(wl: dict) -> list[str]:
     """One line per speculative config: where it pays off against `none`."""
     out = []
@@ -155,7 +172,7 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
         lines += [f"## {wl['name']}", "",
                   f"{wl['num_requests']} requests" + (f", {wl['truncated_prompts']} prompts truncated to fit the context"
                                                      if wl.get("truncated_prompts") else "") + ".", "",
-                  workload_table(wl), ""]
+                  speedup_matrix(wl), "", workload_table(wl), ""]
         acc = acceptance_table(wl)
         if acc:
             lines += ["Acceptance:", "", acc, ""]

@@ -1,7 +1,9 @@
 """`bench` orchestration: every workload x config x load level, the same requests each time.
 
 For each workload the target (and draft) are loaded once; each config gets its own engine,
-warmed up on a few short requests before anything is measured. Each (config, level) run yields
+warmed up on a few short requests before anything is measured. Levels are the outer loop and
+configs the inner one, so slow drift in background load spreads over all configs. Each
+(config, level) run yields
 latency/throughput figures (`metrics`), speculation counters (an `EngineStats` delta), peak
 memory, and correctness against `none` at the same level (`correctness`). `none` is always run:
 it is the reference for speedups and for exactness.
@@ -134,7 +136,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     params = [sampling_params(r, plan.seed + i, mt) for i, (r, mt) in enumerate(zip(reqs, mts))]
     full = [target.tokenizer.encode(r.prompt).ids for r in reqs]
     # keep each prompt's tail so that prompt + max_tokens + lookahead fits the context
-    prompts = [ids[-(max_len - mt - max_k - 2):] for ids, mt in zip(full, mts)]
+    prompts = [ids[-max(1, max_len - mt - max_k - 2):] for ids, mt in zip(full, mts)]
     truncated = sum(len(a) != len(b) for a, b in zip(full, prompts))
     need = max(len(p) + mt for p, mt in zip(prompts, mts))
     max_seqs = max([int(lv.value) for lv in plan.levels if lv.kind == "concurrency"] + [32])
@@ -146,34 +148,38 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     total = len(plan.configs) * len(plan.levels) * len(reqs)
     with _progress(console) as progress:
         task = progress.add_task(f"{wl.name}", total=total)
+        backends = {}
         for cfg in plan.configs:
-            engine = _engine(plan, cfg, target, draft, max_seqs, need)
-            backend = EngineBackend(engine)
+            backends[cfg.label] = backend = EngineBackend(_engine(plan, cfg, target, draft, max_seqs, need))
             progress.update(task, description=f"{wl.name} {cfg.label} warm-up")
             n_w = min(plan.warmup_requests, len(reqs))
             backend.run(reqs[:n_w], prompts[:n_w], [sampling_params(r, 0, 8) for r in reqs[:n_w]],
                         LoadLevel("concurrency", max(1, n_w)))
-            for level in plan.levels:
+        # configs interleaved level by level, so that drifting background load biases no config
+        for level in plan.levels:
+            for cfg in plan.configs:
                 progress.update(task, description=f"{wl.name} {cfg.label} {level.label}")
                 memory.reset_peak()
-                out = backend.run(reqs, prompts, params, level, seed=plan.seed,
-                                  on_done=lambda: progress.advance(task))
+                out = backends[cfg.label].run(reqs, prompts, params, level, seed=plan.seed,
+                                              on_done=lambda: progress.advance(task))
                 summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
-                run = {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
-                       "level": level.to_dict(), "level_label": level.label, **summary,
-                       "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
-                       "memory": memory.peak_memory()}
+                runs.append({"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
+                             "level": level.to_dict(), "level_label": level.label, **summary,
+                             "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
+                             "memory": memory.peak_memory()})
                 outputs[(cfg.label, level.label)] = out.records
-                runs.append(run)
-            if wl.sampled:  # the distribution test, once per config
+        if wl.sampled:  # the distribution test, once per config; `none` (the reference) comes first
+            for cfg in plan.configs:
                 progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
                 seed = 10_000 if cfg.method is None else 20_000
-                counts = correctness.sample_counts(engine, dist_ids, temp, plan.dist_horizon, plan.dist_samples, seed=seed)
+                counts = correctness.sample_counts(backends[cfg.label].engine, dist_ids, temp, plan.dist_horizon,
+                                                   plan.dist_samples, seed=seed)
                 if cfg.method is None:
                     ref_counts = counts
                 else:
                     dist[cfg.label] = correctness.compare_distributions(ref_counts, counts)
-            del engine, backend
+        del backends
+    runs.sort(key=lambda r: [c.label for c in plan.configs].index(r["config"]))
     _compare_to_none(runs, outputs, reqs, prompts, target)
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
             "truncated_prompts": truncated, "runs": runs, "distribution": dist,
