@@ -121,12 +121,12 @@ def check_rollback(s: CheckSetup, spec: LLMEngine) -> CheckResult:
         rejections += seq.stats.proposed_tokens - seq.stats.accepted_tokens
         ids = seq.all_ids
         with torch.inference_mode():
-            fresh_p = s.target.model.logits(torch.tensor([ids]))[0, -1]
-            got_p = _cached_next_logits(spec.runner, seq.seq_id, ids, seq.num_computed)
+            fresh_p = correctness.full_logits(s.target.model, ids)
+            got_p = _cached_next_logits(spec.runner, seq.seq_id, ids, seq.num_computed).float()
             worst_p = max(worst_p, float((got_p - fresh_p).abs().max() / max(1.0, float(fresh_p.abs().max()))))
             if drafter is not None:
-                fresh_q = drafter.model.logits(torch.tensor([ids]))[0, -1]
-                got_q = _cached_next_logits(drafter, seq.seq_id, ids, seq.draft_computed)
+                fresh_q = correctness.full_logits(drafter.model, ids)
+                got_q = _cached_next_logits(drafter, seq.seq_id, ids, seq.draft_computed).float()
                 worst_q = max(worst_q, float((got_q - fresh_q).abs().max() / max(1.0, float(fresh_q.abs().max()))))
     for seq in seqs:
         spec.abort(seq.request_id)

@@ -120,10 +120,16 @@ def compare_distributions(ref: list[list[Counter]], got: list[list[Counter]]) ->
     }
 
 
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits after the last of `ids` from a fresh full causal forward (no cache), on the CPU."""
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        return model.logits(torch.tensor([ids], device=dev))[0, -1].float().cpu()  # [V]
+
+
 def near_tie(model, ids: list[int], pos: int, gap: float = 1e-5) -> bool:
     """Is the target's top-2 logit gap below `gap` when predicting token `pos` of `ids`?"""
-    with torch.inference_mode():
-        logits = model.logits(torch.tensor([ids[:pos]]))[0, -1].float()
+    logits = full_logits(model, ids[:pos])
     top2 = torch.topk(logits, 2).values
     return float(top2[0] - top2[1]) < gap
 
