@@ -29,48 +29,11 @@ from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits, rejection_sample
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
+from .verify_batch import VerifyBatch
 from .runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, Status, TokenLogprob
 from .stats import EngineStats
-
-
-@dataclass
-class VerifyBatch:
-    """Flat description of one verification over a ragged batch (buildable by hand in tests).
-
-    Sequence b feeds `1 + num_draft[b]` tokens; its target logits are rows
-    `cu_num_logits[b] : cu_num_logits[b+1]` of the flat logits; the last of them is the bonus row.
-    """
-
-    num_draft: list[int]  # [B]
-    cu_num_logits: list[int]  # [B+1] cumulative (1 + num_draft)
-    draft_token_ids: torch.Tensor  # [B, K] padded with 0
-    max_k: int
-
-    @staticmethod
-    def build(blocks: list[DraftBlock]) -> "VerifyBatch":
-        num_draft = [len(b.token_ids) for b in blocks]
-        K = max(num_draft, default=0)
-        cu = [0]
-        for n in num_draft:
-            cu.append(cu[-1] + n + 1)
-        toks = torch.zeros(len(blocks), K, dtype=torch.long)
-        for i, b in enumerate(blocks):
-            if b.token_ids:
-                toks[i, : len(b.token_ids)] = torch.tensor(b.token_ids)
-        return VerifyBatch(num_draft, cu, toks, K)
-
-    def pad_rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """`[sum(1+num_draft), V]` -> `[B, K+1, V]`, padding rows repeat the bonus row."""
-        B, V = len(self.num_draft), flat.shape[-1]
-        out = flat.new_zeros(B, self.max_k + 1, V)
-        for b in range(B):
-            n = self.num_draft[b] + 1
-            out[b, :n] = flat[self.cu_num_logits[b] : self.cu_num_logits[b + 1]]
-            if n < self.max_k + 1:
-                out[b, n:] = out[b, n - 1]
-        return out
 
 
 @dataclass
