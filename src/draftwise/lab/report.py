@@ -36,6 +36,8 @@ def environment() -> dict:
                                 timeout=5).stdout.strip() or None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, timeout=5).stdout.strip()
+        if commit and not all(c in "0123456789abcdef" for c in commit):
+            commit = None  # not a git checkout
         if commit and dirty:
             commit += "-dirty"
     except (OSError, subprocess.SubprocessError):
