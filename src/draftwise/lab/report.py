@@ -139,10 +139,22 @@ def speedup_matrix(wl: dict) -> str:
     return "\n".join(rows)
 
 
+def _round_cost(run: dict, none: dict | None) -> str:
+    """" (L tokens per round, each taking the engine time of R plain tokens)": speedup ~ L / R."""
+    sp = run.get("speculation") or {}
+    length = sp.get("mean_accepted_length")
+    ms = (sp.get("ms_per_token") or {}).get("total")
+    ms_none = ((none or {}).get("speculation") or {}).get("ms_per_token", {}).get("total")
+    if not (length and ms and ms_none):
+        return ""
+    return f" ({length:.2f} tokens per round, each taking the engine time of {length * ms / ms_none:.2f} plain tokens)"
+
+
 def findings(wl: dict) -> list[str]:
     """One line per speculative config: where it pays off against `none`."""
     out = []
     configs = [c for c in dict.fromkeys(r["config"] for r in wl["runs"]) if c != "none"]
+    base = {r["level_label"]: r for r in wl["runs"] if r["config"] == "none"}
     for c in configs:
         runs = [r for r in wl["runs"] if r["config"] == c and r.get("vs_none") and r["vs_none"]["speedup"]]
         if not runs:
@@ -150,11 +162,10 @@ def findings(wl: dict) -> list[str]:
         wins = [r["level_label"] for r in runs if r["vs_none"]["speedup"] >= 1.05]
         best = max(runs, key=lambda r: r["vs_none"]["speedup"])
         worst = min(runs, key=lambda r: r["vs_none"]["speedup"])
-        acc = [r["speculation"]["mean_accepted_length"] for r in runs if r.get("speculation") and r["speculation"].get("mean_accepted_length")]
-        acc_s = f", mean accepted length {sum(acc) / len(acc):.2f}" if acc else ""
         where = f"faster (>= 1.05x) at {', '.join(wins)}" if wins else "never faster by 5% or more"
-        out.append(f"`{c}`: {where}; best {best['vs_none']['speedup']:.2f}x at {best['level_label']}, "
-                   f"worst {worst['vs_none']['speedup']:.2f}x at {worst['level_label']}{acc_s}.")
+        out.append(f"`{c}`: {where}; best {best['vs_none']['speedup']:.2f}x at {best['level_label']}"
+                   f"{_round_cost(best, base.get(best['level_label']))}, worst {worst['vs_none']['speedup']:.2f}x at "
+                   f"{worst['level_label']}{_round_cost(worst, base.get(worst['level_label']))}.")
     return out
 
 
@@ -170,20 +181,23 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
              "TPOT = (E2E - TTFT) / (tokens - 1); ms/token = engine time per committed output token split into "
              "drafting + verification + scheduling/state; speedup and goodput ratio are against `none` at the same "
              "level; greedy mismatches count requests whose token ids differ from `none`'s.", ""]
+    lines += ["## Summary: where speculation pays off", ""]
+    for wl in results["workloads"]:
+        lines += [f"**{wl['name']}**", ""] + [f"- {x}" for x in findings(wl)] + [""]
+        m = speedup_matrix(wl)
+        if m:
+            lines += [m, ""]
     for wl in results["workloads"]:
         lines += [f"## {wl['name']}", "",
                   f"{wl['num_requests']} requests" + (f", {wl['truncated_prompts']} prompts truncated to fit the context"
                                                      if wl.get("truncated_prompts") else "") + ".", "",
-                  speedup_matrix(wl), "", workload_table(wl), ""]
+                  workload_table(wl), ""]
         acc = acceptance_table(wl)
         if acc:
             lines += ["Acceptance:", "", acc, ""]
         dist = distribution_table(wl)
         if dist:
             lines += [dist, ""]
-        f = findings(wl)
-        if f:
-            lines += ["Where speculation pays off:", ""] + [f"- {x}" for x in f] + [""]
         plots = wl.get("plots", [])
         lines += [f"![{Path(p).stem}]({image_prefix}{p})" for p in plots] + ([""] if plots else [])
     return "\n".join(lines)

@@ -55,6 +55,8 @@ def parse_configs(text: str) -> list[BenchConfig]:
                 raise ValueError(f"--configs entries look like none, draft:k=4 or ngram:k=2; got {entry!r}")
             k = int(val)
         method = None if method in ("none", "") else method
+        if method is not None:
+            _needs_draft(method)  # validates the name
         SpecConfig(method=method, k=k)  # validates k
         out.append(BenchConfig("none" if method is None else f"{method}:k={k}", method, k))
     labels = [c.label for c in out]
