@@ -12,9 +12,17 @@ def test_check_passes(target_dir, draft_dir, capsys):
         assert f"PASS {name}" in out
 
 
-def test_check_ngram_passes(target_dir, capsys):
-    rc = main(["check", "--model", str(target_dir), "--method", "ngram", "--samples", "200", "--max-tokens", "16"])
-    assert rc == 0, capsys.readouterr().out
+def test_check_ngram_passes_with_own_prompts(target_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\\n    return a + b\\n\\ndef add(a, b):\nfor i in range(10):\n")
+    rc = main(["check", "--model", str(target_dir), "--method", "ngram", "--samples", "200", "--max-tokens", "16",
+               "--prompts", str(prompts)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2 prompts" in out
+    assert main(["check", "--model", str(target_dir), "--method", "none"]) == 2
+    assert main(["check", "--model", str(target_dir), "--method", "ngram", "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert "file not found" in capsys.readouterr().err
 
 
 def test_check_fails_on_a_lossy_sampler(target_dir, draft_dir, capsys, monkeypatch):

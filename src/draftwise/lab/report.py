@@ -140,7 +140,7 @@ def speedup_matrix(wl: dict) -> str:
 
 
 def _round_cost(run: dict, none: dict | None) -> str:
-    """" (L tokens per round, each taking the engine time of R plain tokens)": speedup ~ L / R."""
+    """The suffix " (L tokens per round, each taking the engine time of R plain tokens)"; speedup ~ L / R."""
     sp = run.get("speculation") or {}
     length = sp.get("mean_accepted_length")
     ms = (sp.get("ms_per_token") or {}).get("total")
