@@ -49,7 +49,13 @@ class CheckSetup:
 def make_engine(s: CheckSetup, spec: SpecConfig | None = None) -> LLMEngine:
     spec = spec if spec is not None else s.spec
     draft = s.draft if spec.method and proposer_class(spec.method).needs_draft_model else None
-    return LLMEngine(s.target, draft, spec, EngineConfig(max_num_seqs=64, kv_cache_max_tokens=64 * 1024))
+    return LLMEngine(s.target, draft, spec, _engine_config(s, 64))
+
+
+def _engine_config(s: CheckSetup, max_seqs: int) -> EngineConfig:
+    p = next(s.target.model.parameters())
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(p.dtype, "float32")
+    return EngineConfig(dtype=dtype, device=str(p.device), max_num_seqs=max_seqs, kv_cache_max_tokens=max_seqs * 1024)
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> list:
@@ -160,7 +166,7 @@ def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult
     params = [c[1] for c in cases] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[st])
                                       for st, _ in text_cases]
     self_draft = LLMEngine(s.target, s.target, SpecConfig(method="draft", k=max(s.spec.k, 4)),
-                           EngineConfig(max_num_seqs=16, kv_cache_max_tokens=16 * 1024))
+                           _engine_config(s, 16))
     failures, inside = [], {}
     for label, eng in (("config", spec), ("self-draft", self_draft)):
         got = generate(eng, [prompt] * len(params), params, f"stops-{label}")
