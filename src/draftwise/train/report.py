@@ -39,8 +39,26 @@ def _step_seconds(model_dir, n: int = 64) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def engine_check(models: Path, prompt_ids: list[list[int]], max_new_tokens: int, k: int = 4) -> dict:
+    """The same acceptance measured by the engine itself (`draftwise.LLM`, draft proposer, K=k)."""
+    from ..engine import SpecConfig
+    from ..llm import LLM
+    from ..sampling import SamplingParams
+
+    llm = LLM(model=str(models / "target"), draft=str(models / "draft"), spec=SpecConfig(method="draft", k=k))
+    res = {"prompts": len(prompt_ids)}
+    for temp in (0.0, 1.0):
+        outs = llm.generate(prompt_ids, SamplingParams(temperature=temp, max_tokens=max_new_tokens, seed=0))
+        rounds = sum(o.stats.rounds for o in outs)
+        committed = sum(o.stats.committed_in_rounds for o in outs)
+        acc, prop = sum(o.stats.accepted_tokens for o in outs), sum(o.stats.proposed_tokens for o in outs)
+        res[f"t{int(temp)}"] = {"rounds": rounds, "mean_accepted_length": round(committed / max(1, rounds), 3),
+                                "acceptance_rate": round(acc / max(1, prop), 3)}
+    return res
+
+
 def evaluate_pair(models: str | Path, ce_draft_dir: str | Path | None = None, n_prompts: int = 64,
-                  max_new_tokens: int = 128, k: int = 4, log=print) -> dict:
+                  max_new_tokens: int = 128, k: int = 4, engine_prompts: int = 16, log=print) -> dict:
     models = Path(models)
     t0 = time.time()
     target = load_model(models / "target", dtype="float32")
@@ -79,6 +97,12 @@ def evaluate_pair(models: str | Path, ce_draft_dir: str | Path | None = None, n_
                        "distilled": _read(models / "draft" / "training.json").get("val_loss")}
     if "ce_only" in drafts:
         res["val_loss"]["ce_only"] = _read(drafts["ce_only"] / "training.json").get("val_loss")
+    if engine_prompts:
+        try:
+            res["engine_check"] = engine_check(models, prompt_ids[:engine_prompts], max_new_tokens, k)
+            log(f"engine check: {res['engine_check']}")
+        except Exception as e:  # the engine is another component; report, do not fail
+            res["engine_check"] = {"error": f"{type(e).__name__}: {e}"}
     try:
         ts, ds = _step_seconds(models / "target"), _step_seconds(models / "draft")
         res["decode_step_ms"] = {"target": round(ts * 1e3, 2), "draft": round(ds * 1e3, 2),
@@ -174,8 +198,8 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "Mean accepted length = tokens committed per verification round, the target's bonus/correction token",
         "included (K + 1 = 5 at most); acceptance rate = accepted draft tokens / proposed draft tokens.",
         "",
-        "| draft | val loss | T=0: mean accepted length \\| acceptance rate | T=1: mean accepted length \\| acceptance rate |",
-        "|---|---|---|---|",
+        "| draft | val loss | T=0 mean accepted length | T=0 acceptance rate | T=1 mean accepted length | T=1 acceptance rate |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
         "How these are computed (`draftwise.train.evaluate`): the target's continuations (greedy for T=0,",
@@ -187,6 +211,12 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "programming over round start positions (this takes the sampled text as the path, an approximation:",
         "tokens accepted from the draft are distributed as min(p, q) rather than p).",
     ]
+    eng = ev.get("engine_check", {})
+    if "t0" in eng:
+        lines += ["", f"Cross-check with the engine itself (`draftwise.LLM`, draft proposer, K = {ev['k']}, first "
+                      f"{eng['prompts']} prompts, distilled draft): mean accepted length {eng['t0']['mean_accepted_length']} "
+                      f"(acceptance rate {eng['t0']['acceptance_rate']}) at T=0, {eng['t1']['mean_accepted_length']} "
+                      f"({eng['t1']['acceptance_rate']}) at T=1 (one seeded sample)."]
     if "ratio" in step:
         lines += ["", f"Decoding step, batch 1 with KV cache (transformers, fp32, this machine): target "
                       f"{step['target']} ms, draft {step['draft']} ms (ratio {step['ratio']})."]
