@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -83,6 +84,7 @@ def run(args) -> int:
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
     console = Console(stderr=True)
+    t0 = time.perf_counter()
     results = run_bench(plan, console)
     settings = {
         "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
@@ -91,8 +93,8 @@ def run(args) -> int:
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
         "dtype": args.dtype, "device": args.device, "seed": args.seed, "quick": args.quick,
     }
-    results = build_results(results, settings, ["draftwise", "bench"] + sys.argv[2:] if sys.argv[1:2] == ["bench"]
-                            else ["draftwise", "bench"])
+    command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    results = build_results(results, settings, command, time.perf_counter() - t0)
     out = Path(args.out)
     write_report(results, out)
     if args.markdown:

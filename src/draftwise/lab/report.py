@@ -1,6 +1,6 @@
 """Write a bench's results: `results.json` (versioned schema), `report.md`, and PNG plots.
 
-Schema "draftwise.bench/1": {schema, created, command, environment, settings, workloads: [{name,
+Schema "draftwise.bench/1": {schema, wall_seconds, created, command, environment, settings, workloads: [{name,
 num_requests, sampled, truncated_prompts, runs: [{config, level, level_label, <metrics.summarize
 fields>, speculation, memory, vs_none, correctness}], distribution: {config: {...}}}]}.
 """
@@ -49,8 +49,9 @@ def environment() -> dict:
     }
 
 
-def build_results(workloads: list[dict], settings: dict, command: list[str]) -> dict:
+def build_results(workloads: list[dict], settings: dict, command: list[str], wall_seconds: float | None = None) -> dict:
     return {
+        "wall_seconds": wall_seconds,
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
@@ -172,8 +173,11 @@ def findings(wl: dict) -> list[str]:
 def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = "") -> str:
     env = results["environment"]
     st = results["settings"]
+    took = results.get("wall_seconds")
     lines = [f"# {title}", "",
-             f"`{' '.join(results['command'])}`", "",
+             f"Produced by one command" + (f" in {took / 60:.1f} minutes on the machine below" if took else "") + ":", "",
+             f"    {' '.join(results['command'])}", "",
+             f"Raw figures: `{image_prefix}results.json`; the per-run report: `{image_prefix}report.md`.", "",
              f"{results['created']} · {env['cpu']} ({env['cpu_count']} CPUs, {env['torch_threads']} torch threads)"
              + (f" · GPU {env['gpu']}" if env["gpu"] else "") + f" · torch {env['torch']} · commit {env['git_commit']}",
              "", f"Settings: {json.dumps(st)}", "",
