@@ -6,8 +6,6 @@ small random models the project builds itself, so the mechanics can still be see
 """
 from __future__ import annotations
 
-import ast
-import json
 import sys
 import tempfile
 import time
@@ -22,21 +20,16 @@ K = 4
 MAX_TOKENS = 128
 
 
-def held_out_prompt() -> str:
-    """A held-out function's signature and docstring (from the shipped code-easy workload)."""
-    wl = Path(__file__).parent / "workloads" / "code-easy.jsonl"
-    if wl.is_file():
-        first = wl.read_text().splitlines()[0]
-        return json.loads(first)["prompt"]
-    import sysconfig
+def held_out_prompt(tokenizer, index: int = 0) -> tuple[str, str]:
+    """A held-out stdlib function's signature and docstring (the model card's evaluation set)."""
+    try:
+        from .train.corpus import split
+        from .train.evaluate import function_prompts
 
-    src = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.name == "dedent":
-            lines = src.splitlines()
-            doc_end = node.body[0].end_lineno
-            return "\n".join(lines[node.lineno - 1 : doc_end]) + "\n"
-    return "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+        fn = function_prompts(split(), tokenizer, n=64)[index]
+        return fn["prompt"], f"{fn['path']}:{fn['line']} {fn['name']}"
+    except Exception:  # no stdlib sources on disk: a fixed prompt
+        return 'def is_palindrome(s):\n    """Return True if s reads the same forwards and backwards."""\n', "built-in"
 
 
 def model_dirs() -> tuple[Path, Path, bool]:
@@ -66,13 +59,14 @@ def main() -> int:
     else:
         print("The embedded models (models/target, models/draft) are not in this checkout yet;\n"
               "using a small random model the project builds itself, drafting for itself (all accepted).")
-    prompt = held_out_prompt()
+    plain_llm = LLM(str(target))
+    prompt, where = held_out_prompt(plain_llm.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    plain, t_plain = timed(LLM(str(target)), prompt, params)
+    plain, t_plain = timed(plain_llm, prompt, params)
     spec_llm = LLM(str(target), draft=str(draft), spec=SpecConfig(method="draft", k=K))
     spec, t_spec = timed(spec_llm, prompt, params)
     bar = "-" * 72
-    print(f"{bar}\nprompt (held-out):\n{prompt}{bar}")
+    print(f"{bar}\nprompt (held-out function {where}):\n{prompt}{bar}")
     print(f"plain decoding ({len(plain.token_ids)} tokens, {t_plain:.2f} s):\n{plain.text}\n{bar}")
     print(f"speculative, draft model, k={K} ({len(spec.token_ids)} tokens, {t_spec:.2f} s):\n{spec.text}\n{bar}")
     same = plain.token_ids == spec.token_ids
