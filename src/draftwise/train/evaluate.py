@@ -29,7 +29,8 @@ def function_prompts(split, tok, n: int = 64, max_prompt_tokens: int = 256, max_
     """`n` held-out functions (top-level or methods, dedented) with a docstring, evenly spaced in
     (path, line) order among those whose prompt (signature + docstring) is at most
     `max_prompt_tokens` and whose remaining body is at most `max_body_tokens` tokens, so that the
-    reference completion fits in the 128-token budget."""
+    reference completion fits in the 128-token budget. The prompt ends at the docstring's closing
+    quotes, without the newline (see below); the completion starts with it."""
     import ast
     import textwrap
 
@@ -54,6 +55,10 @@ def function_prompts(split, tok, n: int = 64, max_prompt_tokens: int = 256, max_
             prompt, body = "".join(src_lines[:cut]), "".join(src_lines[cut:])
             if not prompt.endswith("\n"):
                 continue
+            # End the prompt at the docstring's closing quotes: byte-level BPE merges a newline with
+            # the next line's indentation, so a prompt ending in a bare newline token tells the
+            # model that the next line is NOT indented (the body would never start).
+            prompt = prompt.rstrip("\n")
             p_len, b_len = len(tok.encode(prompt).ids), len(tok.encode(body).ids)
             if p_len <= max_prompt_tokens and b_len <= max_body_tokens:
                 cands.append({"path": path, "name": node.name, "line": node.lineno, "prompt": prompt,
