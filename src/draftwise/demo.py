@@ -27,9 +27,10 @@ def held_out_prompt(tokenizer, index: int = 0) -> tuple[str, str]:
         from .train.evaluate import function_prompts
 
         fn = function_prompts(split(), tokenizer, n=64)[index]
-        return fn["prompt"], f"{fn['path']}:{fn['line']} {fn['name']}"
+        # end at the closing quotes: with this BPE a bare trailing newline means "not indented"
+        return fn["prompt"].rstrip("\n"), f"{fn['path']}:{fn['line']} {fn['name']}"
     except Exception:  # no stdlib sources on disk: a fixed prompt
-        return 'def is_palindrome(s):\n    """Return True if s reads the same forwards and backwards."""\n', "built-in"
+        return 'def is_palindrome(s):\n    """Return True if s reads the same forwards and backwards."""', "built-in"
 
 
 def model_dirs() -> tuple[Path, Path, bool]:
@@ -66,7 +67,7 @@ def main() -> int:
     spec_llm = LLM(str(target), draft=str(draft), spec=SpecConfig(method="draft", k=K))
     spec, t_spec = timed(spec_llm, prompt, params)
     bar = "-" * 72
-    print(f"{bar}\nprompt (held-out function {where}):\n{prompt}{bar}")
+    print(f"{bar}\nprompt (held-out function {where}):\n{prompt}\n{bar}")
     print(f"plain decoding ({len(plain.token_ids)} tokens, {t_plain:.2f} s):\n{plain.text}\n{bar}")
     print(f"speculative, draft model, k={K} ({len(spec.token_ids)} tokens, {t_spec:.2f} s):\n{spec.text}\n{bar}")
     same = plain.token_ids == spec.token_ids
