@@ -171,9 +171,10 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                              "memory": memory.peak_memory()})
                 outputs[(cfg.label, level.label)] = out.records
         if wl.sampled:  # the distribution test, once per config; `none` (the reference) comes first
-            for cfg in plan.configs:
+            for ci, cfg in enumerate(plan.configs):
                 progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
-                seed = 10_000 if cfg.method is None else 20_000
+                # disjoint seeds per config: each comparison with `none` is an independent test
+                seed = 10_000 if cfg.method is None else 10_000 * (ci + 2)
                 counts = correctness.sample_counts(backends[cfg.label].engine, dist_ids, temp, plan.dist_horizon,
                                                    plan.dist_samples, seed=seed)
                 if cfg.method is None:
