@@ -90,35 +90,21 @@ def parses(code: str) -> bool:
         return False
 
 
-# -- generation (transformers, with KV cache) ---------------------------------------------------
+# -- generation (draftwise's own engine) ----------------------------------------------------------
 
-@torch.no_grad()
 def generate(model_dir, prompt_ids: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
-             seed: int = 0, batch_size: int = 16) -> list[list[int]]:
-    """Target completions with transformers' `generate` (left padding, KV cache), stopping at EOS."""
-    from transformers import AutoModelForCausalLM
+             seed: int = 0, batch_size: int = 64) -> list[list[int]]:
+    """Target completions with draftwise's engine (continuous batching, paged KV cache), EOS included.
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    outs = []
-    torch.manual_seed(seed)
-    for i in range(0, len(prompt_ids), batch_size):
-        chunk = prompt_ids[i:i + batch_size]
-        L = max(len(p) for p in chunk)
-        ids = torch.tensor([[eos] * (L - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
-        kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             pad_token_id=eos, eos_token_id=eos, **kw)
-        for row in gen[:, L:].tolist():
-            if eos in row:
-                row = row[:row.index(eos) + 1]
-            outs.append(row)
-    return outs
+    transformers is a test-only dependency; the training pipeline never needs it at run time."""
+    from ..llm import LLM
+    from ..sampling import SamplingParams
 
+    llm = LLM(str(model_dir), max_num_seqs=batch_size)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i)
+              for i in range(len(prompt_ids))]
+    return [o.token_ids for o in llm.generate([list(p) for p in prompt_ids], params)]
 
-# -- speculative acceptance --------------------------------------------------------------------
 
 def expected_rounds(beta: list[float], k: int = 4) -> tuple[float, float, float]:
     """Expected (rounds, committed, accepted) for speculative decoding with `k` draft tokens over

@@ -25,17 +25,16 @@ def _read(p: Path) -> dict:
 
 @torch.no_grad()
 def _step_seconds(model_dir, n: int = 64) -> float:
-    """Seconds per decoding step (batch 1, KV cache, transformers) after a 64-token prompt."""
-    from transformers import AutoModelForCausalLM
+    """Seconds per decoding step (batch 1, paged KV cache, draftwise's runner) after a 64-token prompt."""
+    from ..engine.runner import ModelRunner
 
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.randint(1, 8000, (1, 64), generator=torch.Generator().manual_seed(0))
-    out = m(ids, use_cache=True)
-    past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    runner = ModelRunner(load_model(model_dir, load_tokenizer=False), num_blocks=16, block_size=16)
+    runner.kv.reserve(0, 64 + n + 1)
+    ids = torch.randint(1, 8000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    tok = int(runner.run([0], [ids], [0], [1])[0].argmax())
     t0 = time.perf_counter()
-    for _ in range(n):
-        out = m(tok, past_key_values=past, use_cache=True)
-        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    for i in range(n):
+        tok = int(runner.run([0], [[tok]], [64 + i], [1])[0].argmax())
     return (time.perf_counter() - t0) / n
 
 
@@ -230,7 +229,7 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
                       f"(acceptance rate {eng['t0']['acceptance_rate']}) at T=0, {eng['t1']['mean_accepted_length']} "
                       f"({eng['t1']['acceptance_rate']}) at T=1 (one seeded sample)."]
     if "ratio" in step:
-        lines += ["", f"Decoding step, batch 1 with KV cache (transformers, fp32, this machine): target "
+        lines += ["", f"Decoding step, batch 1 with KV cache (draftwise runner, fp32, this machine): target "
                       f"{step['target']} ms, draft {step['draft']} ms (ratio {step['ratio']})."]
     lines += [
         "",
