@@ -32,7 +32,7 @@ from .detokenizer import Detokenizer, find_stop
 from .verify_batch import VerifyBatch
 from .runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import Sequence, Status, TokenLogprob
+from .sequence import Sequence, TokenLogprob
 from .stats import EngineStats
 
 
@@ -237,24 +237,8 @@ class LLMEngine:
             n_before = seq.num_tokens
             was_decoding = not seq.is_prefilling
             if was_decoding:  # a verification round (a prefill's first token is not a round)
-                k = len(blk.token_ids) if blk else 0
-                seq.stats.rounds += 1
-                seq.stats.proposed_tokens += k
-                seq.stats.accepted_tokens += a
-                seq.stats.committed_in_rounds += a + 1
-                seq.stats.committed_per_round.append(a + 1)
-                seq.stats.draft_seconds += propose_s if k else 0.0
-                seq.stats.verify_seconds += verify_s
-                for j in range(a):
-                    seq.stats.accepted_per_position[j] += 1
-                    st.accepted_per_position[j] += 1
-                st.rounds += 1
-                st.draft_tokens += k
-                st.accepted_tokens += a
-                st.committed_tokens += a + 1
-                st.committed_per_round[a + 1] = st.committed_per_round.get(a + 1, 0) + 1
-            else:
-                seq.stats.verify_seconds += verify_s
+                self._count_round(seq, len(blk.token_ids) if blk else 0, a, propose_s)
+            seq.stats.verify_seconds += verify_s
             new_ids, new_text, reason, stop_string = [], "", None, False
             for j, tok in enumerate(toks):
                 seq.output_ids.append(tok)
@@ -289,6 +273,24 @@ class LLMEngine:
         return outputs
 
     # ---------------------------------------------------------------- helpers
+    def _count_round(self, seq: Sequence, k: int, a: int, propose_s: float) -> None:
+        """Statistics of one round that proposed k tokens and accepted a (committing a + 1)."""
+        st = self.stats
+        seq.stats.rounds += 1
+        seq.stats.proposed_tokens += k
+        seq.stats.accepted_tokens += a
+        seq.stats.committed_in_rounds += a + 1
+        seq.stats.committed_per_round.append(a + 1)
+        seq.stats.draft_seconds += propose_s if k else 0.0
+        for j in range(a):
+            seq.stats.accepted_per_position[j] += 1
+            st.accepted_per_position[j] += 1
+        st.rounds += 1
+        st.draft_tokens += k
+        st.accepted_tokens += a
+        st.committed_tokens += a + 1
+        st.committed_per_round[a + 1] = st.committed_per_round.get(a + 1, 0) + 1
+
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         n = len(seq.output_ids)

@@ -175,7 +175,7 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
     st = results["settings"]
     took = results.get("wall_seconds")
     lines = [f"# {title}", "",
-             f"Produced by one command" + (f" in {took / 60:.1f} minutes on the machine below" if took else "") + ":", "",
+             "Produced by one command" + (f" in {took / 60:.1f} minutes on the machine below" if took else "") + ":", "",
              f"    {' '.join(results['command'])}", "",
              f"Raw figures: `{image_prefix}results.json`; the per-run report: `{image_prefix}report.md`.", "",
              f"{results['created']} · {env['cpu']} ({env['cpu_count']} CPUs, {env['torch_threads']} torch threads)"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 
 from . import corpus
 from .data import Batches, load_streams

@@ -131,7 +131,6 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
     (models / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
     tt = _read(models / "target" / "training.json")
     dt = _read(models / "draft" / "training.json")
-    ct = _read(Path(ce_draft_dir) / "training.json") if ce_draft_dir else {}
     tc = json.loads((models / "target" / "config.json").read_text())
     dc = json.loads((models / "draft" / "config.json").read_text())
     c = tt.get("corpus", {})
