@@ -36,14 +36,24 @@ def run(args) -> int:
     from ..llm import LLM
     from ..paths import default_target
     from ..server import build_app
+    from ..server.async_engine import EngineThread
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else default_target()
-    llm = LLM(args.model, draft=args.draft, spec=spec_from_args(args), dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+    threads = args.threads or torch.get_num_threads()
+    worker = EngineThread()  # loads the models and later runs the engine loop (see async_engine)
+
+    def build():
+        torch.set_num_threads(threads)
+        return LLM(args.model, draft=args.draft, spec=spec_from_args(args), dtype=args.dtype,
+                   device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                   num_kv_blocks=args.num_kv_blocks)
+
+    llm = worker.call(build)
     name = args.served_model_name or model_dir.name
-    app = build_app(llm.engine, name, aliases={str(model_dir), str(model_dir.resolve())}, max_queue=args.max_queue)
+    app = build_app(llm.engine, name, aliases={str(model_dir), str(model_dir.resolve())}, max_queue=args.max_queue,
+                    thread=worker)
     spec = llm.engine.spec
     print(f"draftwise serve: {name} ({model_dir}), speculation={spec.method or 'none'}"
           f"{f' k={spec.k}' if spec.method else ''}, http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ def add_parser(subparsers):
     p.add_argument("--ce-only", action="store_true", help="draft: cross-entropy only, no distillation")
     p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term (rest is CE)")
     p.add_argument("--ckpt-dir", help="checkpoint directory (default checkpoints/<what>)")
+    p.add_argument("--init", help="draft: start from this model directory's weights (fresh optimizer and schedule)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--target-minutes", type=float, default=80.0, help="all: target budget")
@@ -65,7 +66,7 @@ def run(args) -> int:
         pipeline.train_draft(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                              ckpt_dir=args.ckpt_dir or ("checkpoints/draft_ce" if args.ce_only else "checkpoints/draft"),
                              resume=args.resume, ce_only=args.ce_only, alpha=args.alpha,
-                             overrides=_overrides(args))
+                             overrides=_overrides(args), init=args.init)
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
                            resume=args.resume)

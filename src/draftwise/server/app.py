@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineThread
 from .chat import ChatTemplate
 from .errors import APIError
 from .metrics import CONTENT_TYPE, make_registry, render
@@ -30,8 +30,8 @@ log = logging.getLogger("draftwise.server")
 
 
 def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
-              max_queue: int | None = None) -> FastAPI:
-    aeng = AsyncEngine(engine, max_queue=max_queue)
+              max_queue: int | None = None, thread: EngineThread | None = None) -> FastAPI:
+    aeng = AsyncEngine(engine, max_queue=max_queue, thread=thread)
     serving = OpenAIServing(aeng, model_name, aliases or set(), ChatTemplate(engine.target.tokenizer_config))
     registry = make_registry(aeng, model_name)
     created = int(time.time())

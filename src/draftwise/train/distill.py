@@ -41,7 +41,7 @@ def kd_loss_fn(teacher, alpha: float = 0.9):
 
 
 def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/draft", resume=False,
-                ce_only=False, alpha=0.9, overrides=None, log=None) -> dict:
+                ce_only=False, alpha=0.9, overrides=None, log=None, init=None) -> dict:
     from .pipeline import DRAFT_DEFAULTS, corpus_stats, train_model
 
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
@@ -54,10 +54,25 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
     cfg_dict = llama_config(PRESETS[hp["shape"]], tcfg.vocab_size, tcfg.eos_token_id[0], tcfg.bos_token_id,
                             tcfg.max_position_embeddings)
     model = build_model(cfg_dict, seed=hp.get("seed", 0))
+    if init is not None and not resume:
+        _warm_start(model, Path(init))
     loss_fn = ce_loss if ce_only else kd_loss_fn(teacher.model, alpha)
     summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log)
+    if init is not None:
+        summary["init"] = str(init)
     summary.update(role="draft", objective="cross-entropy" if ce_only else f"forward KL (alpha={alpha}) + CE",
                    parameters=count_params(model), target=str(target_dir),
                    target_parameters=count_params(teacher.model), corpus=corpus_stats(split, streams))
     export_model(model, out, target_dir, summary)
     return summary
+
+
+def _warm_start(model, init: Path) -> None:
+    """Copy the weights of the draft in `init` (a model directory of the same shape) into `model`;
+    optimizer and schedule start fresh (a continued run, not a resumed one)."""
+    src = load_model(init, dtype="float32", fuse=False).model.state_dict()
+    dst = model.state_dict()
+    bad = [k for k in dst if k not in src or src[k].shape != dst[k].shape]
+    if bad:
+        raise ValueError(f"{init}: weights do not match the draft shape (first mismatch: {bad[0]})")
+    model.load_state_dict({k: src[k] for k in dst})
