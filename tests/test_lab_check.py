@@ -28,7 +28,7 @@ def test_check_ngram_passes_with_own_prompts(target_dir, tmp_path, capsys):
 def test_check_fails_on_a_lossy_sampler(target_dir, draft_dir, capsys, monkeypatch):
     real = engine_mod.rejection_sample
 
-    def accept_everything(draft_ids, draft_probs, target_probs, generators, num_draft_tokens, is_greedy):
+    def accept_everything(draft_ids, draft_probs, target_probs, generators, num_draft_tokens, is_greedy=None):
         committed, _ = real(draft_ids, draft_probs, target_probs, generators, num_draft_tokens=num_draft_tokens,
                             is_greedy=is_greedy)
         lossy = committed.clone()
@@ -37,7 +37,11 @@ def test_check_fails_on_a_lossy_sampler(target_dir, draft_dir, capsys, monkeypat
             lossy[b, n] = committed[b, 0]  # any valid token as the bonus
         return lossy, num_draft_tokens.clone()
 
+    def greedy_accept_everything(draft_ids, target_argmax):  # greedy rows' path
+        return list(draft_ids) + [int(target_argmax[0])], len(draft_ids)
+
     monkeypatch.setattr(engine_mod, "rejection_sample", accept_everything)
+    monkeypatch.setattr(engine_mod, "greedy_accept", greedy_accept_everything)
     rc = main(["check", "--model", str(target_dir), "--draft", str(draft_dir),
                "--max-tokens", "16"])
     out = capsys.readouterr().out

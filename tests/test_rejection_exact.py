@@ -13,6 +13,7 @@ import torch
 from draftwise.sampling import (
     accept_probability,
     categorical_from_uniform,
+    greedy_accept,
     rejection_sample,
     rejection_sample_from_uniforms,
     residual_distribution,
@@ -249,6 +250,23 @@ def test_greedy_ignores_draft_probs_and_ties_take_lowest_index():
     p = torch.tensor([[[0.1, 0.4, 0.4, 0.1], [0.25, 0.25, 0.25, 0.25]]])
     c, n = rejection_sample(torch.tensor([[2]]), None, p, None, is_greedy=torch.tensor([True]))
     assert c.tolist() == [[1, -1]] and n.tolist() == [0]
+
+
+def test_greedy_accept_matches_the_batched_greedy_sampler():
+    """The engine's greedy path (`greedy_accept` on ints) equals `rejection_sample` with is_greedy."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        p = torch.softmax(torch.randn(1, k + 1, 6, generator=g) * 3, -1)
+        target_argmax = p[0].argmax(-1).tolist()
+        # proposals that follow the argmax for a random prefix, then random tokens
+        n_ok = int(torch.randint(0, k + 1, (1,), generator=g))
+        draft = target_argmax[:n_ok] + torch.randint(0, 6, (k - n_ok,), generator=g).tolist()
+        c, n = rejection_sample(torch.tensor([draft], dtype=torch.long).reshape(1, k), None, p, None,
+                                is_greedy=torch.tensor([True]))
+        toks, a = greedy_accept(draft, target_argmax)
+        assert a == int(n[0]) and toks == c[0, : a + 1].tolist()
+        assert a >= n_ok
 
 
 def test_random_rows_with_deterministic_tables():

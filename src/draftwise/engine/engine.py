@@ -7,8 +7,9 @@
   + k-1).
 - propose (`Proposer`): a `DraftBlock` per decoding sequence (length 0..k).
 - verify: one target forward over all decoding sequences' `[last committed, d_1..d_k]` (plus one
-  for prefill chunks), `process_logits` gives p at every position, and the pure
-  `rejection_sample` runs batched over the ragged block (`VerifyBatch`).
+  for prefill chunks), `process_logits` gives p at every position; greedy rows keep proposals
+  while they equal the argmax of p's logits (`greedy_accept`, no softmax), and the pure
+  `rejection_sample` runs batched over the other rows' ragged block (`VerifyBatch`).
 - postprocess: the only place state changes: committed tokens are appended one at a time with
   stop checks (so nothing after a stop is committed), cache lengths are set to the committed path
   (target and drafter: rollback by bookkeeping), finished sequences free their blocks.
@@ -26,7 +27,7 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..proposers import DraftBlock, proposer_class
-from ..sampling import SamplingParams, process_logits, rejection_sample
+from ..sampling import SamplingParams, greedy_accept, process_logits, rejection_sample
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
 from .verify_batch import VerifyBatch
@@ -188,7 +189,6 @@ class LLMEngine:
         if not sampling:
             return {}
         seq_blocks = [blocks.get(s.seq.seq_id, empty) for s in sampling]
-        vb = VerifyBatch.build(seq_blocks)
         # p at every position j of every sequence: history = output + proposals before j
         params, prompts, hists = [], [], []
         for s, blk in zip(sampling, seq_blocks):
@@ -198,29 +198,40 @@ class LLMEngine:
                 hists.append(s.seq.output_ids + blk.token_ids[:j])
         flat_logits = torch.cat([logits_rows[s.seq.seq_id] for s in sampling])  # [N, V]
         p_logits = process_logits(flat_logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params))
-        p = torch.softmax(p_logits, dim=-1)
-        target_probs = vb.pad_rows(p)  # [B, K+1, V]
-        draft_probs = None
-        if vb.max_k and any(b.probs is not None for b in seq_blocks):
-            V = p.shape[-1]
-            draft_probs = torch.zeros(len(sampling), vb.max_k, V)
-            for i, b in enumerate(seq_blocks):
-                if b.probs is not None:
-                    draft_probs[i, : len(b.token_ids)] = b.probs
-        committed, num_accepted = rejection_sample(
-            vb.draft_token_ids,
-            draft_probs,
-            target_probs,
-            [s.seq.generator for s in sampling],
-            num_draft_tokens=torch.tensor(vb.num_draft, dtype=torch.long),
-            is_greedy=torch.tensor([s.seq.params.temperature == 0 for s in sampling]),
-        )
+        cu = [0]
+        for blk in seq_blocks:
+            cu.append(cu[-1] + len(blk.token_ids) + 1)
         out = {}
-        for i, s in enumerate(sampling):
-            a = int(num_accepted[i])
-            toks = committed[i, : a + 1].tolist()
-            rows = p_logits[vb.cu_num_logits[i] : vb.cu_num_logits[i] + a + 1]
-            out[s.seq.seq_id] = (toks, a, rows)
+        # greedy rows: the greedy rule on the argmax of the processed logits (no softmax needed)
+        greedy = [i for i, s in enumerate(sampling) if s.seq.params.is_greedy]
+        if greedy:
+            argmax = p_logits.argmax(dim=-1).tolist()
+            for i in greedy:
+                toks, a = greedy_accept(seq_blocks[i].token_ids, argmax[cu[i] : cu[i + 1]])
+                out[sampling[i].seq.seq_id] = (toks, a, p_logits[cu[i] : cu[i] + a + 1])
+        # random rows: the rejection sampler on p and q
+        rand = [i for i in range(len(sampling)) if not sampling[i].seq.params.is_greedy]
+        if rand:
+            rblocks = [seq_blocks[i] for i in rand]
+            vb = VerifyBatch.build(rblocks)
+            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in rand])
+            target_probs = vb.pad_rows(torch.softmax(p_logits[rows], dim=-1))  # [R, K+1, V]
+            draft_probs = None
+            if vb.max_k and any(b.probs is not None for b in rblocks):
+                draft_probs = torch.zeros(len(rand), vb.max_k, target_probs.shape[-1])
+                for r, b in enumerate(rblocks):
+                    if b.probs is not None:
+                        draft_probs[r, : len(b.token_ids)] = b.probs
+            committed, num_accepted = rejection_sample(
+                vb.draft_token_ids,
+                draft_probs,
+                target_probs,
+                [sampling[i].seq.generator for i in rand],
+                num_draft_tokens=torch.tensor(vb.num_draft, dtype=torch.long),
+            )
+            for r, i in enumerate(rand):
+                a = int(num_accepted[r])
+                out[sampling[i].seq.seq_id] = (committed[r, : a + 1].tolist(), a, p_logits[cu[i] : cu[i] + a + 1])
         return out
 
     def postprocess(self, scheduled, blocks, results, propose_s, verify_s) -> list[StepOutput]:

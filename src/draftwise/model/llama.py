@@ -28,11 +28,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x):  # HF semantics: normalise in float32, cast back, then scale
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -66,9 +63,10 @@ def _fuse(linears: list[nn.Linear]) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x, cos, sin_signed):
+    """RoPE on `[..., D]`: `x * cos + rotate_half(x) * sin`, where rotate_half(x) = (-x2, x1) is
+    computed as roll(x, D/2) * (-1, +1) with the sign folded into `sin_signed` (bitwise the same)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -90,24 +88,25 @@ class Attention(nn.Module):
         cfg = self.cfg
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if hasattr(self, "qkv_proj"):  # inference: one matmul instead of three
-            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+        # RoPE on q and k heads together: [B, T, H + Hkv, D] (positions broadcast over heads)
+        qk = apply_rope(torch.cat((q, k), dim=2), cos, sin).to(x.dtype)
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:]  # q [B, H, T, D]; k, v [B, T, Hkv, D]
         if meta is None:
             mask = None
             if cfg.sliding_window is not None and T > cfg.sliding_window:
                 i = torch.arange(T, device=x.device)
                 mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - cfg.sliding_window)
-            y = sdpa(q, k, v, mask, self.scale, is_causal=mask is None)
+            y = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, is_causal=mask is None)
         else:
             y = paged_attention(q, k, v, layer_cache, meta, self.scale)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
 
 
 class MLP(nn.Module):
@@ -156,10 +155,14 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def rope(self, positions: torch.Tensor):  # positions [B, T] -> cos, sin [B, 1, T, D]
+    def rope(self, positions: torch.Tensor):
+        """positions [B, T] -> cos, sin_signed [B, T, 1, D] (float32; see `apply_rope`)."""
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[:, None], emb.sin()[:, None]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return emb.cos()[:, :, None], sin[:, :, None]
 
     def forward(
         self,

@@ -4,7 +4,7 @@ Each round the drafter first catches up on committed tokens it has not seen
 (`all_ids[draft_computed:]`: the last committed token, or more after a prefill, a preemption or
 a fully accepted round), then runs k-1 more single-token steps. At every proposed position q is
 produced by the same `process_logits` as the target's p, with the proposed tokens before that
-position in the history. The drafter never reads the target's K/V. After verification its cache
+position in the history (greedy rows need only its argmax and carry no probs). The drafter never reads the target's K/V. After verification its cache
 length is set back to the committed path (`postprocess`), by bookkeeping only.
 """
 from __future__ import annotations
@@ -52,16 +52,21 @@ class DraftModelProposer:
                 [seqs[i].output_ids + blocks[i].token_ids for i in active],
                 eos_ids=[self.eos_ids] * len(active),
             )
-            q = torch.softmax(q_logits, dim=-1)  # [A, V]
+            # greedy rows need only the argmax (their verification ignores q); others need q
+            sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
+            q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
+            argmax = q_logits.argmax(dim=-1).tolist() if len(sampled) < len(active) else None
             nxt = []
+            row = 0
             for r, i in enumerate(active):
                 seq = seqs[i]
-                if seq.params.temperature == 0:
-                    tok = int(torch.argmax(q_logits[r]))
+                if seq.params.is_greedy:
+                    tok = argmax[r]
                 else:
-                    tok = int(torch.multinomial(q[r], 1, generator=seq.generator))
+                    tok = int(torch.multinomial(q[row], 1, generator=seq.generator))
+                    probs[i].append(q[row])
+                    row += 1
                 blocks[i].token_ids.append(tok)
-                probs[i].append(q[r])
                 starts[i] += len(feeds[i])
                 feeds[i] = [tok]
                 if len(blocks[i].token_ids) < ks[i]:

@@ -7,6 +7,7 @@ from .processors import probs_from_logits, process_logits
 from .rejection import (
     accept_probability,
     categorical_from_uniform,
+    greedy_accept,
     rejection_sample,
     rejection_sample_from_uniforms,
     residual_distribution,
@@ -18,6 +19,7 @@ __all__ = [
     "process_logits",
     "probs_from_logits",
     "rejection_sample",
+    "greedy_accept",
     "rejection_sample_from_uniforms",
     "accept_probability",
     "residual_mass",

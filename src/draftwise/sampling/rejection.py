@@ -46,6 +46,18 @@ def accept_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     return torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).to(torch.float64))
 
 
+def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> tuple[list[int], int]:
+    """The greedy rule for one row, on plain ints: keep proposals while they equal the target's
+    argmax at their position, then commit the target's own token there (recovered or bonus).
+    `target_argmax` has len(draft) + 1 entries. Returns (committed tokens, number accepted).
+    Same result as `rejection_sample` with `is_greedy`; the engine uses it for greedy rows so that
+    they need no softmax, and takes the argmax of the processed logits."""
+    a = 0
+    while a < len(draft_token_ids) and draft_token_ids[a] == target_argmax[a]:
+        a += 1
+    return list(draft_token_ids[:a]) + [int(target_argmax[a])], a
+
+
 def residual_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
     """max(p - q, 0), unnormalised, falling back to p where it has no mass."""
     p = p.to(torch.float64)
