@@ -97,7 +97,8 @@ def main():
         run_hf(f"transformers assisted k={args.k}", assistant_model=hf_draft, num_assistant_tokens=args.k,
                num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
 
-    print(f"target {target}, draft {draft}, dtype {args.dtype}, threads {args.threads}, "
+    ddt = str(next(spec.engine.proposer.runner.model.parameters()).dtype).replace("torch.", "")
+    print(f"target {target}, draft {draft} (draftwise runs it in {ddt}), dtype {args.dtype}, threads {args.threads}, "
           f"{args.prompt_tokens}-token prompts, {args.tokens} greedy tokens, batch 1, {args.repeats} prompts")
     for name, v in rows.items():
         print(f"  {name:34s} {v:8.1f} tok/s")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engine import EngineConfig, LLMEngine, RequestStats, SpecConfig
+from .engine.config import draft_dtype_for
 from .engine.sequence import Sequence, TokenLogprob
 from .model import load_model
 from .proposers import proposer_class
@@ -50,6 +51,7 @@ class LLM:
         spec: SpecConfig | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        draft_dtype: str | None = None,
         **engine_kwargs,
     ):
         spec = spec or SpecConfig()
@@ -60,7 +62,8 @@ class LLM:
             draft_dir = Path(draft) if draft else (default_draft() if not model else None)
             if draft_dir is None:
                 raise ValueError(f"speculative method {spec.method!r} needs a draft model directory (draft=...)")
-            draft_model = load_model(draft_dir, dtype=dtype, device=device, load_tokenizer=False)
+            draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
+                                     load_tokenizer=False)
         self.engine = LLMEngine(target, draft_model, spec, EngineConfig(dtype=dtype, device=device, **engine_kwargs))
         self.tokenizer = target.tokenizer
         self._ids = itertools.count()

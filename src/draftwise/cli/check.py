@@ -44,6 +44,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from ..lab.check import CheckSetup, run_checks
+    from ..engine.config import draft_dtype_for
     from ..model import load_model
     from ..paths import default_draft, default_target
     from ..proposers import proposer_class
@@ -64,7 +65,8 @@ def run(args) -> int:
         draft_dir = args.draft or (None if args.model else default_draft())
         if draft_dir is None:
             raise ValueError(f"method {spec.method!r} needs --draft DIR")
-        draft = load_model(Path(draft_dir), dtype=args.dtype, device=args.device, load_tokenizer=False)
+        draft = load_model(Path(draft_dir), dtype=draft_dtype_for(args.dtype, args.device, args.draft_dtype),
+                           device=args.device, load_tokenizer=False)
     if target.tokenizer is None:
         raise ValueError(f"{target.path} has no tokenizer.json")
     max_len = target.config.max_position_embeddings

@@ -12,6 +12,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None, help="speculative method: draft, ngram or none (default: draft)")
     p.add_argument("--k", type=int, default=4, help="proposals per round (default 4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="draft model dtype (default: float32 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
@@ -30,4 +32,5 @@ def build_llm(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLM(args.model, draft=args.draft, spec=spec_from_args(args), dtype=args.dtype, device=args.device)
+    return LLM(args.model, draft=args.draft, spec=spec_from_args(args), dtype=args.dtype, device=args.device,
+               draft_dtype=args.draft_dtype)

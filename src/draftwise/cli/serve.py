@@ -47,7 +47,7 @@ def run(args) -> int:
     def build():
         torch.set_num_threads(threads)
         return LLM(args.model, draft=args.draft, spec=spec_from_args(args), dtype=args.dtype,
-                   device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                   device=args.device, draft_dtype=args.draft_dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    num_kv_blocks=args.num_kv_blocks)
 
     llm = worker.call(build)

@@ -24,6 +24,16 @@ class SpecConfig:
         return self.k if self.method else 0
 
 
+def draft_dtype_for(dtype: str, device: str, draft_dtype: str | None = None) -> str:
+    """The draft model's dtype: `draft_dtype` when given; on CPU float32 (the shipped 1.9M draft's
+    step measured 0.90 ms in float32 against 1.33 ms in bfloat16 on the 2-core machine: tiny
+    bfloat16 products gain nothing from smaller reads and pay conversions); elsewhere the target's.
+    Any q keeps speculative decoding exact, so the draft's precision only moves acceptance."""
+    if draft_dtype:
+        return draft_dtype
+    return "float32" if str(device).startswith("cpu") else dtype
+
+
 @dataclass
 class EngineConfig:
     dtype: str = "float32"

@@ -99,6 +99,7 @@ def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
     console = console or Console(stderr=True)
     if plan.url:
         return [_run_http(plan, w, console) for w in plan.workloads]
+    from ..engine.config import draft_dtype_for
     from ..model import load_model
     from ..paths import default_draft, default_target
 
@@ -108,7 +109,8 @@ def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
         draft_dir = plan.draft or (None if plan.model else default_draft())
         if draft_dir is None:
             raise ValueError("a draft config needs --draft DIR when --model is given")
-        draft = load_model(Path(draft_dir), dtype=plan.dtype, device=plan.device, load_tokenizer=False)
+        draft = load_model(Path(draft_dir), dtype=draft_dtype_for(plan.dtype, plan.device), device=plan.device,
+                           load_tokenizer=False)
     return [_run_workload(plan, w, target, draft, console) for w in plan.workloads]
 
 

@@ -53,14 +53,28 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _fuse(linears: list[nn.Linear]) -> nn.Linear:
-    w = torch.cat([l.weight for l in linears])
-    has_bias = linears[0].bias is not None
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
-    fused.weight.copy_(w)
-    if has_bias:
-        fused.bias.copy_(torch.cat([l.bias for l in linears]))
-    return fused.requires_grad_(False)
+class TransposedLinear(nn.Module):
+    """Inference-only linear layer that stores W^T (`[in, out]`, contiguous).
+
+    Same result as `nn.Linear` up to float rounding (a different summation order). On the 2-core
+    CPU this project is measured on, a one-row product against W^T ran at ~16 GB/s where
+    `F.linear` on W (`[out, in]`) ran at ~10 GB/s (float32; the 20M target's 33 matrices: 4.5 vs
+    6.8 ms per token), and batch-1 decoding is bound by reading the weights.
+    """
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None):
+        super().__init__()  # several [out_i, in] weights are fused into one [in, sum(out_i)]
+        self.weight_t = nn.Parameter(torch.cat(weights).t().contiguous(), requires_grad=False)
+        self.bias = None if biases is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+
+    @staticmethod
+    def of(*linears: nn.Linear) -> "TransposedLinear":
+        has_bias = linears[0].bias is not None
+        return TransposedLinear([l.weight.detach() for l in linears],
+                                [l.bias.detach() for l in linears] if has_bias else None)
+
+    def forward(self, x):
+        return F.linear(x, self.weight_t.t(), self.bias)
 
 
 def apply_rope(x, cos, sin_signed):
@@ -181,16 +195,20 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> "LlamaModel":
-        """For inference: q/k/v and gate/up become one matmul each (fewer calls per layer).
+        """Prepare for inference: q/k/v and gate/up become one matmul each (fewer calls per
+        layer), and every projection and the output layer store W^T (`TransposedLinear`).
 
-        The fused model keeps its outputs but not Hugging Face parameter names: save unfused models.
+        The result keeps its outputs but not Hugging Face parameter names: save unprepared models.
         """
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            a.qkv_proj = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            a.qkv_proj = TransposedLinear.of(a.q_proj, a.k_proj, a.v_proj)
             del a.q_proj, a.k_proj, a.v_proj
-            m.gate_up_proj = _fuse([m.gate_proj, m.up_proj])
+            a.o_proj = TransposedLinear.of(a.o_proj)
+            m.gate_up_proj = TransposedLinear.of(m.gate_proj, m.up_proj)
             del m.gate_proj, m.up_proj
+            m.down_proj = TransposedLinear.of(m.down_proj)
+        self.lm_head = TransposedLinear.of(self.lm_head)  # a copy when tied to the embeddings
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
