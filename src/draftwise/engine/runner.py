@@ -45,25 +45,29 @@ class ModelRunner:
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
         T = max(lens)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        for b in range(B):
-            n = lens[b]
-            ids[b, :n] = torch.tensor(new_tokens[b], dtype=torch.long)
-            pos[b, :n] = torch.arange(starts[b], starts[b] + n)
-            valid[b, :n] = True
+        # plain lists, one tensor each (per-element tensor writes cost more than the forward of a
+        # small draft); padding: token 0 at position 0, marked invalid
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)
+        pos_rows = [list(range(s, s + n)) + [0] * (T - n) for s, n in zip(starts, lens)]
+        pos = torch.tensor(pos_rows, dtype=torch.long)
         ends = [s + n for s, n in zip(starts, lens)]
         gather = self.kv.slots(seq_ids, ends)  # [B, L]
-        slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
-        meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
+        if T * B == sum(lens):  # no padding: every token writes its slot
+            meta = AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, self.cfg.sliding_window)
+        else:
+            valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
+            slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
+            meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)
             meta = AttentionMetadata(*(t.to(dev) for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)))
         hidden = self.model(ids, pos, self.cache, meta)  # [B, T, hidden]
-        rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
-        sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
+        if all(n == 1 for n in num_logits) and T * B == sum(lens) and T == 1:
+            sel = hidden[:, 0]  # decode: one logits row per sequence, no gather
+        else:
+            rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
+            sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
         if return_hidden:
             return logits, sel

@@ -52,11 +52,11 @@ class KVManager:
         """Slot of every position 0..L-1 of each sequence: `[B, max(lengths)]` (padding -> 0)."""
         L = max(lengths) if lengths else 0
         nb = -(-L // self.block_size)
-        table = torch.zeros(len(seq_ids), max(nb, 1), dtype=torch.long)
-        for b, sid in enumerate(seq_ids):
+        rows = []
+        for sid in seq_ids:
             t = self.tables.get(sid, [])[:nb]
-            if t:
-                table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        pos = torch.arange(L)
-        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        return slots.to(device)
+            rows.append(t + [0] * (nb - len(t)))
+        table = torch.tensor(rows, dtype=torch.long).reshape(len(seq_ids), nb)  # [B, nb]
+        offsets = torch.arange(self.block_size)
+        slots = (table[:, :, None] * self.block_size + offsets).reshape(len(seq_ids), nb * self.block_size)
+        return slots[:, :L].to(device)

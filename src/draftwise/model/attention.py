@@ -47,6 +47,23 @@ class AttentionMetadata:
             mask &= key_pos[None, None, :] > (pos[:, :, None] - sliding_window)
         return AttentionMetadata(write_index, write_slots, gather_slots, mask.unsqueeze(1))
 
+    @staticmethod
+    def build_dense(
+        positions: torch.Tensor,  # [B, T], every query token real
+        slot_mapping: torch.Tensor,  # [B, T], every token writes
+        gather_slots: torch.Tensor,  # [B, L]
+        sliding_window: int | None = None,
+    ) -> "AttentionMetadata":
+        """`build` for a batch without padding (decode steps, equal-length blocks)."""
+        B, T = positions.shape
+        L = gather_slots.shape[1]
+        key_pos = torch.arange(L, device=positions.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
+        write_index = torch.arange(B * T, device=positions.device)
+        return AttentionMetadata(write_index, slot_mapping.reshape(-1), gather_slots, mask.unsqueeze(1))
+
 
 def paged_attention(
     q: torch.Tensor,  # [B, H, T, D]
