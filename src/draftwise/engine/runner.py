@@ -58,10 +58,13 @@ class ModelRunner:
             valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
             slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
             meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
+        if B == 1:
+            meta.gather_start = self.kv.contiguous_start(seq_ids[0], ends[0])
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)
-            meta = AttentionMetadata(*(t.to(dev) for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)))
+            meta = AttentionMetadata(*(t.to(dev) for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)),
+                                     gather_start=meta.gather_start)
         hidden = self.model(ids, pos, self.cache, meta)  # [B, T, hidden]
         if all(n == 1 for n in num_logits) and T * B == sum(lens) and T == 1:
             sel = hidden[:, 0]  # decode: one logits row per sequence, no gather

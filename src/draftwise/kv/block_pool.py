@@ -1,7 +1,12 @@
-"""A pool of fixed-size K/V blocks: which block ids are free. Knows nothing about sequences."""
+"""A pool of fixed-size K/V blocks: which block ids are free. Knows nothing about sequences.
+
+Allocation takes the lowest free ids (a heap), so a sequence running alone keeps consecutive
+blocks even through rollbacks (a truncated block is the next one handed out); the runner then
+reads its K/V as one slice of the cache instead of gathering slot by slot.
+"""
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 
 class OutOfBlocks(RuntimeError):
@@ -14,7 +19,7 @@ class BlockPool:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a heap
 
     @property
     def num_free(self) -> int:
@@ -27,7 +32,8 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        for b in blocks:
+            heapq.heappush(self._free, b)

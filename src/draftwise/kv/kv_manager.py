@@ -48,6 +48,18 @@ class KVManager:
         if table:
             self.pool.free(table)
 
+    def contiguous_start(self, seq_id: int, length: int) -> int | None:
+        """First slot of `seq_id` if its positions 0..length-1 lie on consecutive slots, else None."""
+        t = self.tables.get(seq_id)
+        nb = -(-length // self.block_size)
+        if not t or nb > len(t):
+            return None
+        first = t[0]
+        for i in range(1, nb):
+            if t[i] != first + i:
+                return None
+        return first * self.block_size
+
     def slots(self, seq_ids: list[int], lengths: list[int], device="cpu") -> torch.Tensor:
         """Slot of every position 0..L-1 of each sequence: `[B, max(lengths)]` (padding -> 0)."""
         L = max(lengths) if lengths else 0

@@ -27,6 +27,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [N] long, cache slot for each of those tokens
     gather_slots: torch.Tensor  # [B, L] long
     mask: torch.Tensor  # [B, 1, T, L] bool
+    gather_start: int | None = None  # B = 1 and slots start .. start+L-1: read one slice, no gather
 
     @staticmethod
     def build(
@@ -83,9 +84,13 @@ def paged_attention(
         layer_cache[0].index_copy_(0, meta.write_slots, k_flat)
         layer_cache[1].index_copy_(0, meta.write_slots, v_flat)
     B, L = meta.gather_slots.shape
-    flat = meta.gather_slots.reshape(-1)  # index_select: ~3x faster than advanced indexing here
-    keys = layer_cache[0].index_select(0, flat).view(B, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
-    values = layer_cache[1].index_select(0, flat).view(B, L, Hkv, D).transpose(1, 2)
+    if meta.gather_start is not None:  # one sequence on consecutive slots: a view, no copy
+        keys = layer_cache[0].narrow(0, meta.gather_start, L).unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
+        values = layer_cache[1].narrow(0, meta.gather_start, L).unsqueeze(0).transpose(1, 2)
+    else:
+        flat = meta.gather_slots.reshape(-1)  # index_select: ~3x faster than advanced indexing
+        keys = layer_cache[0].index_select(0, flat).view(B, L, Hkv, D).transpose(1, 2)  # [B, Hkv, L, D]
+        values = layer_cache[1].index_select(0, flat).view(B, L, Hkv, D).transpose(1, 2)
     if q.device.type == "cpu" and q.dtype != torch.float32:
         # CPU SDPA in bfloat16 took ~5x longer than converting to float32 and back (decode step,
         # 6 heads x 150 keys): attend in float32, which is also at least as accurate.
