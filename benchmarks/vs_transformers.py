@@ -1,13 +1,15 @@
 """draftwise vs transformers on the same checkpoint, in one process, batch 1, greedy.
 
     .venv/bin/python benchmarks/vs_transformers.py [--model DIR --draft DIR] [--dtype float32|bfloat16]
-        [--tokens 256] [--prompt-tokens 64] [--k 4] [--threads 2] [--repeats 2]
+        [--tokens 256] [--prompt-tokens 64] [--k 4] [--threads 2] [--repeats 2] [--prompts code|random]
 
 Runs transformers `generate` (plain, and with `assistant_model`: same K, constant schedule,
 confidence threshold 0) and draftwise plain and speculative (draft model, same K) on the same
 prompts and prints tokens/s and the ratios. Also times one target step at 1 and K+1 tokens and one
 draft step (the per-step costs that decide whether speculation can pay). Without --model it uses
-the embedded pair (models/target, models/draft).
+the embedded pair (models/target, models/draft). Prompts: `code` (default) takes 64-token windows
+of the held-out standard-library files the embedded pair never trained on (evenly spaced, from a
+line start); `random` draws token ids uniformly (what acceptance looks like on noise).
 """
 from __future__ import annotations
 
@@ -15,6 +17,21 @@ import argparse
 import time
 
 import torch
+
+
+def code_prompts(tok, n_tokens: int, n: int) -> list[list[int]]:
+    """`n` windows of `n_tokens` tokens from held-out stdlib files, one per file, evenly spaced
+    over the files (sorted by path), each starting at the first line start after 1/3 of the file."""
+    from draftwise.train import corpus
+
+    files = [(p, t) for p, t in sorted(corpus.split().texts("held_out")) if len(t) > 8000]
+    out = []
+    for i in range(n):
+        _, text = files[(i * len(files)) // n]
+        start = text.index("\n", len(text) // 3) + 1
+        ids = tok.encode(text[start:]).ids[:n_tokens]
+        out.append(ids)
+    return out
 
 
 def main():
@@ -28,6 +45,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--prompts", default="code", choices=["code", "random"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -41,7 +59,10 @@ def main():
     g = torch.Generator().manual_seed(0)
     plain = LLM(target, dtype=args.dtype)
     V = plain.engine.vocab_size
-    prompts = [torch.randint(1, V, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.repeats)]
+    if args.prompts == "code":
+        prompts = code_prompts(plain.tokenizer, args.prompt_tokens, args.repeats)
+    else:
+        prompts = [torch.randint(1, V, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.repeats)]
     sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     rows = {}
 
@@ -99,7 +120,7 @@ def main():
 
     ddt = str(next(spec.engine.proposer.runner.model.parameters()).dtype).replace("torch.", "")
     print(f"target {target}, draft {draft} (draftwise runs it in {ddt}), dtype {args.dtype}, threads {args.threads}, "
-          f"{args.prompt_tokens}-token prompts, {args.tokens} greedy tokens, batch 1, {args.repeats} prompts")
+          f"{args.prompt_tokens}-token {args.prompts} prompts, {args.tokens} greedy tokens, batch 1, {args.repeats} prompts")
     for name, v in rows.items():
         print(f"  {name:34s} {v:8.1f} tok/s")
     print(f"  speculative output identical to plain: {same}; mean accepted length {mal:.2f}")
