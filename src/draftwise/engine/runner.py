@@ -63,7 +63,8 @@ class ModelRunner:
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)
-            meta = AttentionMetadata(*(t.to(dev) for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)),
+            meta = AttentionMetadata(*(None if t is None else t.to(dev)
+                                       for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)),
                                      gather_start=meta.gather_start)
         hidden = self.model(ids, pos, self.cache, meta)  # [B, T, hidden]
         if all(n == 1 for n in num_logits) and T * B == sum(lens) and T == 1:

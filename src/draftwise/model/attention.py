@@ -26,7 +26,7 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [N] long, flat index into B*T query tokens
     write_slots: torch.Tensor  # [N] long, cache slot for each of those tokens
     gather_slots: torch.Tensor  # [B, L] long
-    mask: torch.Tensor  # [B, 1, T, L] bool
+    mask: torch.Tensor | None  # [B, 1, T, L] bool; None: every query attends every key
     gather_start: int | None = None  # B = 1 and slots start .. start+L-1: read one slice, no gather
 
     @staticmethod
@@ -59,10 +59,14 @@ class AttentionMetadata:
         B, T = positions.shape
         L = gather_slots.shape[1]
         key_pos = torch.arange(L, device=positions.device)
+        write_index = torch.arange(B * T, device=positions.device)
+        if B == 1 and T == 1 and (sliding_window is None or L <= sliding_window):
+            # one decode token whose keys are exactly positions 0..L-1: nothing to mask (SDPA
+            # without a mask measured ~3x faster for one query over ~150 keys)
+            return AttentionMetadata(write_index, slot_mapping.reshape(-1), gather_slots, None)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, L]
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
-        write_index = torch.arange(B * T, device=positions.device)
         return AttentionMetadata(write_index, slot_mapping.reshape(-1), gather_slots, mask.unsqueeze(1))
 
 

