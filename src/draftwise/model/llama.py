@@ -66,16 +66,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (measured best of 1-64)
+# oneDNN's call costs ~18 us, F.linear's ~4 us: below this many weights (e.g. 160x960, 12-20 us
+# either way) F.linear is as fast; above it (384x2304: 85 vs 44 us; 160x8192: 158 vs 61 us) the
+# packed kernel's faster weight reads win.
+PACK_MIN_NUMEL = 200_000
 
 
 def _packable(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.numel() >= PACK_MIN_NUMEL
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class PackedLinear(nn.Module):
-    """Inference-only linear layer. On CPU its weight is reordered once into oneDNN's blocked
-    layout and applied with oneDNN's linear kernel; elsewhere it is a plain `F.linear`.
+    """Inference-only linear layer. On CPU a large enough weight is reordered once into oneDNN's
+    blocked layout and applied with oneDNN's linear kernel; otherwise it is a plain `F.linear`.
 
     Why: batch-1 decoding is bound by reading the weights, and on the 2-core CPU this project is
     measured on, `F.linear` (MKL) read them at ~10 GB/s. For the 20M target's 33 products per
