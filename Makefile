@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -x
 
 models: $(STAMP)
-	$(BIN)/python -m draftwise.cli.main train all --out models --target-minutes 80 --draft-minutes 15
+	$(BIN)/python -m draftwise.cli.main train all --out models --target-minutes 80 --draft-minutes 15 --draft-continue-minutes 100
 
 clean:
 	rm -rf $(VENV) build *.egg-info

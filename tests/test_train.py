@@ -149,3 +149,19 @@ def test_cut_function_stops_at_dedent():
     cut = cut_function(prompt, comp)
     assert cut.rstrip().endswith("return x + 1") and parses(cut)
     assert not parses(cut_function(prompt, "    return (x +\n"))
+
+
+def test_warm_start_copies_weights_and_rejects_another_shape(tmp_path):
+    from draftwise.model.loader import save_model
+    from draftwise.train.distill import _warm_start
+
+    cfg = llama_config(PRESETS["tiny"], 64, 0)
+    src = build_model(cfg, seed=1)
+    save_model(src, tmp_path / "src", dtype=torch.float32)
+    dst = build_model(cfg, seed=2)
+    _warm_start(dst, tmp_path / "src")
+    for (k, v), (k2, v2) in zip(src.state_dict().items(), dst.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    other = build_model(llama_config(dict(PRESETS["tiny"], hidden_size=48, head_dim=24), 64, 0))
+    with pytest.raises(ValueError, match="do not match the draft shape"):
+        _warm_start(other, tmp_path / "src")

@@ -39,6 +39,8 @@ def add_parser(subparsers):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--target-minutes", type=float, default=80.0, help="all: target budget")
     p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget")
+    p.add_argument("--draft-continue-minutes", type=float, default=0.0,
+                   help="all: then continue both drafts from their weights for this budget (distilled) / as many tokens (CE)")
     return p
 
 
@@ -69,7 +71,7 @@ def run(args) -> int:
                              overrides=_overrides(args), init=args.init)
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
-                           resume=args.resume)
+                           resume=args.resume, draft_continue_minutes=args.draft_continue_minutes)
     print(json.dumps({"done": args.what, "out": args.out, "wall_seconds": round(time.time() - t0, 1)}))
     return 0
 

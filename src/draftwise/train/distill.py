@@ -54,12 +54,19 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
     cfg_dict = llama_config(PRESETS[hp["shape"]], tcfg.vocab_size, tcfg.eos_token_id[0], tcfg.bos_token_id,
                             tcfg.max_position_embeddings)
     model = build_model(cfg_dict, seed=hp.get("seed", 0))
-    if init is not None and not resume:
-        _warm_start(model, Path(init))
+    previous = None
+    if init is not None:
+        if not resume:
+            _warm_start(model, Path(init))
+        prev_file = Path(init) / "training.json"
+        if prev_file.is_file():  # the record of the run this one continues (without its loss history)
+            import json
+            previous = {k: v for k, v in json.loads(prev_file.read_text()).items() if k != "history"}
     loss_fn = ce_loss if ce_only else kd_loss_fn(teacher.model, alpha)
     summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log)
     if init is not None:
         summary["init"] = str(init)
+        summary["continued_from"] = previous
     summary.update(role="draft", objective="cross-entropy" if ce_only else f"forward KL (alpha={alpha}) + CE",
                    parameters=count_params(model), target=str(target_dir),
                    target_parameters=count_params(teacher.model), corpus=corpus_stats(split, streams))
@@ -70,7 +77,7 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
 def _warm_start(model, init: Path) -> None:
     """Copy the weights of the draft in `init` (a model directory of the same shape) into `model`;
     optimizer and schedule start fresh (a continued run, not a resumed one)."""
-    src = load_model(init, dtype="float32", fuse=False).model.state_dict()
+    src = load_model(init, dtype="float32", fuse=False, load_tokenizer=False).model.state_dict()
     dst = model.state_dict()
     bad = [k for k in dst if k not in src or src[k].shape != dst[k].shape]
     if bad:

@@ -84,10 +84,12 @@ def train_draft(*a, **k):  # filled in by distill
     return _t(*a, **k)
 
 
-def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False) -> dict:
+def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_continue_minutes=0.0) -> dict:
     """Tokenizer, target, distilled draft, then the CE-only comparison draft (same shape, same
     number of training tokens as the distilled one; kept in checkpoints/, not shipped), then
-    the evaluation and the model card."""
+    the evaluation and the model card. With `draft_continue_minutes`, both drafts then continue
+    from their weights (fresh optimizer, lr 1.5e-3, warm-up 20, data seed 1): the distilled one
+    for that budget, the CE-only one for the same number of tokens (the shipped draft was made so)."""
     from .report import write_model_card
 
     out = Path(out)
@@ -97,7 +99,14 @@ def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False) -> dic
     train_target(out / "target", tokenizer_dir=tok_dir, minutes=target_minutes, resume=resume)
     hp = {"warmup_steps": 50}
     kd = train_draft(out / "draft", out / "target", minutes=draft_minutes, resume=resume, overrides=hp)
-    train_draft(Path("checkpoints/draft_ce_model"), out / "target", tokens=kd["tokens"], resume=resume,
-                ce_only=True, ckpt_dir="checkpoints/draft_ce", overrides=hp)
-    write_model_card(out, ce_draft_dir=Path("checkpoints/draft_ce_model"), total_wall_s=time.time() - t0)
+    ce_dir = Path("checkpoints/draft_ce_model")
+    train_draft(ce_dir, out / "target", tokens=kd["tokens"], resume=resume, ce_only=True,
+                ckpt_dir="checkpoints/draft_ce", overrides=hp)
+    if draft_continue_minutes:
+        hp2 = {"lr": 1.5e-3, "warmup_steps": 20, "seed": 1}
+        kd2 = train_draft(out / "draft", out / "target", minutes=draft_continue_minutes, resume=resume,
+                          ckpt_dir="checkpoints/draft_long", overrides=hp2, init=out / "draft")
+        train_draft(ce_dir, out / "target", tokens=kd2["tokens"], resume=resume, ce_only=True,
+                    ckpt_dir="checkpoints/draft_ce_long", overrides=hp2, init=ce_dir)
+    write_model_card(out, ce_draft_dir=ce_dir, total_wall_s=time.time() - t0)
     return {"wall_seconds": round(time.time() - t0, 1)}

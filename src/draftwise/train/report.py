@@ -120,6 +120,11 @@ def evaluate_pair(models: str | Path, ce_draft_dir: str | Path | None = None, n_
     return res
 
 
+def _total_tokens(t: dict) -> int:
+    prev = t.get("continued_from")
+    return t.get("tokens", 0) + (_total_tokens(prev) if prev else 0)
+
+
 def _fmt_acc(a: dict) -> str:
     return f"{a['mean_accepted_length']:.2f} | {a['acceptance_rate']:.3f}"
 
@@ -146,9 +151,14 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         if not t:
             return "n/a"
         hp = t.get("config", {})
-        return (f"{t['tokens']:,} tokens ({t['steps']} steps of {hp.get('batch_size')}x{hp.get('seq_len')}), "
+        line = (f"{t['tokens']:,} tokens ({t['steps']} steps of {hp.get('batch_size')}x{hp.get('seq_len')}), "
                 f"{t['train_seconds'] / 60:.1f} min of training at {t['tokens_per_second']} tokens/s, "
                 f"peak RSS {t['peak_rss_mb']} MB, lr {hp.get('lr')} (warm-up {hp.get('warmup_steps')} steps, cosine to 10%)")
+        prev = t.get("continued_from")
+        if prev:  # a warm-started run: show the whole history, earliest first
+            total = t["tokens"] + _total_tokens(prev)
+            return f"{total:,} tokens in all: {train_line(prev)}; then, continued from those weights: {line}"
+        return line
 
     rows = []
     for name, label in (("distilled", "distilled (shipped, `models/draft`)"), ("ce_only", "cross-entropy only (not shipped)")):
