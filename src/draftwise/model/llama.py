@@ -239,9 +239,24 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.plan: list[LayerWeights] | None = None  # set by fuse_projections (inference)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
 
-    def rope(self, positions: torch.Tensor):
-        """positions [B, T] -> cos, sin_signed [B, T, 1, D] (float32; see `apply_rope`)."""
+    def rope(self, positions: torch.Tensor, max_position: int | None = None):
+        """positions [B, T] -> cos, sin_signed [B, T, 1, D] (float32; see `apply_rope`).
+
+        With `max_position` (an upper bound the caller knows, e.g. the longest sequence) the rows
+        come from a table of positions 0..n-1 grown by doubling: two lookups instead of nine ops
+        per forward (the same formula; vectorised sin/cos may round the last bit differently)."""
+        if max_position is None:
+            return self._rope_rows(positions)
+        if self._rope_table is None or self._rope_table[0].shape[0] <= max_position:
+            n = 1 << max(6, max_position.bit_length())
+            cos, sin = self._rope_rows(torch.arange(n, device=positions.device)[None])
+            self._rope_table = (cos[0, :, 0], sin[0, :, 0])  # [n, D]
+        cos, sin = self._rope_table
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def _rope_rows(self, positions: torch.Tensor):
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
@@ -255,11 +270,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,  # [B, T]
         kv_cache: torch.Tensor | None = None,  # [layers, 2, num_slots, Hkv, D]
         meta: AttentionMetadata | None = None,
+        max_position: int | None = None,  # an upper bound of `positions`, if known (see rope)
     ) -> torch.Tensor:  # hidden [B, T, hidden]
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, max_position)
         if kv_cache is None:
             for layer in self.model.layers:
                 x = layer(x, cos, sin)
