@@ -50,7 +50,6 @@ def main():
     torch.set_num_threads(args.threads)
 
     from draftwise import LLM, SamplingParams, SpecConfig
-    from draftwise.engine.runner import ModelRunner
     from draftwise.paths import default_draft, default_target
 
     target = args.model or str(default_target())

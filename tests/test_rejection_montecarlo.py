@@ -93,7 +93,6 @@ def run_case(case: Case, seed: int):
     g = torch.Generator().manual_seed(seed)
     p_tab = tables(case.p_params, salt=1)
     q_tab = tables(case.q_params or case.p_params, salt=2)
-    rows = torch.arange(TRIALS)
 
     # Proposals, with the draft's distribution at each proposed position.
     draft = torch.zeros(TRIALS, K, dtype=torch.long)
