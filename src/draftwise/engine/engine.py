@@ -198,9 +198,7 @@ class LLMEngine:
                 hists.append(s.seq.output_ids + blk.token_ids[:j])
         flat_logits = torch.cat([logits_rows[s.seq.seq_id] for s in sampling])  # [N, V]
         p_logits = process_logits(flat_logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params))
-        cu = [0]
-        for blk in seq_blocks:
-            cu.append(cu[-1] + len(blk.token_ids) + 1)
+        cu = VerifyBatch.offsets(seq_blocks)
         out = {}
         # greedy rows: the greedy rule on the argmax of the processed logits (no softmax needed)
         greedy = [i for i, s in enumerate(sampling) if s.seq.params.is_greedy]

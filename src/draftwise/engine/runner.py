@@ -67,7 +67,7 @@ class ModelRunner:
                                        for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)),
                                      gather_start=meta.gather_start)
         hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [B, T, hidden]
-        if all(n == 1 for n in num_logits) and T * B == sum(lens) and T == 1:
+        if T == 1:
             sel = hidden[:, 0]  # decode: one logits row per sequence, no gather
         else:
             rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]

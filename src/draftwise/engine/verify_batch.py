@@ -27,12 +27,18 @@ class VerifyBatch:
     max_k: int
 
     @staticmethod
+    def offsets(blocks: list[DraftBlock]) -> list[int]:
+        """`cu_num_logits` of these blocks: sequence b's logits rows are `cu[b] : cu[b+1]`."""
+        cu = [0]
+        for b in blocks:
+            cu.append(cu[-1] + len(b.token_ids) + 1)
+        return cu
+
+    @staticmethod
     def build(blocks: list[DraftBlock]) -> "VerifyBatch":
         num_draft = [len(b.token_ids) for b in blocks]
         K = max(num_draft, default=0)
-        cu = [0]
-        for n in num_draft:
-            cu.append(cu[-1] + n + 1)
+        cu = VerifyBatch.offsets(blocks)
         toks = torch.zeros(len(blocks), K, dtype=torch.long)
         for i, b in enumerate(blocks):
             if b.token_ids:
