@@ -51,15 +51,17 @@ class ModelRunner:
         pos_rows = [list(range(s, s + n)) + [0] * (T - n) for s, n in zip(starts, lens)]
         pos = torch.tensor(pos_rows, dtype=torch.long)
         ends = [s + n for s, n in zip(starts, lens)]
-        gather = self.kv.slots(seq_ids, ends)  # [B, L]
-        if T * B == sum(lens):  # no padding: every token writes its slot
-            meta = AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, self.cfg.sliding_window)
+        first = self.kv.contiguous_start(seq_ids[0], ends[0]) if B == 1 else None
+        if first is not None:  # one sequence on consecutive slots (the usual case at batch 1)
+            meta = AttentionMetadata.consecutive(first, starts[0], T, pos, self.cfg.sliding_window)
         else:
-            valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
-            slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
-            meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
-        if B == 1:
-            meta.gather_start = self.kv.contiguous_start(seq_ids[0], ends[0])
+            gather = self.kv.slots(seq_ids, ends)  # [B, L]
+            if T * B == sum(lens):  # no padding: every token writes its slot
+                meta = AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, self.cfg.sliding_window)
+            else:
+                valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
+                slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
+                meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)

@@ -27,7 +27,9 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [N] long, cache slot for each of those tokens
     gather_slots: torch.Tensor  # [B, L] long
     mask: torch.Tensor | None  # [B, 1, T, L] bool; None: every query attends every key
-    gather_start: int | None = None  # B = 1 and slots start .. start+L-1: read one slice, no gather
+    # B = 1, positions L-T..L-1, keys 0..L-1 on slots gather_start.. (consecutive): K/V read as
+    # one slice, and the fused CPU kernels may run the layer (see LlamaModel._fusable)
+    gather_start: int | None = None
 
     @staticmethod
     def build(
@@ -47,6 +49,25 @@ class AttentionMetadata:
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > (pos[:, :, None] - sliding_window)
         return AttentionMetadata(write_index, write_slots, gather_slots, mask.unsqueeze(1))
+
+    @staticmethod
+    def consecutive(start_slot: int, start: int, T: int, positions: torch.Tensor,
+                    sliding_window: int | None = None) -> "AttentionMetadata":
+        """One sequence whose positions 0..start+T-1 lie on slots start_slot.. (consecutive): its T
+        new tokens at positions start..start+T-1 (`positions` [1, T]). No slot lists to look up."""
+        L = start + T
+        dev = positions.device
+        gather = torch.arange(start_slot, start_slot + L, device=dev)[None]
+        write_slots = gather[0, start:]
+        if T == 1 and (sliding_window is None or L <= sliding_window):
+            mask = None
+        else:
+            key_pos = torch.arange(L, device=dev)
+            mask = key_pos[None, None, :] <= positions[:, :, None]
+            if sliding_window is not None:
+                mask &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
+            mask = mask.unsqueeze(1)
+        return AttentionMetadata(torch.arange(T, device=dev), write_slots, gather, mask, gather_start=start_slot)
 
     @staticmethod
     def build_dense(

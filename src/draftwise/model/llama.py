@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
 
@@ -249,12 +250,16 @@ class LlamaModel(nn.Module):
         per forward (the same formula; vectorised sin/cos may round the last bit differently)."""
         if max_position is None:
             return self._rope_rows(positions)
+        cos, sin = self.rope_table(max_position, positions.device)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def rope_table(self, max_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed for positions 0..n-1 (n > max_position), float32 `[n, D]`, contiguous."""
         if self._rope_table is None or self._rope_table[0].shape[0] <= max_position:
             n = 1 << max(6, max_position.bit_length())
-            cos, sin = self._rope_rows(torch.arange(n, device=positions.device)[None])
-            self._rope_table = (cos[0, :, 0], sin[0, :, 0])  # [n, D]
-        cos, sin = self._rope_table
-        return cos[positions][:, :, None], sin[positions][:, :, None]
+            cos, sin = self._rope_rows(torch.arange(n, device=device)[None])
+            self._rope_table = (cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous())
+        return self._rope_table
 
     def _rope_rows(self, positions: torch.Tensor):
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
@@ -274,6 +279,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # hidden [B, T, hidden]
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        if kv_cache is not None and self.plan is not None and self._fusable(input_ids, kv_cache, meta):
+            return self._fused_forward(input_ids, positions, kv_cache, meta, max_position)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
         if kv_cache is None:
@@ -286,6 +293,53 @@ class LlamaModel(nn.Module):
         for i, w in enumerate(self.plan):
             x = paged_layer(x, w, self.cfg, cos, sin, kv_cache[i], meta)
         return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+
+    FUSED_MAX_TOKENS = 16  # longer blocks (prefill) attend with PyTorch's SDPA
+
+    def _fusable(self, input_ids, kv_cache, meta) -> bool:
+        """One sequence on consecutive cache slots (the runner sets `gather_start` only then, with
+        positions L-T..L-1), on the CPU, with the fused kernels built (see cpu_kernels.py)."""
+        cfg = self.cfg
+        return (meta.gather_start is not None and input_ids.shape[0] == 1
+                and input_ids.shape[1] <= self.FUSED_MAX_TOKENS and input_ids.device.type == "cpu"
+                and not cfg.qk_norm and cfg.head_dim <= 1024 and kv_cache.dtype == self.model.norm.weight.dtype
+                and kv_cache.is_contiguous() and cpu_kernels.usable(kv_cache.dtype))
+
+    def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position):
+        """`paged_layer`'s computation for one sequence in 5 kernel calls per layer besides the 4
+        products: RMSNorm, RoPE in place, attention with the K/V write, residual add + RMSNorm,
+        SiLU-and-multiply (kernels.c). The residual stream `x` is updated in place."""
+        k = cpu_kernels.kernels()
+        cfg = self.cfg
+        T = input_ids.shape[1]
+        H, Hkv, D, hid, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               cfg.hidden_size, cfg.rms_norm_eps)
+        bf = int(kv_cache.dtype == torch.bfloat16)
+        L = meta.gather_slots.shape[1]
+        cos, sin = self.rope_table(max(L, int(max_position or 0)), input_ids.device)
+        pos = positions.contiguous()
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [1, T, hidden], updated in place
+        h = torch.empty_like(x)  # the normalised input of the next product
+        cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
+        es = kv_cache.element_size()
+        plan = self.plan
+        k.rms_norm(x.data_ptr(), plan[0].ln1.data_ptr(), h.data_ptr(), T, hid, eps, bf)
+        for i, w in enumerate(plan):
+            qkv = w.qkv(h)  # [1, T, (H + 2 Hkv) * D]
+            k.rope(qkv.data_ptr(), T, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
+            y = torch.empty(1, T, H * D, dtype=x.dtype)
+            kc = cache + i * layer_stride * es
+            k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, meta.gather_start, L,
+                     cfg.sliding_window or 0, D ** -0.5, y.data_ptr(), bf)
+            o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
+            k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), T, hid, eps, bf)
+            gu = w.gate_up(h)
+            a = torch.empty(1, T, gu.shape[-1] // 2, dtype=x.dtype)
+            k.silu_mul(gu.data_ptr(), a.data_ptr(), T, a.shape[-1], bf)
+            nxt = plan[i + 1].ln1 if i + 1 < len(plan) else self.model.norm.weight
+            d = w.down(a)
+            k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), T, hid, eps, bf)
+        return h
 
     @torch.no_grad()
     def fuse_projections(self) -> "LlamaModel":

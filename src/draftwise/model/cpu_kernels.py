@@ -1,0 +1,106 @@
+"""Fused CPU kernels (`kernels.c`) for the decoder layer of one sequence, loaded with ctypes.
+
+The C file is compiled once per machine with the system C compiler (`cc -O3 -march=native`) into
+a cache folder (`$DRAFTWISE_CACHE`, default `~/.cache/draftwise`), keyed by the source, the flags
+and the CPU's feature flags; a compile takes about a second. Without a compiler, or with
+`DRAFTWISE_KERNELS=0`, `kernels()` returns None and the model runs its plain PyTorch path (same
+results up to float rounding: tests compare the two).
+
+`LlamaModel.forward` uses them when one sequence's tokens sit on consecutive cache slots (batch-1
+decoding, a drafter's steps, verification of a lone sequence); see `fused_layer` in llama.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_LIB: "Kernels | None | bool" = False  # False: not tried yet
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc, gcc or clang)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
+    cache = Path(os.environ.get("DRAFTWISE_CACHE") or Path.home() / ".cache" / "draftwise")
+    lib = cache / f"kernels-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class Kernels:
+    """Typed entry points of the shared library. Arguments are tensors (contiguous, on the CPU)."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+        sig = {
+            "dw_rms_norm": [p, p, p, i, i, f, ctypes.c_int],
+            "dw_add_rms_norm": [p, p, p, p, i, i, f, ctypes.c_int],
+            "dw_rope": [p, i, i, i, i, p, p, p, ctypes.c_int],
+            "dw_attend": [p, i, i, i, i, p, p, i, i, i, f, p, ctypes.c_int],
+            "dw_silu_mul": [p, p, i, i, ctypes.c_int],
+        }
+        for name, args in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+            setattr(self, name[3:], fn)
+        self.path = path
+
+
+def kernels() -> Kernels | None:
+    """The loaded kernels, or None where they cannot be used (built on first call)."""
+    global _LIB
+    if _LIB is False:
+        _LIB = None
+        if os.environ.get("DRAFTWISE_KERNELS", "1") != "0":
+            try:
+                _LIB = Kernels(_build())
+            except Exception as e:  # no compiler, a failed build: the PyTorch path still works
+                log.warning("draftwise: fused CPU kernels unavailable (%s); using the PyTorch path", e)
+    return _LIB
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the kernels on or off for models run from now on (tests compare both paths)."""
+    global _LIB
+    _LIB = False
+    os.environ["DRAFTWISE_KERNELS"] = "1" if enabled else "0"
+
+
+def usable(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and kernels() is not None
