@@ -1,0 +1,102 @@
+"""The fused CPU kernels (model/kernels.c) against the PyTorch path they replace."""
+import shutil
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.engine.runner import ModelRunner
+from draftwise.model import cpu_kernels, load_model
+from draftwise.model.llama import LlamaModel
+from tiny_models import make_model_dir
+
+CASES = {
+    "llama-gqa": dict(),
+    "llama-mha-tied": dict(kv_heads=4, tie_word_embeddings=True),
+    "mistral-window": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=5),
+    "qwen2-bias": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+}
+
+
+@pytest.fixture
+def kernels_switch():
+    """Yields set_enabled; restores the default (on) afterwards."""
+    yield cpu_kernels.set_enabled
+    cpu_kernels.set_enabled(True)
+
+
+def test_kernels_build_where_a_compiler_exists(kernels_switch):
+    kernels_switch(True)
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_kernels.kernels() is not None
+    kernels_switch(False)
+    assert cpu_kernels.kernels() is None
+
+
+def run_rounds(loaded, calls: list) -> list[torch.Tensor]:
+    """Prefill, single-token steps, a verification block, then a rollback (a block rewritten from an
+    earlier position over stale K/V): the access pattern of speculative decoding."""
+    runner = ModelRunner(loaded, num_blocks=8, block_size=8)
+    runner.kv.reserve(0, 48)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, loaded.config.vocab_size, (40,), generator=g).tolist()
+    out = [runner.run([0], [ids[:12]], [0], [12])]
+    for t in range(12, 15):
+        out.append(runner.run([0], [[ids[t]]], [t], [1]))
+    out.append(runner.run([0], [ids[15:20]], [15], [5]))
+    out.append(runner.run([0], [ids[17:26]], [17], [9]))  # positions 17.. again: rolled back
+    out.append(runner.run([0], [[ids[26]]], [26], [1]))
+    calls.append(len(out))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_layer_matches_pytorch_path(name, dtype, tmp_path, kernels_switch, monkeypatch, tokenizer):
+    kernels_switch(True)
+    if cpu_kernels.kernels() is None:
+        pytest.skip("fused kernels unavailable (no C compiler)")
+    path = make_model_dir(tmp_path, seed=3, tokenizer=tokenizer, **CASES[name])
+    fused_calls = []
+    real = LlamaModel._fused_forward
+
+    def spy(self, *a, **kw):
+        fused_calls.append(a[0].shape[1])
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(LlamaModel, "_fused_forward", spy)
+    on = run_rounds(load_model(path, dtype=dtype, load_tokenizer=False), [])
+    assert fused_calls == [12, 1, 1, 1, 5, 9, 1], "every call of this lone sequence takes the fused path"
+    kernels_switch(False)
+    fused_calls.clear()
+    off = run_rounds(load_model(path, dtype=dtype, load_tokenizer=False), [])
+    assert fused_calls == []
+    for a, b in zip(on, off):
+        scale = b.abs().max().item()
+        if dtype == "float32":
+            assert (a - b).abs().max().item() <= 1e-5 * max(1.0, scale)
+        else:  # a product may round to the neighbouring bfloat16 value: compare in its ulps
+            assert (a - b).abs().max().item() <= 0.02 * scale
+
+
+def test_qk_norm_models_keep_the_pytorch_path(tmp_path, tokenizer, monkeypatch, kernels_switch):
+    kernels_switch(True)
+    path = make_model_dir(tmp_path, seed=3, tokenizer=tokenizer, architectures=["Qwen3ForCausalLM"],
+                          model_type="qwen3", head_dim=16)
+    monkeypatch.setattr(LlamaModel, "_fused_forward", lambda *a, **k: pytest.fail("fused path used for qk-norm"))
+    run_rounds(load_model(path, load_tokenizer=False), [])
+
+
+def test_speculative_equals_plain_with_and_without_kernels(target_dir, draft_dir, kernels_switch):
+    """Greedy output is the same with the fused kernels on or off, plain and speculative."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [list(range(5 + i, 17 + i)) for i in range(4)]
+    outs = {}
+    for enabled in (True, False):
+        kernels_switch(enabled)
+        plain = LLM(target_dir)
+        spec = LLM(target_dir, draft=draft_dir, spec=SpecConfig(method="draft", k=4))
+        outs[enabled] = ([o.token_ids for o in plain.generate(prompts, sp)],
+                         [spec.generate(p, sp)[0].token_ids for p in prompts])
+    assert outs[True][0] == outs[True][1] == outs[False][0] == outs[False][1]
