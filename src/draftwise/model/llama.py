@@ -67,10 +67,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (measured best of 1-64)
-# oneDNN's call costs ~18 us, F.linear's ~4 us: below this many weights (e.g. 160x960, 12-20 us
-# either way) F.linear is as fast; above it (384x2304: 85 vs 44 us; 160x8192: 158 vs 61 us) the
-# packed kernel's faster weight reads win.
-PACK_MIN_NUMEL = 200_000
+# oneDNN's call costs ~18 us, F.linear's ~4 us: below this many weights F.linear is as fast (e.g.
+# 160x480, the draft's down projection); above it the packed kernel's faster weight reads win
+# (in a decode step: 384x384 float32 57 vs 93 us, and bfloat16 F.linear was slower still, the
+# 20M target's step 4.7 -> 3.5 ms when its o_proj was packed too; 384x2304: 85 vs 44 us).
+PACK_MIN_NUMEL = 100_000
 
 
 def _packable(w: torch.Tensor) -> bool:
