@@ -21,12 +21,29 @@ static inline float bf2f(uint16_t b) {
     return f;
 }
 
-static inline uint16_t f2bf(float f) { /* round to nearest even, as PyTorch */
+static inline uint16_t f2bf(float f) { /* round to nearest even, as PyTorch; NaN stays NaN */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : r); /* branch-free */
+}
+
+/* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
+ * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
+ * polynomial), within ~2 ulp of the exact value, written so that loops over it vectorise (the C
+ * library's expf is one call per element). */
+#pragma omp declare simd
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x - n * 0.693359375f;
+    x = x - n * -2.12194440e-4f;
+    float z = x * x;
+    float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    union { uint32_t u; float f; } e = {.u = (uint32_t)((int32_t)n + 127) << 23}; /* 2^n */
+    return y * e.f;
 }
 
 static inline float ld(const void *p, long i, int bf) {
@@ -79,30 +96,40 @@ void dw_rope(void *qkv, long T, long row, long heads, long D, const int64_t *pos
         for (long h = 0; h < heads; h++) {
             long base = t * row + h * D;
             for (long i = 0; i < D; i++) tmp[i] = ld(qkv, base + i, bf);
-            for (long i = 0; i < D; i++) {
-                float a = tmp[i] * c[i];
-                float b = tmp[i < half ? i + half : i - half] * s[i];
-                st(qkv, base + i, a + b, bf);
-            }
+            for (long i = 0; i < half; i++) st(qkv, base + i, tmp[i] * c[i] + tmp[i + half] * s[i], bf);
+            for (long i = half; i < D; i++) st(qkv, base + i, tmp[i] * c[i] + tmp[i - half] * s[i], bf);
         }
     }
 }
 
-static inline float dot(const void *a, long ao, const void *b, long bo, long D, int bf) {
-    float acc[16] = {0};
-    long i = 0;
-    if (!bf) {
-        const float *x = (const float *)a + ao, *y = (const float *)b + bo;
-        for (; i + 16 <= D; i += 16)
-            for (int l = 0; l < 16; l++) acc[l] += x[i + l] * y[i + l];
-    } else {
-        const uint16_t *x = (const uint16_t *)a + ao, *y = (const uint16_t *)b + bo;
-        for (; i + 16 <= D; i += 16)
-            for (int l = 0; l < 16; l++) acc[l] += bf2f(x[i + l]) * bf2f(y[i + l]);
+/* `omp simd` loops (-fopenmp-simd: no OpenMP runtime) may reassociate their float32 sums. */
+typedef float v16f __attribute__((vector_size(64)));
+/* Dot products: 16 float32 lanes (GCC/Clang vector extension), summed as a tree at the end; a
+ * different (not worse) order than a sequential loop. */
+static inline float dot_f32(const float *q, const float *k, long D) {
+    if ((D & 15) == 0) {
+        v16f acc = {0};
+        for (long i = 0; i < D; i += 16) {
+            v16f a, b;
+            memcpy(&a, q + i, 64);
+            memcpy(&b, k + i, 64);
+            acc += a * b;
+        }
+        float t[16];
+        memcpy(t, &acc, 64);
+        for (int l = 0; l < 8; l++) t[l] += t[l + 8];
+        for (int l = 0; l < 4; l++) t[l] += t[l + 4];
+        return (t[0] + t[2]) + (t[1] + t[3]);
     }
     float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    for (; i < D; i++) s += ld(a, ao + i, bf) * ld(b, bo + i, bf);
+    for (long i = 0; i < D; i++) s += q[i] * k[i];
+    return s;
+}
+
+static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (long i = 0; i < D; i++) s += q[i] * bf2f(k[i]);
     return s;
 }
 
@@ -119,28 +146,41 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
         memcpy((char *)kc + slot * kv * es, (const char *)qkv + (t * row + H * D) * es, kv * es);
         memcpy((char *)vc + slot * kv * es, (const char *)qkv + (t * row + (H + Hkv) * D) * es, kv * es);
     }
-    float *sc = (float *)malloc(sizeof(float) * (L + D));
-    float *acc = sc + L;
+    float *sc = (float *)malloc(sizeof(float) * (L + 2 * D + 16));
+    float *acc = sc + L, *q = acc + D;
     long group = H / Hkv;
     for (long t = 0; t < T; t++) {
-        long p = L - T + t, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        long p = L - T + t, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p + 1 - lo;
         for (long h = 0; h < H; h++) {
             long g = h / group;
-            float m = -INFINITY;
-            for (long j = lo; j <= p; j++) {
-                float s = dot(qkv, t * row + h * D, kc, (slot0 + j) * kv + g * D, D, bf) * scale;
-                sc[j] = s;
-                if (s > m) m = s;
-            }
+            for (long i = 0; i < D; i++) q[i] = ld(qkv, t * row + h * D + i, bf);
+            float *s = sc + lo;
+
+#ifndef NOQK
+            if (bf)
+                for (long j = 0; j < n; j++) s[j] = dot_bf16(q, (const uint16_t *)kc + (slot0 + lo + j) * kv + g * D, D) * scale;
+            else
+                for (long j = 0; j < n; j++) s[j] = dot_f32(q, (const float *)kc + (slot0 + lo + j) * kv + g * D, D) * scale;
+
+#endif
+            float m = s[0];
+            for (long j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+            
+#ifndef NOEXP
+
+#pragma omp simd
+            for (long j = 0; j < n; j++) s[j] = exp_approx(s[j] - m);
+#endif
+
             float z = 0.0f;
-            for (long j = lo; j <= p; j++) {
-                sc[j] = expf(sc[j] - m);
-                z += sc[j];
-            }
+#pragma omp simd reduction(+ : z)
+            for (long j = 0; j < n; j++) z += s[j];
             for (long i = 0; i < D; i++) acc[i] = 0.0f;
-            for (long j = lo; j <= p; j++) {
-                long vo = (slot0 + j) * kv + g * D;
-                float pj = sc[j];
+
+#ifndef NOPV
+            for (long jj = 0; jj < n; jj++) {
+                long vo = (slot0 + lo + jj) * kv + g * D;
+                float pj = s[jj];
                 if (bf) {
                     const uint16_t *v = (const uint16_t *)vc + vo;
                     for (long i = 0; i < D; i++) acc[i] += pj * bf2f(v[i]);
@@ -149,6 +189,8 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
                     for (long i = 0; i < D; i++) acc[i] += pj * v[i];
                 }
             }
+
+#endif
             float inv = 1.0f / z;
             for (long i = 0; i < D; i++) st(out, t * H * D + h * D + i, acc[i] * inv, bf);
         }
@@ -159,10 +201,18 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
 /* out[r, i] = silu(gu[r, i]) * gu[r, I + i] (the gate and up halves of the fused projection);
  * bfloat16 rounds silu's result before the product, as two PyTorch ops would. */
 void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf) {
-    for (long r = 0; r < rows; r++)
-        for (long i = 0; i < I; i++) {
-            float g = ld(gu, r * 2 * I + i, bf), u = ld(gu, r * 2 * I + I + i, bf);
-            float s = rnd(g / (1.0f + expf(-g)), bf);
-            st(out, r * I + i, s * u, bf);
+    for (long r = 0; r < rows; r++) {
+        if (bf) {
+            const uint16_t *g = (const uint16_t *)gu + r * 2 * I, *u = g + I;
+            uint16_t *o = (uint16_t *)out + r * I;
+            for (long i = 0; i < I; i++) {
+                float x = bf2f(g[i]);
+                o[i] = f2bf(bf2f(f2bf(x / (1.0f + exp_approx(-x)))) * bf2f(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gu + r * 2 * I, *u = g + I;
+            float *o = (float *)out + r * I;
+            for (long i = 0; i < I; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
         }
+    }
 }
