@@ -51,13 +51,9 @@ def run_rounds(loaded, calls: list) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("attention_max", [1, 16], ids=["sdpa-blocks", "fused-blocks"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_layer_matches_pytorch_path(name, dtype, attention_max, tmp_path, kernels_switch, monkeypatch, tokenizer):
-    """Blocks of several tokens attend through SDPA by default; the kernel's multi-query attention
-    (causal, sliding window) is checked as well."""
-    monkeypatch.setattr(LlamaModel, "FUSED_ATTENTION_MAX_TOKENS", attention_max)
+def test_fused_layer_matches_pytorch_path(name, dtype, tmp_path, kernels_switch, monkeypatch, tokenizer):
     kernels_switch(True)
     if cpu_kernels.kernels() is None:
         pytest.skip("fused kernels unavailable (no C compiler)")

@@ -26,7 +26,7 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [N] long, flat index into B*T query tokens
     write_slots: torch.Tensor  # [N] long, cache slot for each of those tokens
     gather_slots: torch.Tensor  # [B, L] long
-    mask: torch.Tensor | None  # [B, 1, T, L] bool; None: every query attends every key
+    mask: torch.Tensor | None  # [B, 1, T, L] bool, or float 0/-inf; None: every query attends every key
     # B = 1, positions L-T..L-1, keys 0..L-1 on slots gather_start.. (consecutive): K/V read as
     # one slice, and the fused CPU kernels may run the layer (see LlamaModel._fusable)
     gather_start: int | None = None
@@ -66,7 +66,8 @@ class AttentionMetadata:
             mask = key_pos[None, None, :] <= positions[:, :, None]
             if sliding_window is not None:
                 mask &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
-            mask = mask.unsqueeze(1)
+            # additive float mask (0 / -inf): SDPA would convert a boolean one in every layer
+            mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf")).unsqueeze(1)
         return AttentionMetadata(torch.arange(T, device=dev), write_slots, gather, mask, gather_start=start_slot)
 
     @staticmethod

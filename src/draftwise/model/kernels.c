@@ -32,18 +32,69 @@ static inline uint16_t f2bf(float f) { /* round to nearest even, as PyTorch; NaN
  * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
  * polynomial), within ~2 ulp of the exact value, written so that loops over it vectorise (the C
  * library's expf is one call per element). */
-#pragma omp declare simd
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
+ * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
+ * polynomial), within ~2 ulp of the exact value. Written on 16-lane vectors (GCC/Clang vector
+ * extensions) because the C library's expf is one call per element. */
+static inline v16f vsel(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
+
+static inline v16f exp16(v16f x) {
+    const v16f lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    x = vsel(x < lo, lo, x);
+    x = vsel(x > hi, hi, x);
+    v16f t = x * 1.44269504088896341f + 0.5f;
+    v16i ni = __builtin_convertvector(t, v16i); /* truncates: floor for t >= 0 */
+    v16f n = __builtin_convertvector(ni, v16f);
+    v16i below = n > t; /* -1 where truncation rounded up (t < 0 and not whole) */
+    ni += below;
+    n = __builtin_convertvector(ni, v16f);
     x = x - n * 0.693359375f;
     x = x - n * -2.12194440e-4f;
-    float z = x * x;
-    float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    v16f z = x * x;
+    v16f y = ((((x * 1.9875691500e-4f + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+              + 1.6666665459e-1f) * x + 5.0000001201e-1f;
     y = y * z + x + 1.0f;
-    union { uint32_t u; float f; } e = {.u = (uint32_t)((int32_t)n + 127) << 23}; /* 2^n */
-    return y * e.f;
+    return y * (v16f)((ni + 127) << 23); /* times 2^n */
+}
+
+static inline float exp1(float x) { /* one element through the same formula */
+    v16f v = {0};
+    v[0] = x;
+    return exp16(v)[0];
+}
+
+static inline v16f load16(const void *p, long i, int bf) {
+    v16f r;
+    if (bf) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, 32);
+        r = (v16f)(__builtin_convertvector(h, v16u) << 16);
+    } else {
+        memcpy(&r, (const float *)p + i, 64);
+    }
+    return r;
+}
+
+static inline v16h round16(v16f f) { /* float32 -> bfloat16 bits, round to nearest even */
+    v16u u = (v16u)f;
+    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16i nan = (v16i)(u & 0x7fffffffu) > 0x7f800000;
+    r = (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
+    return __builtin_convertvector(r, v16h);
+}
+
+static inline void store16(void *p, long i, v16f v, int bf) {
+    if (bf) {
+        v16h h = round16(v);
+        memcpy((uint16_t *)p + i, &h, 32);
+    } else {
+        memcpy((float *)p + i, &v, 64);
+    }
 }
 
 static inline float ld(const void *p, long i, int bf) {
@@ -103,7 +154,6 @@ void dw_rope(void *qkv, long T, long row, long heads, long D, const int64_t *pos
 }
 
 /* `omp simd` loops (-fopenmp-simd: no OpenMP runtime) may reassociate their float32 sums. */
-typedef float v16f __attribute__((vector_size(64)));
 /* Dot products: 16 float32 lanes (GCC/Clang vector extension), summed as a tree at the end; a
  * different (not worse) order than a sequential loop. */
 static inline float dot_f32(const float *q, const float *k, long D) {
@@ -127,8 +177,20 @@ static inline float dot_f32(const float *q, const float *k, long D) {
 }
 
 static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
+    if ((D & 15) == 0) {
+        v16f acc = {0};
+        for (long i = 0; i < D; i += 16) {
+            v16f a;
+            memcpy(&a, q + i, 64);
+            acc += a * load16(k, i, 1);
+        }
+        float t[16];
+        memcpy(t, &acc, 64);
+        for (int l = 0; l < 8; l++) t[l] += t[l + 8];
+        for (int l = 0; l < 4; l++) t[l] += t[l + 4];
+        return (t[0] + t[2]) + (t[1] + t[3]);
+    }
     float s = 0.0f;
-#pragma omp simd reduction(+ : s)
     for (long i = 0; i < D; i++) s += q[i] * bf2f(k[i]);
     return s;
 }
@@ -167,9 +229,14 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
             for (long j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
             
 #ifndef NOEXP
-
-#pragma omp simd
-            for (long j = 0; j < n; j++) s[j] = exp_approx(s[j] - m);
+            long j = 0;
+            for (; j + 16 <= n; j += 16) {
+                v16f v;
+                memcpy(&v, s + j, 64);
+                v = exp16(v - m);
+                memcpy(s + j, &v, 64);
+            }
+            for (; j < n; j++) s[j] = exp1(s[j] - m);
 #endif
 
             float z = 0.0f;
@@ -202,17 +269,16 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
  * bfloat16 rounds silu's result before the product, as two PyTorch ops would. */
 void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf) {
     for (long r = 0; r < rows; r++) {
-        if (bf) {
-            const uint16_t *g = (const uint16_t *)gu + r * 2 * I, *u = g + I;
-            uint16_t *o = (uint16_t *)out + r * I;
-            for (long i = 0; i < I; i++) {
-                float x = bf2f(g[i]);
-                o[i] = f2bf(bf2f(f2bf(x / (1.0f + exp_approx(-x)))) * bf2f(u[i]));
-            }
-        } else {
-            const float *g = (const float *)gu + r * 2 * I, *u = g + I;
-            float *o = (float *)out + r * I;
-            for (long i = 0; i < I; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        long g = r * 2 * I, u = g + I, o = r * I, i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16f x = load16(gu, g + i, bf);
+            v16f sx = x / (1.0f + exp16(-x));
+            if (bf) sx = (v16f)(__builtin_convertvector(round16(sx), v16u) << 16); /* silu's result rounded */
+            store16(out, o + i, sx * load16(gu, u + i, bf), bf);
+        }
+        for (; i < I; i++) {
+            float x = ld(gu, g + i, bf);
+            st(out, o + i, rnd(x / (1.0f + exp1(-x)), bf) * ld(gu, u + i, bf), bf);
         }
     }
 }

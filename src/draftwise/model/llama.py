@@ -295,8 +295,9 @@ class LlamaModel(nn.Module):
             x = paged_layer(x, w, self.cfg, cos, sin, kv_cache[i], meta)
         return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
-    FUSED_MAX_TOKENS = 16  # longer blocks (prefill) take the PyTorch path
-    FUSED_ATTENTION_MAX_TOKENS = 1  # see _fused_forward
+    # longer blocks (prefill chunks) take the PyTorch path: the kernel's attention loops over
+    # queries, SDPA's is blocked and multi-threaded (for 5 queries the kernel was still faster)
+    FUSED_MAX_TOKENS = 16
 
     def _fusable(self, input_ids, kv_cache, meta) -> bool:
         """One sequence on consecutive cache slots (the runner sets `gather_start` only then, with
@@ -329,16 +330,10 @@ class LlamaModel(nn.Module):
         for i, w in enumerate(plan):
             qkv = w.qkv(h)  # [1, T, (H + 2 Hkv) * D]
             k.rope(qkv.data_ptr(), T, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
-            if T <= self.FUSED_ATTENTION_MAX_TOKENS:
-                y = torch.empty(1, T, H * D, dtype=x.dtype)
-                kc = cache + i * layer_stride * es
-                k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, meta.gather_start, L,
-                         cfg.sliding_window or 0, D ** -0.5, y.data_ptr(), bf)
-            else:  # several queries: PyTorch's SDPA (multi-threaded) is faster than the loop
-                qkv4 = qkv.view(1, T, H + 2 * Hkv, D)
-                y = paged_attention(qkv4[:, :, :H].transpose(1, 2), qkv4[:, :, H: H + Hkv], qkv4[:, :, H + Hkv:],
-                                    kv_cache[i], meta, D ** -0.5)
-                y = y.transpose(1, 2).reshape(1, T, H * D).to(x.dtype)
+            y = torch.empty(1, T, H * D, dtype=x.dtype)
+            kc = cache + i * layer_stride * es
+            k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, meta.gather_start, L,
+                     cfg.sliding_window or 0, D ** -0.5, y.data_ptr(), bf)
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
             k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), T, hid, eps, bf)
             gu = w.gate_up(h)
