@@ -1,4 +1,4 @@
-"""The draft's dtype: float32 on CPU by default (also under a bfloat16 target), or as asked;
+"""The draft's dtype: bfloat16 on CPU by default (also under a float32 target), or as asked;
 greedy speculative output stays the target's own whatever the draft's precision."""
 import torch
 
@@ -13,20 +13,21 @@ def _dtype(llm, which):
 
 
 def test_draft_dtype_rule():
-    assert draft_dtype_for("bfloat16", "cpu") == "float32"
-    assert draft_dtype_for("bfloat16", "cuda") == "bfloat16"
-    assert draft_dtype_for("bfloat16", "cpu", "bfloat16") == "bfloat16"
+    assert draft_dtype_for("float32", "cpu") == "bfloat16"
+    assert draft_dtype_for("float32", "cuda") == "float32"
+    assert draft_dtype_for("float32", "cpu", "float32") == "float32"
 
 
 def test_mixed_dtypes(target_dir, draft_dir):
     spec = SpecConfig(method="draft", k=4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41]]
-    # a bfloat16 target gets a float32 draft by default, or the dtype asked for
-    llm = LLM(target_dir, draft=draft_dir, spec=spec, dtype="bfloat16")
-    assert _dtype(llm, "target") == torch.bfloat16 and _dtype(llm, "draft") == torch.float32
-    asked = LLM(target_dir, draft=draft_dir, spec=spec, dtype="bfloat16", draft_dtype="bfloat16")
-    assert _dtype(asked, "draft") == torch.bfloat16
+    # a float32 target gets a bfloat16 draft by default on CPU, or the dtype asked for
+    llm = LLM(target_dir, draft=draft_dir, spec=spec, dtype="float32")
+    assert _dtype(llm, "target") == torch.float32 and _dtype(llm, "draft") == torch.bfloat16
+    asked = LLM(target_dir, draft=draft_dir, spec=spec, dtype="bfloat16", draft_dtype="float32")
+    assert _dtype(asked, "draft") == torch.float32
+    assert all(len(o.token_ids) == 24 for o in asked.generate(prompts, sp))
     outs = llm.generate(prompts, sp)
     assert all(len(o.token_ids) == 24 for o in outs) and sum(o.stats.rounds for o in outs) > 0
     # a float32 target with a bfloat16 draft: greedy output is still exactly the target's own

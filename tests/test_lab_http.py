@@ -32,7 +32,8 @@ def test_bench_url_against_draftwise_serve(target_dir, tmp_path):
     wl = tmp_path / "short.jsonl"
     wl.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 12}) + "\n"
                           for i, p in enumerate(["def add(a, b):", "class Point:\n", "for i in", "import os\n"])))
-    engine = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=3)).engine
+    engine = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=3),
+                 draft_dtype="float32").engine  # its own draft at its precision: all accepted
     with ServerThread(engine, "tiny") as srv:
         rc = main(["bench", "--url", srv.url, "--workload", str(wl), "--max-tokens", "12",
                    "--concurrency", "1,2", "--out", str(tmp_path / "out")])

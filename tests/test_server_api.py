@@ -26,7 +26,8 @@ def ref(target_dir):
 @pytest.fixture(scope="module")
 def servers(target_dir):
     plain = LLM(str(target_dir)).engine
-    spec = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=4)).engine
+    spec = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=4),
+               draft_dtype="float32").engine
     with ServerThread(plain) as a, ServerThread(spec) as b:
         yield {"plain": a, "spec": b}
 

@@ -10,7 +10,8 @@ PROMPT = "def add(a, b):"
 def runs(target_dir):
     plain = LLM(str(target_dir))
     # the target drafting for itself: every proposal accepted, so stops land inside blocks
-    spec = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=8))
+    spec = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=8),
+               draft_dtype="float32")  # its own draft at its precision: whole blocks accepted
     base = plain.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     return plain, spec, base
 

@@ -74,6 +74,7 @@ class Kernels:
             "dw_rope": [p, i, i, i, i, p, p, p, ctypes.c_int],
             "dw_attend": [p, i, i, i, i, p, p, i, i, i, f, p, ctypes.c_int],
             "dw_silu_mul": [p, p, i, i, ctypes.c_int],
+            "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

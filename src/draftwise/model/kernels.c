@@ -282,3 +282,19 @@ void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf) {
         }
     }
 }
+
+/* out[t, o] = x[t] . w[o] (+ bias[o]) for a small weight [O, N] (below
+ * KERNEL_LINEAR_MAX_NUMEL in llama.py: there a BLAS or oneDNN call costs more than its
+ * arithmetic). Each row's result is independent of the other rows. bias may be NULL. */
+void dw_linear(const void *x, const void *w, const void *bias, void *out, long rows, long O, long N, int bf) {
+    float *xf = (float *)malloc(sizeof(float) * rows * N); /* the rows in float32; each weight row is read once */
+    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+    for (long o = 0; o < O; o++) {
+        float b = bias ? ld(bias, o, bf) : 0.0f;
+        for (long t = 0; t < rows; t++) {
+            float s = bf ? dot_bf16(xf + t * N, (const uint16_t *)w + o * N, N) : dot_f32(xf + t * N, (const float *)w + o * N, N);
+            st(out, t * O + o, bias ? s + b : s, bf);
+        }
+    }
+    free(xf);
+}

@@ -67,11 +67,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (measured best of 1-64)
-# oneDNN's call costs ~18 us, F.linear's ~4 us: below this many weights F.linear is as fast (e.g.
-# 160x480, the draft's down projection); above it the packed kernel's faster weight reads win
-# (in a decode step: 384x384 float32 57 vs 93 us, and bfloat16 F.linear was slower still, the
-# 20M target's step 4.7 -> 3.5 ms when its o_proj was packed too; 384x2304: 85 vs 44 us).
-PACK_MIN_NUMEL = 100_000
+# Weights of at least this many elements are packed for oneDNN: batch-1 products are bound by
+# reading them, and oneDNN reads them fastest (384x2304 float32: 44 against F.linear's 85 us).
+# A oneDNN call costs ~27 us however small the weight, and a bfloat16 F.linear as much, so
+# smaller weights take `kernels.c`'s loop for up to 16 rows (the draft's 224x160: float32
+# F.linear 6 us, bfloat16 29 us, packed 27 us either way), else F.linear. Measured on the
+# shipped pair, one run each: the boundary at 160K against 100K (the target's 384x384 o_proj and
+# the draft's 960x160 gate/up in the loop instead of oneDNN): plain 180 against 159 tok/s
+# (float32), 315 against 281 (bfloat16); at 300K (the 640x384 qkv too) speculative decoding lost
+# 4-13%.
+PACK_MIN_NUMEL = 160_000
+KERNEL_LINEAR_MAX_NUMEL = PACK_MIN_NUMEL
 
 
 def _packable(w: torch.Tensor) -> bool:
@@ -100,6 +106,9 @@ class PackedLinear(nn.Module):
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), None
         else:
             self.packed, self.weight = None, nn.Parameter(w.contiguous(), requires_grad=False)
+        # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py)
+        self.small = (self.packed is None and w.device.type == "cpu" and w.numel() < KERNEL_LINEAR_MAX_NUMEL
+                      and w.dtype in (torch.float32, torch.bfloat16))
 
     @staticmethod
     def of(*linears: nn.Linear) -> "PackedLinear":
@@ -110,6 +119,14 @@ class PackedLinear(nn.Module):
     def forward(self, x):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.small and x.dtype == self.weight.dtype and x.is_contiguous() and x.numel() <= 16 * self.in_features:
+            k = cpu_kernels.kernels()
+            if k is not None:
+                out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
+                k.linear(x.data_ptr(), self.weight.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
+                         out.data_ptr(), x.numel() // self.in_features, self.out_features, self.in_features,
+                         int(x.dtype == torch.bfloat16))
+                return out
         return F.linear(x, self.weight, self.bias)
 
 
