@@ -34,6 +34,18 @@ def test_kernels_build_where_a_compiler_exists(kernels_switch):
     assert cpu_kernels.kernels() is None
 
 
+def load_with_distinct_norms(path, dtype):
+    """The test models' RMSNorm weights are all ones; distinct ones catch a kernel reading the
+    wrong norm."""
+    loaded = load_model(path, dtype=dtype, load_tokenizer=False)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in loaded.model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return loaded
+
+
 def run_rounds(loaded, calls: list) -> list[torch.Tensor]:
     """Prefill, single-token steps, a verification block, then a rollback (a block rewritten from an
     earlier position over stale K/V): the access pattern of speculative decoding."""
@@ -51,9 +63,14 @@ def run_rounds(loaded, calls: list) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["one-call", "per-layer"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_layer_matches_pytorch_path(name, dtype, tmp_path, kernels_switch, monkeypatch, tokenizer):
+def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_switch, monkeypatch, tokenizer):
+    """The tiny models' projections are all small: all layers run in one `dw_decoder` call, or
+    (as for a target with oneDNN-packed products) layer by layer."""
+    if not whole:
+        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: [])
     kernels_switch(True)
     if cpu_kernels.kernels() is None:
         pytest.skip("fused kernels unavailable (no C compiler)")
@@ -66,11 +83,13 @@ def test_fused_layer_matches_pytorch_path(name, dtype, tmp_path, kernels_switch,
         return real(self, *a, **kw)
 
     monkeypatch.setattr(LlamaModel, "_fused_forward", spy)
-    on = run_rounds(load_model(path, dtype=dtype, load_tokenizer=False), [])
+    loaded = load_with_distinct_norms(path, dtype)
+    on = run_rounds(loaded, [])
+    assert bool(loaded.model._small_layers) == whole
     assert fused_calls == [12, 1, 1, 1, 5, 9, 1], "every call of this lone sequence takes the fused path"
     kernels_switch(False)
     fused_calls.clear()
-    off = run_rounds(load_model(path, dtype=dtype, load_tokenizer=False), [])
+    off = run_rounds(load_with_distinct_norms(path, dtype), [])
     assert fused_calls == []
     for a, b in zip(on, off):
         scale = b.abs().max().item()

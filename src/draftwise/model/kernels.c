@@ -298,3 +298,37 @@ void dw_linear(const void *x, const void *w, const void *bias, void *out, long r
     }
     free(xf);
 }
+
+/* Every decoder layer of a model whose projections are all small enough for dw_linear (a draft
+ * model), for T tokens of one sequence on consecutive cache slots: the sequence of calls that
+ * LlamaModel._fused_forward makes per layer, in one call. x [T, hid] is the residual stream
+ * (updated in place), h [T, hid] receives the final-normalised hidden states. w holds 10 pointers
+ * per layer: ln1, qkv weight, qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down
+ * weight, down bias (biases may be NULL). Caches: layer l's K at cache + l * layer_stride
+ * elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not available. */
+int dw_decoder(void *x, void *h, long T, long layers, long hid, long H, long Hkv, long D, long I,
+               void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,
+               const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
+               long window, float scale, int bf) {
+    long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
+    char *buf = (char *)malloc(es * T * (qkvw + H * D + hid + 3 * I + hid));
+    if (!buf) return -1;
+    char *qkv = buf, *y = qkv + es * T * qkvw, *o = y + es * T * H * D, *gu = o + es * T * hid;
+    char *a = gu + es * T * 2 * I, *d = a + es * T * I;
+    dw_rms_norm(x, w[0], h, T, hid, eps, bf);
+    for (long l = 0; l < layers; l++) {
+        void **W = w + 10 * l;
+        char *kc = (char *)cache + l * layer_stride * es;
+        dw_linear(h, W[1], W[2], qkv, T, qkvw, hid, bf);
+        dw_rope(qkv, T, qkvw, H + Hkv, D, pos, cos, sin, bf);
+        dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf);
+        dw_linear(y, W[3], W[4], o, T, hid, H * D, bf);
+        dw_add_rms_norm(x, o, W[5], h, T, hid, eps, bf);
+        dw_linear(h, W[6], W[7], gu, T, 2 * I, hid, bf);
+        dw_silu_mul(gu, a, T, I, bf);
+        dw_linear(a, W[8], W[9], d, T, hid, I, bf);
+        dw_add_rms_norm(x, d, l + 1 < layers ? w[10 * (l + 1)] : final_norm, h, T, hid, eps, bf);
+    }
+    free(buf);
+    return 0;
+}

@@ -259,6 +259,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.plan: list[LayerWeights] | None = None  # set by fuse_projections (inference)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
+        self._small_layers = None  # see _layer_pointers
 
     def rope(self, positions: torch.Tensor, max_position: int | None = None):
         """positions [B, T] -> cos, sin_signed [B, T, 1, D] (float32; see `apply_rope`).
@@ -343,14 +344,24 @@ class LlamaModel(nn.Module):
         cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
         es = kv_cache.element_size()
         plan = self.plan
+        window, scale = cfg.sliding_window or 0, D ** -0.5
+        if self._small_layers is None:
+            self._small_layers = self._layer_pointers()
+        if self._small_layers:  # a draft-sized model: all layers in one call
+            rc = k.decoder(x.data_ptr(), h.data_ptr(), T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
+                           self._small_layers, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
+                           sin.data_ptr(), cache, layer_stride, kv_stride, meta.gather_start, L, window, scale, bf)
+            if rc != 0:
+                raise MemoryError("fused decoder: no scratch memory")
+            return h
         k.rms_norm(x.data_ptr(), plan[0].ln1.data_ptr(), h.data_ptr(), T, hid, eps, bf)
         for i, w in enumerate(plan):
             qkv = w.qkv(h)  # [1, T, (H + 2 Hkv) * D]
             k.rope(qkv.data_ptr(), T, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
             y = torch.empty(1, T, H * D, dtype=x.dtype)
             kc = cache + i * layer_stride * es
-            k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, meta.gather_start, L,
-                     cfg.sliding_window or 0, D ** -0.5, y.data_ptr(), bf)
+            k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, meta.gather_start, L, window, scale,
+                     y.data_ptr(), bf)
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
             k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), T, hid, eps, bf)
             gu = w.gate_up(h)
@@ -360,6 +371,24 @@ class LlamaModel(nn.Module):
             d = w.down(a)
             k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), T, hid, eps, bf)
         return h
+
+    def _layer_pointers(self):
+        """For `dw_decoder`: 10 pointers per layer when every projection is small (`PackedLinear.small`,
+        e.g. the shipped draft), else an empty list (the per-layer path: oneDNN products between kernels).
+        Prepared weights never move (see `_apply`), so the pointers stay valid."""
+        import ctypes
+
+        ptrs = []
+        for layer, w in zip(self.model.layers, self.plan):
+            a, m = layer.self_attn, layer.mlp
+            projs = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if not all(p.small for p in projs):
+                return []
+            def pair(p):
+                return [p.weight.data_ptr(), 0 if p.bias is None else p.bias.data_ptr()]
+            ptrs += ([w.ln1.data_ptr()] + pair(a.qkv_proj) + pair(a.o_proj) + [w.ln2.data_ptr()]
+                     + pair(m.gate_up_proj) + pair(m.down_proj))
+        return (ctypes.c_void_p * len(ptrs))(*ptrs)
 
     @torch.no_grad()
     def fuse_projections(self) -> "LlamaModel":
