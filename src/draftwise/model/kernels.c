@@ -199,7 +199,13 @@ static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
  * qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied), its T tokens at positions
  * L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]), then for each query t and
  * head h attends keys max(0, p - window + 1) .. p (p = its position; window 0 = none) with float32
- * scores and softmax; out: [T, H * D] in the dtype (grouped-query: head h reads K/V head h / (H / Hkv)). */
+ * scores and softmax; out: [T, H * D] in the dtype (grouped-query: head h reads K/V head h / (H / Hkv)).
+ * The T * H / Hkv queries that share a K/V head are done together: each key and value is read
+ * (and converted from bfloat16) once for all of them. */
+#ifndef QK_BLOCK_MIN_QUERIES
+#define QK_BLOCK_MIN_QUERIES 8
+#endif
+
 void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
                long window, float scale, void *out, int bf) {
     long row = (H + 2 * Hkv) * D, kv = Hkv * D, es = bf ? 2 : 4;
@@ -208,27 +214,73 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
         memcpy((char *)kc + slot * kv * es, (const char *)qkv + (t * row + H * D) * es, kv * es);
         memcpy((char *)vc + slot * kv * es, (const char *)qkv + (t * row + (H + Hkv) * D) * es, kv * es);
     }
-    float *sc = (float *)malloc(sizeof(float) * (L + 2 * D + 16));
-    float *acc = sc + L, *q = acc + D;
-    long group = H / Hkv;
-    for (long t = 0; t < T; t++) {
-        long p = L - T + t, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p + 1 - lo;
-        for (long h = 0; h < H; h++) {
-            long g = h / group;
-            for (long i = 0; i < D; i++) q[i] = ld(qkv, t * row + h * D + i, bf);
-            float *s = sc + lo;
-
-#ifndef NOQK
-            if (bf)
-                for (long j = 0; j < n; j++) s[j] = dot_bf16(q, (const uint16_t *)kc + (slot0 + lo + j) * kv + g * D, D) * scale;
-            else
-                for (long j = 0; j < n; j++) s[j] = dot_f32(q, (const float *)kc + (slot0 + lo + j) * kv + g * D, D) * scale;
-
-#endif
+    long group = H / Hkv, nq = T * group;
+    float *S = (float *)malloc(sizeof(float) * (nq * L + 2 * nq * D + D + 16 * D + 16)); /* scores [nq, L] */
+    float *Q = S + nq * L, *A = Q + nq * D, *x = A + nq * D;  /* queries, outputs, one key or value row */
+    float *Kt = x + D, *Sb = Kt + 16 * D;                      /* a block of 16 keys transposed [D, 16] */
+    long first = L - T; /* position of the first query */
+    long lo_all = (window > 0 && first - window + 1 > 0) ? first - window + 1 : 0;
+    for (long g = 0; g < Hkv; g++) {
+        for (long r = 0; r < nq; r++) { /* query r: token r / group, head g * group + r % group */
+            long t = r / group, h = g * group + r % group;
+            for (long i = 0; i < D; i++) Q[r * D + i] = ld(qkv, t * row + h * D + i, bf);
+        }
+        if (nq >= QK_BLOCK_MIN_QUERIES) { /* 16 keys at a time, transposed: no per-dot lane sums */
+            for (long jb = lo_all; jb < L; jb += 16) {
+                long nb = L - jb < 16 ? L - jb : 16;
+                for (long i = 0; i < D; i++) {
+                    v16f col = {0};
+                    for (long l = 0; l < nb; l++) col[l] = ld(kc, (slot0 + jb + l) * kv + g * D + i, bf);
+                    memcpy(Kt + i * 16, &col, 64);
+                }
+                for (long r = 0; r < nq; r++) {
+                    if (jb > first + r / group) continue; /* every key of the block is after it */
+                    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains: the adds' latency overlaps */
+                    const float *qr = Q + r * D;
+                    long i = 0;
+                    for (; i + 4 <= D; i += 4) {
+                        v16f c0, c1, c2, c3;
+                        memcpy(&c0, Kt + i * 16, 64);
+                        memcpy(&c1, Kt + (i + 1) * 16, 64);
+                        memcpy(&c2, Kt + (i + 2) * 16, 64);
+                        memcpy(&c3, Kt + (i + 3) * 16, 64);
+                        a0 += qr[i] * c0;
+                        a1 += qr[i + 1] * c1;
+                        a2 += qr[i + 2] * c2;
+                        a3 += qr[i + 3] * c3;
+                    }
+                    for (; i < D; i++) {
+                        v16f c;
+                        memcpy(&c, Kt + i * 16, 64);
+                        a0 += qr[i] * c;
+                    }
+                    v16f acc = ((a0 + a1) + (a2 + a3)) * scale;
+                    memcpy(Sb, &acc, 64);
+                    for (long l = 0; l < nb; l++) S[r * L + jb + l] = Sb[l]; /* read only within lo .. p */
+                }
+            }
+        } else {
+            for (long j = lo_all; j < L; j++) {
+                const float *k;
+                if (bf) {
+                    const uint16_t *kb = (const uint16_t *)kc + (slot0 + j) * kv + g * D;
+                    for (long i = 0; i < D; i++) x[i] = bf2f(kb[i]);
+                    k = x;
+                } else {
+                    k = (const float *)kc + (slot0 + j) * kv + g * D;
+                }
+                for (long r = 0; r < nq; r++) {
+                    long p = first + r / group;
+                    if (j > p || (window > 0 && j <= p - window)) continue;
+                    S[r * L + j] = dot_f32(Q + r * D, k, D) * scale;
+                }
+            }
+        }
+        for (long r = 0; r < nq; r++) { /* softmax over each query's own keys lo .. p */
+            long p = first + r / group, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p + 1 - lo;
+            float *s = S + r * L + lo;
             float m = s[0];
             for (long j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
-            
-#ifndef NOEXP
             long j = 0;
             for (; j + 16 <= n; j += 16) {
                 v16f v;
@@ -237,32 +289,56 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
                 memcpy(s + j, &v, 64);
             }
             for (; j < n; j++) s[j] = exp1(s[j] - m);
-#endif
-
             float z = 0.0f;
 #pragma omp simd reduction(+ : z)
-            for (long j = 0; j < n; j++) z += s[j];
-            for (long i = 0; i < D; i++) acc[i] = 0.0f;
-
-#ifndef NOPV
-            for (long jj = 0; jj < n; jj++) {
-                long vo = (slot0 + lo + jj) * kv + g * D;
-                float pj = s[jj];
-                if (bf) {
-                    const uint16_t *v = (const uint16_t *)vc + vo;
-                    for (long i = 0; i < D; i++) acc[i] += pj * bf2f(v[i]);
+            for (long jj = 0; jj < n; jj++) z += s[jj];
+            for (long jj = 0; jj < n; jj++) s[jj] /= z;
+        }
+        for (long r = 0; r < nq; r++) { /* out = sum_j s_j v_j, 64 outputs at a time in registers */
+            long p = first + r / group, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            const float *sr = S + r * L;
+            float *a = A + r * D;
+            long i0 = 0;
+            for (; i0 + 64 <= D; i0 += 64) {
+                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#define PV_STEP(BF)                                                                      \
+    for (long j = lo; j <= p; j++) {                                                     \
+        long off = (slot0 + j) * kv + g * D + i0;                                        \
+        v16f v0 = load16(vc, off, BF), v1 = load16(vc, off + 16, BF);                    \
+        v16f v2 = load16(vc, off + 32, BF), v3 = load16(vc, off + 48, BF);               \
+        a0 += sr[j] * v0;                                                                \
+        a1 += sr[j] * v1;                                                                \
+        a2 += sr[j] * v2;                                                                \
+        a3 += sr[j] * v3;                                                                \
+    }
+                if (bf) { /* the dtype's branch outside the loop */
+                    PV_STEP(1)
                 } else {
-                    const float *v = (const float *)vc + vo;
-                    for (long i = 0; i < D; i++) acc[i] += pj * v[i];
+                    PV_STEP(0)
                 }
+#undef PV_STEP
+                memcpy(a + i0, &a0, 64);
+                memcpy(a + i0 + 16, &a1, 64);
+                memcpy(a + i0 + 32, &a2, 64);
+                memcpy(a + i0 + 48, &a3, 64);
             }
-
-#endif
-            float inv = 1.0f / z;
-            for (long i = 0; i < D; i++) st(out, t * H * D + h * D + i, acc[i] * inv, bf);
+            for (; i0 + 16 <= D; i0 += 16) {
+                v16f a0 = {0};
+                for (long j = lo; j <= p; j++) a0 += sr[j] * load16(vc, (slot0 + j) * kv + g * D + i0, bf);
+                memcpy(a + i0, &a0, 64);
+            }
+            for (long i = i0; i < D; i++) {
+                float acc = 0.0f;
+                for (long j = lo; j <= p; j++) acc += sr[j] * ld(vc, (slot0 + j) * kv + g * D + i, bf);
+                a[i] = acc;
+            }
+        }
+        for (long r = 0; r < nq; r++) {
+            long t = r / group, h = g * group + r % group;
+            for (long i = 0; i < D; i++) st(out, t * H * D + h * D + i, A[r * D + i], bf);
         }
     }
-    free(sc);
+    free(S);
 }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, I + i] (the gate and up halves of the fused projection);
