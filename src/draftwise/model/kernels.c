@@ -359,18 +359,39 @@ void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf) {
     }
 }
 
-/* out[t, o] = x[t] . w[o] (+ bias[o]) for a small weight [O, N] (below
+/* out[t, o] = x[t] . w[o] (+ bias[o]) for a small weight, given transposed: wt [N, O] (below
  * KERNEL_LINEAR_MAX_NUMEL in llama.py: there a BLAS or oneDNN call costs more than its
- * arithmetic). Each row's result is independent of the other rows. bias may be NULL. */
-void dw_linear(const void *x, const void *w, const void *bias, void *out, long rows, long O, long N, int bf) {
-    float *xf = (float *)malloc(sizeof(float) * rows * N); /* the rows in float32; each weight row is read once */
+ * arithmetic). wt is read row after row (sequential, prefetch-friendly even when it comes from
+ * memory), each row multiplied into all outputs' accumulators at once: vertical vector
+ * multiply-adds, no per-output lane sums. Each row's result is independent of the other rows
+ * (its accumulation order is fixed). bias may be NULL (accumulators start at the bias). */
+void dw_linear(const void *x, const void *wt, const void *bias, void *out, long rows, long O, long N, int bf) {
+    long Ov = O & ~15L; /* outputs in whole vectors; the rest one by one */
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + O + 16));
+    float *acc = xf + rows * N;
     for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    for (long o = 0; o < O; o++) {
-        float b = bias ? ld(bias, o, bf) : 0.0f;
-        for (long t = 0; t < rows; t++) {
-            float s = bf ? dot_bf16(xf + t * N, (const uint16_t *)w + o * N, N) : dot_f32(xf + t * N, (const float *)w + o * N, N);
-            st(out, t * O + o, bias ? s + b : s, bf);
+    for (long t = 0; t < rows; t++) {
+        const float *xr = xf + t * N;
+        for (long o = 0; o < O; o++) acc[o] = bias ? ld(bias, o, bf) : 0.0f;
+#define LIN_ROW(BF)                                                                      \
+    for (long i = 0; i < N; i++) { /* wt's rows in memory order: a sequential read */   \
+        float xi = xr[i];                                                                \
+        long off = i * O;                                                                \
+        for (long o = 0; o < Ov; o += 16) {                                              \
+            v16f a;                                                                      \
+            memcpy(&a, acc + o, 64);                                                     \
+            a += xi * load16(wt, off + o, BF);                                           \
+            memcpy(acc + o, &a, 64);                                                     \
+        }                                                                                \
+        for (long o = Ov; o < O; o++) acc[o] += xi * ld(wt, off + o, BF);                \
+    }
+        if (bf) {
+            LIN_ROW(1)
+        } else {
+            LIN_ROW(0)
         }
+#undef LIN_ROW
+        for (long o = 0; o < O; o++) st(out, t * O + o, acc[o], bf);
     }
     free(xf);
 }
@@ -380,7 +401,7 @@ void dw_linear(const void *x, const void *w, const void *bias, void *out, long r
  * LlamaModel._fused_forward makes per layer, in one call. x [T, hid] is the residual stream
  * (updated in place), h [T, hid] receives the final-normalised hidden states. w holds 10 pointers
  * per layer: ln1, qkv weight, qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down
- * weight, down bias (biases may be NULL). Caches: layer l's K at cache + l * layer_stride
+ * weight, down bias (weights transposed, as dw_linear takes them; biases may be NULL). Caches: layer l's K at cache + l * layer_stride
  * elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not available. */
 int dw_decoder(void *x, void *h, long T, long layers, long hid, long H, long Hkv, long D, long I,
                void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,

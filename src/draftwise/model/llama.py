@@ -106,9 +106,11 @@ class PackedLinear(nn.Module):
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), None
         else:
             self.packed, self.weight = None, nn.Parameter(w.contiguous(), requires_grad=False)
-        # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py)
+        # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py), which
+        # reads the weight transposed ([in, out], a copy: these weights are small)
         self.small = (self.packed is None and w.device.type == "cpu" and w.numel() < KERNEL_LINEAR_MAX_NUMEL
                       and w.dtype in (torch.float32, torch.bfloat16))
+        self.weight_t = w.t().contiguous() if self.small else None
 
     @staticmethod
     def of(*linears: nn.Linear) -> "PackedLinear":
@@ -123,7 +125,7 @@ class PackedLinear(nn.Module):
             k = cpu_kernels.kernels()
             if k is not None:
                 out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
-                k.linear(x.data_ptr(), self.weight.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
+                k.linear(x.data_ptr(), self.weight_t.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
                          out.data_ptr(), x.numel() // self.in_features, self.out_features, self.in_features,
                          int(x.dtype == torch.bfloat16))
                 return out
@@ -385,7 +387,7 @@ class LlamaModel(nn.Module):
             if not all(p.small for p in projs):
                 return []
             def pair(p):
-                return [p.weight.data_ptr(), 0 if p.bias is None else p.bias.data_ptr()]
+                return [p.weight_t.data_ptr(), 0 if p.bias is None else p.bias.data_ptr()]
             ptrs += ([w.ln1.data_ptr()] + pair(a.qkv_proj) + pair(a.o_proj) + [w.ln2.data_ptr()]
                      + pair(m.gate_up_proj) + pair(m.down_proj))
         return (ctypes.c_void_p * len(ptrs))(*ptrs)
