@@ -119,3 +119,31 @@ def test_speculative_equals_plain_with_and_without_kernels(target_dir, draft_dir
         outs[enabled] = ([o.token_ids for o in plain.generate(prompts, sp)],
                          [spec.generate(p, sp)[0].token_ids for p in prompts])
     assert outs[True][0] == outs[True][1] == outs[False][0] == outs[False][1]
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["one-call", "per-layer"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_block_and_single_token_forwards_agree_exactly(dtype, whole, tmp_path, tokenizer, kernels_switch,
+                                                        monkeypatch):
+    """A token's logits are bitwise the same whether it is fed alone or inside a verification
+    block: the kernels compute every row in a fixed order (attention switches to 16-key blocks
+    for many queries and keeps the per-key order). This is what makes greedy speculative decoding
+    agree with plain decoding on the kernel path, without near-tie exceptions."""
+    kernels_switch(True)
+    if cpu_kernels.kernels() is None:
+        pytest.skip("fused kernels unavailable (no C compiler)")
+    if not whole:
+        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: [])
+    path = make_model_dir(tmp_path, seed=5, tokenizer=tokenizer, **CASES["mistral-window"])
+    loaded = load_with_distinct_norms(path, dtype)
+    ids = torch.randint(1, loaded.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows = {}
+    for mode in ("block", "single"):
+        runner = ModelRunner(loaded, num_blocks=8, block_size=8)
+        runner.kv.reserve(0, 32)
+        runner.run([0], [ids[:12]], [0], [1])
+        if mode == "block":
+            rows[mode] = runner.run([0], [ids[12:20]], [12], [8])
+        else:
+            rows[mode] = torch.cat([runner.run([0], [[ids[t]]], [t], [1]) for t in range(12, 20)])
+    assert torch.equal(rows["block"], rows["single"])

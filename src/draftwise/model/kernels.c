@@ -153,9 +153,8 @@ void dw_rope(void *qkv, long T, long row, long heads, long D, const int64_t *pos
     }
 }
 
-/* `omp simd` loops (-fopenmp-simd: no OpenMP runtime) may reassociate their float32 sums. */
 /* Dot products: 16 float32 lanes (GCC/Clang vector extension), summed as a tree at the end; a
- * different (not worse) order than a sequential loop. */
+ * different (not worse) order than a sequential loop, and a fixed one. */
 static inline float dot_f32(const float *q, const float *k, long D) {
     if ((D & 15) == 0) {
         v16f acc = {0};
@@ -174,6 +173,25 @@ static inline float dot_f32(const float *q, const float *k, long D) {
     float s = 0.0f;
     for (long i = 0; i < D; i++) s += q[i] * k[i];
     return s;
+}
+
+/* sum of n floats in a fixed order (16 lanes, the tree of dot_f32, then the tail): the same
+ * result wherever the array starts, so a query's softmax does not depend on the block. */
+static inline float sum_f32(const float *s, long n) {
+    v16f acc = {0};
+    long j = 0;
+    for (; j + 16 <= n; j += 16) {
+        v16f v;
+        memcpy(&v, s + j, 64);
+        acc += v;
+    }
+    float t[16];
+    memcpy(t, &acc, 64);
+    for (int l = 0; l < 8; l++) t[l] += t[l + 8];
+    for (int l = 0; l < 4; l++) t[l] += t[l + 4];
+    float z = (t[0] + t[2]) + (t[1] + t[3]);
+    for (; j < n; j++) z += s[j];
+    return z;
 }
 
 static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
@@ -225,7 +243,7 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
             long t = r / group, h = g * group + r % group;
             for (long i = 0; i < D; i++) Q[r * D + i] = ld(qkv, t * row + h * D + i, bf);
         }
-        if (nq >= QK_BLOCK_MIN_QUERIES) { /* 16 keys at a time, transposed: no per-dot lane sums */
+        if (nq >= QK_BLOCK_MIN_QUERIES && (D & 15) == 0) { /* 16 keys at a time, transposed */
             for (long jb = lo_all; jb < L; jb += 16) {
                 long nb = L - jb < 16 ? L - jb : 16;
                 for (long i = 0; i < D; i++) {
@@ -235,26 +253,20 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
                 }
                 for (long r = 0; r < nq; r++) {
                     if (jb > first + r / group) continue; /* every key of the block is after it */
-                    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains: the adds' latency overlaps */
+                    /* lane l of A[m] sums q[i] k[i] over i = m mod 16, in order, then the tree of
+                     * dot_f32: each key's score is bitwise what dot_f32 gives (same block or not) */
+                    v16f A[16];
+                    for (int m = 0; m < 16; m++) A[m] = (v16f){0};
                     const float *qr = Q + r * D;
-                    long i = 0;
-                    for (; i + 4 <= D; i += 4) {
-                        v16f c0, c1, c2, c3;
-                        memcpy(&c0, Kt + i * 16, 64);
-                        memcpy(&c1, Kt + (i + 1) * 16, 64);
-                        memcpy(&c2, Kt + (i + 2) * 16, 64);
-                        memcpy(&c3, Kt + (i + 3) * 16, 64);
-                        a0 += qr[i] * c0;
-                        a1 += qr[i + 1] * c1;
-                        a2 += qr[i + 2] * c2;
-                        a3 += qr[i + 3] * c3;
-                    }
-                    for (; i < D; i++) {
-                        v16f c;
-                        memcpy(&c, Kt + i * 16, 64);
-                        a0 += qr[i] * c;
-                    }
-                    v16f acc = ((a0 + a1) + (a2 + a3)) * scale;
+                    for (long c = 0; c < D; c += 16)
+                        for (int m = 0; m < 16; m++) {
+                            v16f col;
+                            memcpy(&col, Kt + (c + m) * 16, 64);
+                            A[m] += qr[c + m] * col;
+                        }
+                    for (int m = 0; m < 8; m++) A[m] += A[m + 8];
+                    for (int m = 0; m < 4; m++) A[m] += A[m + 4];
+                    v16f acc = ((A[0] + A[2]) + (A[1] + A[3])) * scale;
                     memcpy(Sb, &acc, 64);
                     for (long l = 0; l < nb; l++) S[r * L + jb + l] = Sb[l]; /* read only within lo .. p */
                 }
@@ -289,9 +301,7 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
                 memcpy(s + j, &v, 64);
             }
             for (; j < n; j++) s[j] = exp1(s[j] - m);
-            float z = 0.0f;
-#pragma omp simd reduction(+ : z)
-            for (long jj = 0; jj < n; jj++) z += s[jj];
+            float z = sum_f32(s, n);
             for (long jj = 0; jj < n; jj++) s[jj] /= z;
         }
         for (long r = 0; r < nq; r++) { /* out = sum_j s_j v_j, 64 outputs at a time in registers */
