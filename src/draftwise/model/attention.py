@@ -54,21 +54,14 @@ class AttentionMetadata:
     def consecutive(start_slot: int, start: int, T: int, positions: torch.Tensor,
                     sliding_window: int | None = None) -> "AttentionMetadata":
         """One sequence whose positions 0..start+T-1 lie on slots start_slot.. (consecutive): its T
-        new tokens at positions start..start+T-1 (`positions` [1, T]). No slot lists to look up."""
-        L = start + T
-        dev = positions.device
-        gather = torch.arange(start_slot, start_slot + L, device=dev)[None]
-        write_slots = gather[0, start:]
-        if T == 1 and (sliding_window is None or L <= sliding_window):
-            mask = None
-        else:
-            key_pos = torch.arange(L, device=dev)
-            mask = key_pos[None, None, :] <= positions[:, :, None]
-            if sliding_window is not None:
-                mask &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
-            # additive float mask (0 / -inf): SDPA would convert a boolean one in every layer
-            mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return AttentionMetadata(torch.arange(T, device=dev), write_slots, gather, mask, gather_start=start_slot)
+        new tokens at positions start..start+T-1 (`positions` [1, T]). No slot lists to look up,
+        and the tensors are built only if read (the fused CPU path needs the first slot and the
+        number of keys alone)."""
+        return ConsecutiveMetadata(start_slot, start, T, positions, sliding_window)
+
+    @property
+    def num_keys(self) -> int:  # L
+        return self.gather_slots.shape[1]
 
     @staticmethod
     def build_dense(
@@ -129,3 +122,39 @@ def sdpa(q, k, v, mask, scale, is_causal: bool = False):
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+class ConsecutiveMetadata(AttentionMetadata):
+    """`AttentionMetadata.consecutive`: the slot tensors and the mask are built on first read."""
+
+    def __init__(self, start_slot: int, start: int, T: int, positions: torch.Tensor, sliding_window: int | None):
+        self.gather_start = start_slot
+        self._args = (start_slot, start, T, positions, sliding_window)
+        self._built: AttentionMetadata | None = None
+
+    @property
+    def num_keys(self) -> int:
+        return self._args[1] + self._args[2]
+
+    def _tensors(self) -> AttentionMetadata:
+        if self._built is None:
+            start_slot, start, T, positions, sliding_window = self._args
+            L = start + T
+            dev = positions.device
+            gather = torch.arange(start_slot, start_slot + L, device=dev)[None]
+            if T == 1 and (sliding_window is None or L <= sliding_window):
+                mask = None
+            else:
+                key_pos = torch.arange(L, device=dev)
+                allowed = key_pos[None, None, :] <= positions[:, :, None]
+                if sliding_window is not None:
+                    allowed &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
+                # additive float mask (0 / -inf): SDPA would convert a boolean one in every layer
+                mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+            self._built = AttentionMetadata(torch.arange(T, device=dev), gather[0, start:], gather, mask, start_slot)
+        return self._built
+
+    write_index = property(lambda self: self._tensors().write_index)
+    write_slots = property(lambda self: self._tensors().write_slots)
+    gather_slots = property(lambda self: self._tensors().gather_slots)
+    mask = property(lambda self: self._tensors().mask)

@@ -338,7 +338,7 @@ class LlamaModel(nn.Module):
         H, Hkv, D, hid, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                cfg.hidden_size, cfg.rms_norm_eps)
         bf = int(kv_cache.dtype == torch.bfloat16)
-        L = meta.gather_slots.shape[1]
+        L = meta.num_keys
         cos, sin = self.rope_table(max(L, int(max_position or 0)), input_ids.device)
         pos = positions.contiguous()
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [1, T, hidden], updated in place
