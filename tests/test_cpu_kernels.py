@@ -147,3 +147,59 @@ def test_block_and_single_token_forwards_agree_exactly(dtype, whole, tmp_path, t
         else:
             rows[mode] = torch.cat([runner.run([0], [[ids[t]]], [t], [1]) for t in range(12, 20)])
     assert torch.equal(rows["block"], rows["single"])
+
+
+def run_batch_rounds(loaded) -> list[torch.Tensor]:
+    """Three sequences of different lengths whose blocks interleave in the cache (paged, not
+    consecutive): single-token steps and equal-length blocks for all three at once, with a
+    rollback, as batched decoding and verification do."""
+    runner = ModelRunner(loaded, num_blocks=24, block_size=4)
+    g = torch.Generator().manual_seed(2)
+    V = loaded.config.vocab_size
+    seqs = {s: torch.randint(1, V, (40,), generator=g).tolist() for s in range(3)}
+    prompt = {0: 7, 1: 12, 2: 5}
+    for step in range(6):  # interleave the block tables: 4 slots at a time, in turns
+        for s in range(3):
+            runner.kv.reserve(s, 4 * (step + 1))
+    out = []
+    for s in range(3):
+        out.append(runner.run([s], [seqs[s][: prompt[s]]], [0], [1]))
+    ids = list(range(3))
+    n = dict(prompt)
+    for _ in range(2):
+        out.append(runner.run(ids, [[seqs[s][n[s]]] for s in ids], [n[s] for s in ids], [1] * 3))
+        n = {s: n[s] + 1 for s in ids}
+    out.append(runner.run(ids, [seqs[s][n[s]: n[s] + 3] for s in ids], [n[s] for s in ids], [3] * 3))
+    n = {s: n[s] + 1 for s in ids}  # only the first of the three kept: the rest rolled back
+    out.append(runner.run(ids, [seqs[s][n[s]: n[s] + 3] for s in ids], [n[s] for s in ids], [3] * 3))
+    return out
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["one-call", "per-layer"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_fused_batches_match_pytorch_path(name, dtype, whole, tmp_path, tokenizer, kernels_switch, monkeypatch):
+    kernels_switch(True)
+    if cpu_kernels.kernels() is None:
+        pytest.skip("fused kernels unavailable (no C compiler)")
+    if not whole:
+        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: [])
+    path = make_model_dir(tmp_path, seed=4, tokenizer=tokenizer, **CASES[name])
+    shapes = []
+    real = LlamaModel._fused_forward
+
+    def spy(self, *a, **kw):
+        shapes.append(tuple(a[0].shape))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(LlamaModel, "_fused_forward", spy)
+    on = run_batch_rounds(load_with_distinct_norms(path, dtype))
+    assert (3, 1) in shapes and (3, 3) in shapes, "batches take the fused path"
+    kernels_switch(False)
+    shapes.clear()
+    off = run_batch_rounds(load_with_distinct_norms(path, dtype))
+    assert shapes == []
+    for a, b in zip(on, off):
+        scale = b.abs().max().item()
+        tol = 1e-5 * max(1.0, scale) if dtype == "float32" else 0.02 * scale
+        assert (a - b).abs().max().item() <= tol

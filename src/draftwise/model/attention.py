@@ -30,6 +30,9 @@ class AttentionMetadata:
     # B = 1, positions L-T..L-1, keys 0..L-1 on slots gather_start.. (consecutive): K/V read as
     # one slice, and the fused CPU kernels may run the layer (see LlamaModel._fusable)
     gather_start: int | None = None
+    # batches without padding: each sequence's number of keys (its new tokens are its last ones);
+    # set by the runner, read by the fused CPU path (LlamaModel._fusable)
+    seq_lens: list[int] | None = None
 
     @staticmethod
     def build(
@@ -129,6 +132,7 @@ class ConsecutiveMetadata(AttentionMetadata):
 
     def __init__(self, start_slot: int, start: int, T: int, positions: torch.Tensor, sliding_window: int | None):
         self.gather_start = start_slot
+        self.seq_lens = None
         self._args = (start_slot, start, T, positions, sliding_window)
         self._built: AttentionMetadata | None = None
 

@@ -213,8 +213,8 @@ static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
     return s;
 }
 
-/* Attention of one sequence whose K/V occupy consecutive cache slots: slot0 + position.
- * qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied), its T tokens at positions
+/* Attention of one sequence: key position j in cache slot slots[j], or slot0 + j when slots is
+ * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied), its T tokens at positions
  * L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]), then for each query t and
  * head h attends keys max(0, p - window + 1) .. p (p = its position; window 0 = none) with float32
  * scores and softmax; out: [T, H * D] in the dtype (grouped-query: head h reads K/V head h / (H / Hkv)).
@@ -224,11 +224,12 @@ static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
 #define QK_BLOCK_MIN_QUERIES 8
 #endif
 
-void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
-               long window, float scale, void *out, int bf) {
+static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
+                       const int64_t *slots, long L, long window, float scale, void *out, int bf) {
     long row = (H + 2 * Hkv) * D, kv = Hkv * D, es = bf ? 2 : 4;
+#define SLOT(j) (slots ? slots[j] : slot0 + (j)) /* the cache slot of key position j */
     for (long t = 0; t < T; t++) {
-        long slot = slot0 + L - T + t;
+        long slot = SLOT(L - T + t);
         memcpy((char *)kc + slot * kv * es, (const char *)qkv + (t * row + H * D) * es, kv * es);
         memcpy((char *)vc + slot * kv * es, (const char *)qkv + (t * row + (H + Hkv) * D) * es, kv * es);
     }
@@ -248,7 +249,7 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
                 long nb = L - jb < 16 ? L - jb : 16;
                 for (long i = 0; i < D; i++) {
                     v16f col = {0};
-                    for (long l = 0; l < nb; l++) col[l] = ld(kc, (slot0 + jb + l) * kv + g * D + i, bf);
+                    for (long l = 0; l < nb; l++) col[l] = ld(kc, SLOT(jb + l) * kv + g * D + i, bf);
                     memcpy(Kt + i * 16, &col, 64);
                 }
                 for (long r = 0; r < nq; r++) {
@@ -275,11 +276,11 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
             for (long j = lo_all; j < L; j++) {
                 const float *k;
                 if (bf) {
-                    const uint16_t *kb = (const uint16_t *)kc + (slot0 + j) * kv + g * D;
+                    const uint16_t *kb = (const uint16_t *)kc + SLOT(j) * kv + g * D;
                     for (long i = 0; i < D; i++) x[i] = bf2f(kb[i]);
                     k = x;
                 } else {
-                    k = (const float *)kc + (slot0 + j) * kv + g * D;
+                    k = (const float *)kc + SLOT(j) * kv + g * D;
                 }
                 for (long r = 0; r < nq; r++) {
                     long p = first + r / group;
@@ -313,7 +314,7 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
                 v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #define PV_STEP(BF)                                                                      \
     for (long j = lo; j <= p; j++) {                                                     \
-        long off = (slot0 + j) * kv + g * D + i0;                                        \
+        long off = SLOT(j) * kv + g * D + i0;                                        \
         v16f v0 = load16(vc, off, BF), v1 = load16(vc, off + 16, BF);                    \
         v16f v2 = load16(vc, off + 32, BF), v3 = load16(vc, off + 48, BF);               \
         a0 += sr[j] * v0;                                                                \
@@ -334,12 +335,12 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
             }
             for (; i0 + 16 <= D; i0 += 16) {
                 v16f a0 = {0};
-                for (long j = lo; j <= p; j++) a0 += sr[j] * load16(vc, (slot0 + j) * kv + g * D + i0, bf);
+                for (long j = lo; j <= p; j++) a0 += sr[j] * load16(vc, SLOT(j) * kv + g * D + i0, bf);
                 memcpy(a + i0, &a0, 64);
             }
             for (long i = i0; i < D; i++) {
                 float acc = 0.0f;
-                for (long j = lo; j <= p; j++) acc += sr[j] * ld(vc, (slot0 + j) * kv + g * D + i, bf);
+                for (long j = lo; j <= p; j++) acc += sr[j] * ld(vc, SLOT(j) * kv + g * D + i, bf);
                 a[i] = acc;
             }
         }
@@ -349,6 +350,24 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
         }
     }
     free(S);
+}
+#undef SLOT
+
+void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
+               long window, float scale, void *out, int bf) {
+    attend_seq(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf);
+}
+
+/* B sequences of T new tokens each (a batch without padding) on paged slots: sequence b's key
+ * position j is at slots[b * Lmax + j], it has lens[b] keys (its new tokens are the last T);
+ * qkv [B * T, (H + 2 Hkv) * D], out [B * T, H * D]. */
+void dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
+                     const int64_t *slots, long Lmax, const int64_t *lens, long window, float scale, void *out,
+                     int bf) {
+    long es = bf ? 2 : 4;
+    for (long b = 0; b < B; b++)
+        attend_seq((const char *)qkv + b * T * (H + 2 * Hkv) * D * es, T, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                   lens[b], window, scale, (char *)out + b * T * H * D * es, bf);
 }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, I + i] (the gate and up halves of the fused projection);
@@ -407,34 +426,39 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 }
 
 /* Every decoder layer of a model whose projections are all small enough for dw_linear (a draft
- * model), for T tokens of one sequence on consecutive cache slots: the sequence of calls that
- * LlamaModel._fused_forward makes per layer, in one call. x [T, hid] is the residual stream
- * (updated in place), h [T, hid] receives the final-normalised hidden states. w holds 10 pointers
+ * model), for B sequences of T new tokens (one sequence on consecutive slots: slots NULL, slot0
+ * and L; else paged, as dw_attend_batch): the sequence of calls that LlamaModel._fused_forward
+ * makes per layer, in one call. x [B * T, hid] is the residual stream (updated in place), h
+ * [B * T, hid] receives the final-normalised hidden states. w holds 10 pointers
  * per layer: ln1, qkv weight, qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down
  * weight, down bias (weights transposed, as dw_linear takes them; biases may be NULL). Caches: layer l's K at cache + l * layer_stride
  * elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not available. */
-int dw_decoder(void *x, void *h, long T, long layers, long hid, long H, long Hkv, long D, long I,
+int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, long Hkv, long D, long I,
                void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,
                const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
-               long window, float scale, int bf) {
+               const int64_t *slots, long Lmax, const int64_t *lens, long window, float scale, int bf) {
     long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
-    char *buf = (char *)malloc(es * T * (qkvw + H * D + hid + 3 * I + hid));
+    long R = B * T; /* rows */
+    char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
     if (!buf) return -1;
-    char *qkv = buf, *y = qkv + es * T * qkvw, *o = y + es * T * H * D, *gu = o + es * T * hid;
-    char *a = gu + es * T * 2 * I, *d = a + es * T * I;
-    dw_rms_norm(x, w[0], h, T, hid, eps, bf);
+    char *qkv = buf, *y = qkv + es * R * qkvw, *o = y + es * R * H * D, *gu = o + es * R * hid;
+    char *a = gu + es * R * 2 * I, *d = a + es * R * I;
+    dw_rms_norm(x, w[0], h, R, hid, eps, bf);
     for (long l = 0; l < layers; l++) {
         void **W = w + 10 * l;
         char *kc = (char *)cache + l * layer_stride * es;
-        dw_linear(h, W[1], W[2], qkv, T, qkvw, hid, bf);
-        dw_rope(qkv, T, qkvw, H + Hkv, D, pos, cos, sin, bf);
-        dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf);
-        dw_linear(y, W[3], W[4], o, T, hid, H * D, bf);
-        dw_add_rms_norm(x, o, W[5], h, T, hid, eps, bf);
-        dw_linear(h, W[6], W[7], gu, T, 2 * I, hid, bf);
-        dw_silu_mul(gu, a, T, I, bf);
-        dw_linear(a, W[8], W[9], d, T, hid, I, bf);
-        dw_add_rms_norm(x, d, l + 1 < layers ? w[10 * (l + 1)] : final_norm, h, T, hid, eps, bf);
+        dw_linear(h, W[1], W[2], qkv, R, qkvw, hid, bf);
+        dw_rope(qkv, R, qkvw, H + Hkv, D, pos, cos, sin, bf);
+        if (slots)
+            dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, window, scale, y, bf);
+        else
+            dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf);
+        dw_linear(y, W[3], W[4], o, R, hid, H * D, bf);
+        dw_add_rms_norm(x, o, W[5], h, R, hid, eps, bf);
+        dw_linear(h, W[6], W[7], gu, R, 2 * I, hid, bf);
+        dw_silu_mul(gu, a, R, I, bf);
+        dw_linear(a, W[8], W[9], d, R, hid, I, bf);
+        dw_add_rms_norm(x, d, l + 1 < layers ? w[10 * (l + 1)] : final_norm, h, R, hid, eps, bf);
     }
     free(buf);
     return 0;

@@ -320,28 +320,40 @@ class LlamaModel(nn.Module):
     FUSED_MAX_TOKENS = 16
 
     def _fusable(self, input_ids, kv_cache, meta) -> bool:
-        """One sequence on consecutive cache slots (the runner sets `gather_start` only then, with
-        positions L-T..L-1), on the CPU, with the fused kernels built (see cpu_kernels.py)."""
+        """On the CPU with the fused kernels built (see cpu_kernels.py), at most FUSED_MAX_TOKENS new
+        tokens per sequence, and either one sequence on consecutive cache slots (the runner sets
+        `gather_start` only then, with positions L-T..L-1) or a batch without padding whose
+        sequences' key counts the runner gave (`seq_lens`: sequence b's T tokens are its last)."""
         cfg = self.cfg
-        return (meta.gather_start is not None and input_ids.shape[0] == 1
-                and input_ids.shape[1] <= self.FUSED_MAX_TOKENS and input_ids.device.type == "cpu"
-                and not cfg.qk_norm and cfg.head_dim <= 1024 and kv_cache.dtype == self.model.norm.weight.dtype
+        B, T = input_ids.shape
+        if T > self.FUSED_MAX_TOKENS or input_ids.device.type != "cpu":
+            return False
+        if not ((B == 1 and meta.gather_start is not None) or (meta.seq_lens is not None and len(meta.seq_lens) == B)):
+            return False
+        return (not cfg.qk_norm and cfg.head_dim <= 1024 and kv_cache.dtype == self.model.norm.weight.dtype
                 and kv_cache.is_contiguous() and cpu_kernels.usable(kv_cache.dtype))
 
     def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position):
-        """`paged_layer`'s computation for one sequence in 5 kernel calls per layer besides the 4
-        products: RMSNorm, RoPE in place, attention with the K/V write, residual add + RMSNorm,
-        SiLU-and-multiply (kernels.c). The residual stream `x` is updated in place."""
+        """`paged_layer`'s computation in 5 kernel calls per layer besides the 4 products: RMSNorm,
+        RoPE in place, attention with the K/V write, residual add + RMSNorm, SiLU-and-multiply
+        (kernels.c). The residual stream `x` is updated in place. Rows are tokens: B sequences of T."""
         k = cpu_kernels.kernels()
         cfg = self.cfg
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
+        R = B * T
         H, Hkv, D, hid, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                cfg.hidden_size, cfg.rms_norm_eps)
         bf = int(kv_cache.dtype == torch.bfloat16)
-        L = meta.num_keys
+        L = meta.num_keys  # the longest sequence's
         cos, sin = self.rope_table(max(L, int(max_position or 0)), input_ids.device)
         pos = positions.contiguous()
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [1, T, hidden], updated in place
+        if meta.gather_start is not None and B == 1:  # consecutive slots
+            slot0, slots, lens, Lmax = meta.gather_start, None, None, 0
+        else:  # paged: every key position's slot, per sequence
+            slot0, slots = 0, meta.gather_slots.contiguous()
+            lens, Lmax = torch.tensor(meta.seq_lens, dtype=torch.long), slots.shape[1]
+        slots_p, lens_p = (0, 0) if slots is None else (slots.data_ptr(), lens.data_ptr())
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [B, T, hidden], updated in place
         h = torch.empty_like(x)  # the normalised input of the next product
         cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
         es = kv_cache.element_size()
@@ -349,29 +361,34 @@ class LlamaModel(nn.Module):
         window, scale = cfg.sliding_window or 0, D ** -0.5
         if self._small_layers is None:
             self._small_layers = self._layer_pointers()
-        if self._small_layers:  # a draft-sized model: all layers in one call
-            rc = k.decoder(x.data_ptr(), h.data_ptr(), T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
+        if self._small_layers and R <= 16:  # a draft-sized model: all layers in one call
+            rc = k.decoder(x.data_ptr(), h.data_ptr(), B, T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
                            self._small_layers, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
-                           sin.data_ptr(), cache, layer_stride, kv_stride, meta.gather_start, L, window, scale, bf)
+                           sin.data_ptr(), cache, layer_stride, kv_stride, slot0, L, slots_p, Lmax, lens_p, window,
+                           scale, bf)
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
             return h
-        k.rms_norm(x.data_ptr(), plan[0].ln1.data_ptr(), h.data_ptr(), T, hid, eps, bf)
+        k.rms_norm(x.data_ptr(), plan[0].ln1.data_ptr(), h.data_ptr(), R, hid, eps, bf)
         for i, w in enumerate(plan):
-            qkv = w.qkv(h)  # [1, T, (H + 2 Hkv) * D]
-            k.rope(qkv.data_ptr(), T, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
-            y = torch.empty(1, T, H * D, dtype=x.dtype)
+            qkv = w.qkv(h)  # [B, T, (H + 2 Hkv) * D]
+            k.rope(qkv.data_ptr(), R, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
+            y = torch.empty(B, T, H * D, dtype=x.dtype)
             kc = cache + i * layer_stride * es
-            k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, meta.gather_start, L, window, scale,
-                     y.data_ptr(), bf)
+            if slots is None:
+                k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale,
+                         y.data_ptr(), bf)
+            else:
+                k.attend_batch(qkv.data_ptr(), B, T, H, Hkv, D, kc, kc + kv_stride * es, slots_p, Lmax, lens_p,
+                               window, scale, y.data_ptr(), bf)
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
-            k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), T, hid, eps, bf)
+            k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), R, hid, eps, bf)
             gu = w.gate_up(h)
-            a = torch.empty(1, T, gu.shape[-1] // 2, dtype=x.dtype)
-            k.silu_mul(gu.data_ptr(), a.data_ptr(), T, a.shape[-1], bf)
+            a = torch.empty(B, T, gu.shape[-1] // 2, dtype=x.dtype)
+            k.silu_mul(gu.data_ptr(), a.data_ptr(), R, a.shape[-1], bf)
             nxt = plan[i + 1].ln1 if i + 1 < len(plan) else self.model.norm.weight
             d = w.down(a)
-            k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), T, hid, eps, bf)
+            k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), R, hid, eps, bf)
         return h
 
     def _layer_pointers(self):
