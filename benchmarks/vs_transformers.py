@@ -6,7 +6,8 @@
 Runs transformers `generate` (plain, and with `assistant_model`: same K, constant schedule,
 confidence threshold 0) and draftwise plain and speculative (draft model, same K) on the same
 prompts and prints tokens/s and the ratios. Also times one target step at 1 and K+1 tokens and one
-draft step (the per-step costs that decide whether speculation can pay). Without --model it uses
+draft step (the per-step costs that decide whether speculation can pay; each the median of 7 means
+of 10 warm steps, as this machine's noise comes in bursts). Without --model it uses
 the embedded pair (models/target, models/draft). Prompts: `code` (default) takes 64-token windows
 of the held-out standard-library files the embedded pair never trained on (evenly spaced, from a
 line start); `random` draws token ids uniformly (what acceptance looks like on noise).
@@ -80,16 +81,19 @@ def main():
     mal = sum(o.stats.committed_in_rounds for o in souts) / max(1, sum(o.stats.rounds for o in souts))
 
     # per-step costs
-    def step_ms(runner, T, n=20):
+    def step_ms(runner, T, n=10, repeats=7):  # the median of `repeats` means of n steps (noise)
         runner.kv.reserve(10**6, args.prompt_tokens + T + 8)
         runner.run([10**6], [prompts[0]], [0], [1])
         for _ in range(3):
             runner.run([10**6], [[5] * T], [args.prompt_tokens], [T])
-        t0 = time.perf_counter()
-        for _ in range(n):
-            runner.run([10**6], [[5] * T], [args.prompt_tokens], [T])
+        means = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                runner.run([10**6], [[5] * T], [args.prompt_tokens], [T])
+            means.append((time.perf_counter() - t0) / n * 1e3)
         runner.kv.free(10**6)
-        return (time.perf_counter() - t0) / n * 1e3
+        return sorted(means)[repeats // 2]
 
     t1 = step_ms(plain.engine.runner, 1)
     tk = step_ms(plain.engine.runner, args.k + 1)
