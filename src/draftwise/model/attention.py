@@ -117,7 +117,10 @@ def paged_attention(
         # CPU SDPA in bfloat16 took ~5x longer than converting to float32 and back (decode step,
         # 6 heads x 150 keys): attend in float32, which is also at least as accurate.
         q, keys, values = q.float(), keys.float(), values.float()
-    return sdpa(q, keys.to(q.dtype), values.to(q.dtype), meta.mask, scale)
+    mask = meta.mask
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:  # a float mask, half-precision q
+        mask = mask.to(q.dtype)
+    return sdpa(q, keys.to(q.dtype), values.to(q.dtype), mask, scale)
 
 
 def sdpa(q, k, v, mask, scale, is_causal: bool = False):

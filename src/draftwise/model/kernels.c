@@ -153,8 +153,18 @@ void dw_rope(void *qkv, long T, long row, long heads, long D, const int64_t *pos
     }
 }
 
-/* Dot products: 16 float32 lanes (GCC/Clang vector extension), summed as a tree at the end; a
- * different (not worse) order than a sequential loop, and a fixed one. */
+/* The 16 lanes of a vector summed as a tree: (0..7 + 8..15), then (0..3 + 4..7), then pairs. The
+ * attention's 16-key blocks repeat this order lane-wise (see attend_seq). */
+static inline float hsum16(v16f acc) {
+    float t[16];
+    memcpy(t, &acc, 64);
+    for (int l = 0; l < 8; l++) t[l] += t[l + 8];
+    for (int l = 0; l < 4; l++) t[l] += t[l + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+/* Dot product: 16 float32 lanes (GCC/Clang vector extension), then hsum16; a different (not
+ * worse) order than a sequential loop, and a fixed one. */
 static inline float dot_f32(const float *q, const float *k, long D) {
     if ((D & 15) == 0) {
         v16f acc = {0};
@@ -164,19 +174,15 @@ static inline float dot_f32(const float *q, const float *k, long D) {
             memcpy(&b, k + i, 64);
             acc += a * b;
         }
-        float t[16];
-        memcpy(t, &acc, 64);
-        for (int l = 0; l < 8; l++) t[l] += t[l + 8];
-        for (int l = 0; l < 4; l++) t[l] += t[l + 4];
-        return (t[0] + t[2]) + (t[1] + t[3]);
+        return hsum16(acc);
     }
     float s = 0.0f;
     for (long i = 0; i < D; i++) s += q[i] * k[i];
     return s;
 }
 
-/* sum of n floats in a fixed order (16 lanes, the tree of dot_f32, then the tail): the same
- * result wherever the array starts, so a query's softmax does not depend on the block. */
+/* Sum of n floats in a fixed order (16 lanes, hsum16, then the tail): the same result wherever
+ * the array starts, so a query's softmax does not depend on the block it came in. */
 static inline float sum_f32(const float *s, long n) {
     v16f acc = {0};
     long j = 0;
@@ -185,37 +191,14 @@ static inline float sum_f32(const float *s, long n) {
         memcpy(&v, s + j, 64);
         acc += v;
     }
-    float t[16];
-    memcpy(t, &acc, 64);
-    for (int l = 0; l < 8; l++) t[l] += t[l + 8];
-    for (int l = 0; l < 4; l++) t[l] += t[l + 4];
-    float z = (t[0] + t[2]) + (t[1] + t[3]);
+    float z = hsum16(acc);
     for (; j < n; j++) z += s[j];
     return z;
 }
 
-static inline float dot_bf16(const float *q, const uint16_t *k, long D) {
-    if ((D & 15) == 0) {
-        v16f acc = {0};
-        for (long i = 0; i < D; i += 16) {
-            v16f a;
-            memcpy(&a, q + i, 64);
-            acc += a * load16(k, i, 1);
-        }
-        float t[16];
-        memcpy(t, &acc, 64);
-        for (int l = 0; l < 8; l++) t[l] += t[l + 8];
-        for (int l = 0; l < 4; l++) t[l] += t[l + 4];
-        return (t[0] + t[2]) + (t[1] + t[3]);
-    }
-    float s = 0.0f;
-    for (long i = 0; i < D; i++) s += q[i] * bf2f(k[i]);
-    return s;
-}
-
 /* Attention of one sequence: key position j in cache slot slots[j], or slot0 + j when slots is
- * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied), its T tokens at positions
- * L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]), then for each query t and
+ * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied),
+ * its T tokens at positions L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]), then for each query t and
  * head h attends keys max(0, p - window + 1) .. p (p = its position; window 0 = none) with float32
  * scores and softmax; out: [T, H * D] in the dtype (grouped-query: head h reads K/V head h / (H / Hkv)).
  * The T * H / Hkv queries that share a K/V head are done together: each key and value is read
@@ -254,8 +237,8 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
                 }
                 for (long r = 0; r < nq; r++) {
                     if (jb > first + r / group) continue; /* every key of the block is after it */
-                    /* lane l of A[m] sums q[i] k[i] over i = m mod 16, in order, then the tree of
-                     * dot_f32: each key's score is bitwise what dot_f32 gives (same block or not) */
+                    /* lane l of A[m] sums q[i] k[i] over i = m mod 16, in order, then hsum16's tree
+                     * across the A[m]: each key's score is bitwise what dot_f32 gives */
                     v16f A[16];
                     for (int m = 0; m < 16; m++) A[m] = (v16f){0};
                     const float *qr = Q + r * D;

@@ -87,7 +87,8 @@ def _packable(w: torch.Tensor) -> bool:
 
 class PackedLinear(nn.Module):
     """Inference-only linear layer. On CPU a large enough weight is reordered once into oneDNN's
-    blocked layout and applied with oneDNN's linear kernel; otherwise it is a plain `F.linear`.
+    blocked layout and applied with oneDNN's linear kernel; a smaller one runs up to 16 rows in the
+    fused kernels' loop (`dw_linear`, see PACK_MIN_NUMEL); otherwise it is a plain `F.linear`.
 
     Why: batch-1 decoding is bound by reading the weights, and on the 2-core CPU this project is
     measured on, `F.linear` (MKL) read them at ~10 GB/s. For the 20M target's 33 products per
