@@ -47,18 +47,18 @@ def load_with_distinct_norms(path, dtype):
 
 
 def run_rounds(loaded, calls: list) -> list[torch.Tensor]:
-    """Prefill, single-token steps, a verification block, then a rollback (a block rewritten from an
-    earlier position over stale K/V): the access pattern of speculative decoding."""
-    runner = ModelRunner(loaded, num_blocks=8, block_size=8)
-    runner.kv.reserve(0, 48)
+    """Prefill in two chunks, single-token steps, a verification block, then a rollback (a block
+    rewritten from an earlier position over stale K/V): the access pattern of speculative decoding."""
+    runner = ModelRunner(loaded, num_blocks=12, block_size=8)
+    runner.kv.reserve(0, 80)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, loaded.config.vocab_size, (40,), generator=g).tolist()
-    out = [runner.run([0], [ids[:12]], [0], [12])]
-    for t in range(12, 15):
+    ids = torch.randint(1, loaded.config.vocab_size, (70,), generator=g).tolist()
+    out = [runner.run([0], [ids[:12]], [0], [12]), runner.run([0], [ids[12:52]], [12], [40])]
+    for t in range(52, 55):
         out.append(runner.run([0], [[ids[t]]], [t], [1]))
-    out.append(runner.run([0], [ids[15:20]], [15], [5]))
-    out.append(runner.run([0], [ids[17:26]], [17], [9]))  # positions 17.. again: rolled back
-    out.append(runner.run([0], [[ids[26]]], [26], [1]))
+    out.append(runner.run([0], [ids[55:60]], [55], [5]))
+    out.append(runner.run([0], [ids[57:66]], [57], [9]))  # positions 57.. again: rolled back
+    out.append(runner.run([0], [[ids[66]]], [66], [1]))
     calls.append(len(out))
     return out
 
@@ -86,7 +86,7 @@ def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_
     loaded = load_with_distinct_norms(path, dtype)
     on = run_rounds(loaded, [])
     assert bool(loaded.model._small_layers) == whole
-    assert fused_calls == [12, 1, 1, 1, 5, 9, 1], "every call of this lone sequence takes the fused path"
+    assert fused_calls == [12, 40, 1, 1, 1, 5, 9, 1], "every call of this lone sequence takes the fused path"
     kernels_switch(False)
     fused_calls.clear()
     off = run_rounds(load_with_distinct_norms(path, dtype), [])

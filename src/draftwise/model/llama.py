@@ -316,9 +316,10 @@ class LlamaModel(nn.Module):
             x = paged_layer(x, w, self.cfg, cos, sin, kv_cache[i], meta)
         return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
-    # longer blocks (prefill chunks) take the PyTorch path: the kernel's attention loops over
-    # queries, SDPA's is blocked and multi-threaded (for 5 queries the kernel was still faster)
-    FUSED_MAX_TOKENS = 16
+    # longer blocks (prefill chunks) take the PyTorch path, whose SDPA is blocked and multi-threaded:
+    # a 20M target's prefill of 32 / 64 / 128 / 256 / 512 tokens took 7.5 / 12.9 / 24.5 / 51.6 /
+    # 141.7 ms fused against 8.9 / 13.9 / 23.9 / 45.4 / 108.8 ms in PyTorch (float32; bfloat16 alike)
+    FUSED_MAX_TOKENS = 64
 
     def _fusable(self, input_ids, kv_cache, meta) -> bool:
         """On the CPU with the fused kernels built (see cpu_kernels.py), at most FUSED_MAX_TOKENS new
