@@ -151,8 +151,8 @@ def test_block_and_single_token_forwards_agree_exactly(dtype, whole, tmp_path, t
 
 def run_batch_rounds(loaded) -> list[torch.Tensor]:
     """Three sequences of different lengths whose blocks interleave in the cache (paged, not
-    consecutive): single-token steps and equal-length blocks for all three at once, with a
-    rollback, as batched decoding and verification do."""
+    consecutive): single-token steps, equal-length blocks and unequal (padded) ones for all three
+    at once, with a rollback, as batched decoding and verification do."""
     runner = ModelRunner(loaded, num_blocks=24, block_size=4)
     g = torch.Generator().manual_seed(2)
     V = loaded.config.vocab_size
@@ -172,6 +172,11 @@ def run_batch_rounds(loaded) -> list[torch.Tensor]:
     out.append(runner.run(ids, [seqs[s][n[s]: n[s] + 3] for s in ids], [n[s] for s in ids], [3] * 3))
     n = {s: n[s] + 1 for s in ids}  # only the first of the three kept: the rest rolled back
     out.append(runner.run(ids, [seqs[s][n[s]: n[s] + 3] for s in ids], [n[s] for s in ids], [3] * 3))
+    n = {s: n[s] + 2 for s in ids}
+    k = {0: 2, 1: 4, 2: 1}  # unequal blocks: the batch is padded to 4 rows a sequence
+    out.append(runner.run(ids, [seqs[s][n[s]: n[s] + k[s]] for s in ids], [n[s] for s in ids], [k[s] for s in ids]))
+    n = {s: n[s] + k[s] for s in ids}
+    out.append(runner.run(ids, [[seqs[s][n[s]]] for s in ids], [n[s] for s in ids], [1] * 3))
     return out
 
 
@@ -194,7 +199,7 @@ def test_fused_batches_match_pytorch_path(name, dtype, whole, tmp_path, tokenize
 
     monkeypatch.setattr(LlamaModel, "_fused_forward", spy)
     on = run_batch_rounds(load_with_distinct_norms(path, dtype))
-    assert (3, 1) in shapes and (3, 3) in shapes, "batches take the fused path"
+    assert {(3, 1), (3, 3), (3, 4)} <= set(shapes), "batches, padded ones too, take the fused path"
     kernels_switch(False)
     shapes.clear()
     off = run_batch_rounds(load_with_distinct_norms(path, dtype))

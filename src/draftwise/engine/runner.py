@@ -58,11 +58,11 @@ class ModelRunner:
             gather = self.kv.slots(seq_ids, ends)  # [B, L]
             if T * B == sum(lens):  # no padding: every token writes its slot
                 meta = AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, self.cfg.sliding_window)
-                meta.seq_lens = ends
             else:
                 valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
                 slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
                 meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
+            meta.seq_lens, meta.seq_new = ends, lens  # for the fused CPU path
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)

@@ -30,9 +30,10 @@ class AttentionMetadata:
     # B = 1, positions L-T..L-1, keys 0..L-1 on slots gather_start.. (consecutive): K/V read as
     # one slice, and the fused CPU kernels may run the layer (see LlamaModel._fusable)
     gather_start: int | None = None
-    # batches without padding: each sequence's number of keys (its new tokens are its last ones);
-    # set by the runner, read by the fused CPU path (LlamaModel._fusable)
+    # each sequence's number of keys and of new tokens (its last keys, in its first rows; the rest
+    # of its rows are padding); set by the runner, read by the fused CPU path (LlamaModel._fusable)
     seq_lens: list[int] | None = None
+    seq_new: list[int] | None = None
 
     @staticmethod
     def build(
@@ -135,7 +136,7 @@ class ConsecutiveMetadata(AttentionMetadata):
 
     def __init__(self, start_slot: int, start: int, T: int, positions: torch.Tensor, sliding_window: int | None):
         self.gather_start = start_slot
-        self.seq_lens = None
+        self.seq_lens = self.seq_new = None
         self._args = (start_slot, start, T, positions, sliding_window)
         self._built: AttentionMetadata | None = None
 

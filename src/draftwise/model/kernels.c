@@ -341,16 +341,21 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
     attend_seq(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf);
 }
 
-/* B sequences of T new tokens each (a batch without padding) on paged slots: sequence b's key
- * position j is at slots[b * Lmax + j], it has lens[b] keys (its new tokens are the last T);
+/* B sequences on paged slots, T rows each: sequence b's key position j is at slots[b * Lmax + j],
+ * it has lens[b] keys and news[b] <= T new tokens (its last keys; news NULL: all T), in its first
+ * news[b] rows; the rows after them are padding (their outputs are set to zero, nothing written).
  * qkv [B * T, (H + 2 Hkv) * D], out [B * T, H * D]. */
 void dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
-                     const int64_t *slots, long Lmax, const int64_t *lens, long window, float scale, void *out,
-                     int bf) {
+                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, long window,
+                     float scale, void *out, int bf) {
     long es = bf ? 2 : 4;
-    for (long b = 0; b < B; b++)
-        attend_seq((const char *)qkv + b * T * (H + 2 * Hkv) * D * es, T, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
-                   lens[b], window, scale, (char *)out + b * T * H * D * es, bf);
+    for (long b = 0; b < B; b++) {
+        long n = news ? news[b] : T;
+        char *ob = (char *)out + b * T * H * D * es;
+        attend_seq((const char *)qkv + b * T * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                   lens[b], window, scale, ob, bf);
+        memset(ob + n * H * D * es, 0, (T - n) * H * D * es);
+    }
 }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, I + i] (the gate and up halves of the fused projection);
@@ -409,8 +414,8 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 }
 
 /* Every decoder layer of a model whose projections are all small enough for dw_linear (a draft
- * model), for B sequences of T new tokens (one sequence on consecutive slots: slots NULL, slot0
- * and L; else paged, as dw_attend_batch): the sequence of calls that LlamaModel._fused_forward
+ * model), for B sequences of T rows (one sequence on consecutive slots: slots NULL, slot0 and L;
+ * else paged, with padding rows, as dw_attend_batch): the sequence of calls that LlamaModel._fused_forward
  * makes per layer, in one call. x [B * T, hid] is the residual stream (updated in place), h
  * [B * T, hid] receives the final-normalised hidden states. w holds 10 pointers
  * per layer: ln1, qkv weight, qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down
@@ -419,7 +424,8 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, long Hkv, long D, long I,
                void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,
                const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
-               const int64_t *slots, long Lmax, const int64_t *lens, long window, float scale, int bf) {
+               const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, long window, float scale,
+               int bf) {
     long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
     long R = B * T; /* rows */
     char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
@@ -433,7 +439,8 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
         dw_linear(h, W[1], W[2], qkv, R, qkvw, hid, bf);
         dw_rope(qkv, R, qkvw, H + Hkv, D, pos, cos, sin, bf);
         if (slots)
-            dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, window, scale, y, bf);
+            dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, news, window, scale,
+                            y, bf);
         else
             dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf);
         dw_linear(y, W[3], W[4], o, R, hid, H * D, bf);

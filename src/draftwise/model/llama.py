@@ -324,8 +324,9 @@ class LlamaModel(nn.Module):
     def _fusable(self, input_ids, kv_cache, meta) -> bool:
         """On the CPU with the fused kernels built (see cpu_kernels.py), at most FUSED_MAX_TOKENS new
         tokens per sequence, and either one sequence on consecutive cache slots (the runner sets
-        `gather_start` only then, with positions L-T..L-1) or a batch without padding whose
-        sequences' key counts the runner gave (`seq_lens`: sequence b's T tokens are its last)."""
+        `gather_start` only then, with positions L-T..L-1) or a batch whose sequences' key counts
+        and new-token counts the runner gave (`seq_lens`, `seq_new`: sequence b's new tokens are
+        its last keys, in its first rows; the other rows are padding)."""
         cfg = self.cfg
         B, T = input_ids.shape
         if T > self.FUSED_MAX_TOKENS or input_ids.device.type != "cpu":
@@ -350,11 +351,13 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope_table(max(L, int(max_position or 0)), input_ids.device)
         pos = positions.contiguous()
         if meta.gather_start is not None and B == 1:  # consecutive slots
-            slot0, slots, lens, Lmax = meta.gather_start, None, None, 0
-        else:  # paged: every key position's slot, per sequence
+            slot0, slots, Lmax = meta.gather_start, None, 0
+            slots_p = lens_p = news_p = 0
+        else:  # paged: every key position's slot, per sequence; rows after a sequence's new tokens pad
             slot0, slots = 0, meta.gather_slots.contiguous()
-            lens, Lmax = torch.tensor(meta.seq_lens, dtype=torch.long), slots.shape[1]
-        slots_p, lens_p = (0, 0) if slots is None else (slots.data_ptr(), lens.data_ptr())
+            lens_news = torch.tensor([meta.seq_lens, meta.seq_new], dtype=torch.long)
+            Lmax, slots_p = slots.shape[1], slots.data_ptr()
+            lens_p, news_p = lens_news[0].data_ptr(), lens_news[1].data_ptr()
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [B, T, hidden], updated in place
         h = torch.empty_like(x)  # the normalised input of the next product
         cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
@@ -366,8 +369,8 @@ class LlamaModel(nn.Module):
         if self._small_layers and R <= 16:  # a draft-sized model: all layers in one call
             rc = k.decoder(x.data_ptr(), h.data_ptr(), B, T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
                            self._small_layers, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
-                           sin.data_ptr(), cache, layer_stride, kv_stride, slot0, L, slots_p, Lmax, lens_p, window,
-                           scale, bf)
+                           sin.data_ptr(), cache, layer_stride, kv_stride, slot0, L, slots_p, Lmax, lens_p, news_p,
+                           window, scale, bf)
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
             return h
@@ -382,7 +385,7 @@ class LlamaModel(nn.Module):
                          y.data_ptr(), bf)
             else:
                 k.attend_batch(qkv.data_ptr(), B, T, H, Hkv, D, kc, kc + kv_stride * es, slots_p, Lmax, lens_p,
-                               window, scale, y.data_ptr(), bf)
+                               news_p, window, scale, y.data_ptr(), bf)
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
             k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), R, hid, eps, bf)
             gu = w.gate_up(h)
