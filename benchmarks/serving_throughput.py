@@ -8,7 +8,8 @@
    max_tokens). Goal: >= 6x at 16.
 2. Speculation on (draft model, K = `--k`, temperature 0), concurrency 1: tokens/s through a live
    `draftwise serve` process (the openai-style HTTP API, non-streamed, one request at a time) vs
-   `LLM.generate` in this process on the same prompts. Goal: within 10%.
+   `LLM.generate` in this process on the same prompts, the two alternating prompt by prompt (the
+   machine's noise falls on both alike). Goal: within 10%.
 
 Without --model it uses the embedded pair (models/target, models/draft) when they exist, else
 tiny random models built like the tests' (and says so: those figures mean little).
@@ -76,8 +77,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_rate(target, draft, k, threads, prompts, tokens, dtype) -> tuple[float, list[str]]:
+def server_vs_generate(spec, target, draft, k, threads, prompts, tokens, dtype):
+    """Each prompt once through `spec.generate` (this process) and once through a live `draftwise
+    serve` (same models, a subprocess), alternately, so that the machine's noise falls on both
+    sides alike. Returns (generate tok/s, server tok/s, generate's outputs, the server's texts)."""
     import httpx
+
+    from draftwise import SamplingParams
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -97,16 +103,26 @@ def server_rate(target, draft, k, threads, prompts, tokens, dtype) -> tuple[floa
             if proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError("draftwise serve did not start")
             time.sleep(0.2)
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         with httpx.Client(base_url=url, timeout=600) as c:
             body = {"model": "bench", "temperature": 0, "ignore_eos": True}
             c.post("/v1/completions", json=dict(body, prompt=prompts[0], max_tokens=4))  # warm-up
-            texts, n = [], 0
-            t0 = time.perf_counter()
+            spec.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            outs, texts = [], []
+            t_gen = t_srv = 0.0
+            n_gen = n_srv = 0
             for p in prompts:
+                t0 = time.perf_counter()
+                o = spec.generate(p, sp)[0]
+                t_gen += time.perf_counter() - t0
+                outs.append(o)
+                n_gen += len(o.token_ids)
+                t0 = time.perf_counter()
                 r = c.post("/v1/completions", json=dict(body, prompt=p, max_tokens=tokens)).json()
+                t_srv += time.perf_counter() - t0
                 texts.append(r["choices"][0]["text"])
-                n += r["usage"]["completion_tokens"]
-            return n / (time.perf_counter() - t0), texts
+                n_srv += r["usage"]["completion_tokens"]
+            return n_gen / t_gen, n_srv / t_srv, outs, texts
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -126,7 +142,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from draftwise import LLM, SamplingParams, SpecConfig
+    from draftwise import LLM, SpecConfig
 
     target, draft, which = resolve_models(args)
     print(f"models: {which}\n  target={target}\n  draft={draft}", file=sys.stderr)
@@ -142,14 +158,9 @@ def main() -> int:
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     spec = LLM(target, draft=draft, spec=SpecConfig(method="draft", k=args.k), dtype=args.dtype)
-    sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    spec.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    t0 = time.perf_counter()
-    outs = [spec.generate(p, sp)[0] for p in prompts]
-    gen = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+    gen, srv, outs, texts = server_vs_generate(spec, target, draft, args.k, args.threads, prompts, args.tokens,
+                                               args.dtype)
     mal = sum(o.stats.committed_in_rounds for o in outs) / max(1, sum(o.stats.rounds for o in outs))
-    del spec
-    srv, texts = server_rate(target, draft, args.k, args.threads, prompts, args.tokens, args.dtype)
     same = texts == [o.text for o in outs]
     res.update(generate_tok_s=gen, server_tok_s=srv, server_vs_generate=srv / gen, mean_accepted_length=mal,
                same_text=same)
