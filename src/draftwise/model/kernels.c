@@ -1,4 +1,5 @@
-/* Fused CPU kernels for one sequence's decoder layer (draftwise/model/cpu_kernels.py loads them).
+/* Fused CPU kernels for the decoder layers (draftwise/model/cpu_kernels.py loads them; llama.py's
+ * _fused_forward calls them for one sequence or a batch).
  *
  * Why: at batch 1 a decoder layer on this project's 2-core CPU is 4 matrix products plus ~20
  * small tensor ops (RMSNorm alone is ~8 ATen kernels), each costing several microseconds; for
@@ -28,10 +29,8 @@ static inline uint16_t f2bf(float f) { /* round to nearest even, as PyTorch; NaN
     return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : r); /* branch-free */
 }
 
-/* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
- * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
- * polynomial), within ~2 ulp of the exact value, written so that loops over it vectorise (the C
- * library's expf is one call per element). */
+/* 16-lane vectors (GCC/Clang vector extensions): the compiler maps them onto the machine's SIMD
+ * registers (AVX-512 here, narrower ones elsewhere). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -198,11 +197,11 @@ static inline float sum_f32(const float *s, long n) {
 
 /* Attention of one sequence: key position j in cache slot slots[j], or slot0 + j when slots is
  * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied),
- * its T tokens at positions L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]), then for each query t and
- * head h attends keys max(0, p - window + 1) .. p (p = its position; window 0 = none) with float32
- * scores and softmax; out: [T, H * D] in the dtype (grouped-query: head h reads K/V head h / (H / Hkv)).
- * The T * H / Hkv queries that share a K/V head are done together: each key and value is read
- * (and converted from bfloat16) once for all of them. */
+ * its T tokens at positions L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]),
+ * then for each query t and head h attends keys max(0, p - window + 1) .. p (p = its position;
+ * window 0 = none) with float32 scores and softmax; out: [T, H * D] in the dtype (grouped-query:
+ * head h reads K/V head h / (H / Hkv)). The T * H / Hkv queries that share a K/V head are done
+ * together: each key and value is read (and converted from bfloat16) once for all of them. */
 #ifndef QK_BLOCK_MIN_QUERIES
 #define QK_BLOCK_MIN_QUERIES 8
 #endif
@@ -297,7 +296,7 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
                 v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #define PV_STEP(BF)                                                                      \
     for (long j = lo; j <= p; j++) {                                                     \
-        long off = SLOT(j) * kv + g * D + i0;                                        \
+        long off = SLOT(j) * kv + g * D + i0;                                            \
         v16f v0 = load16(vc, off, BF), v1 = load16(vc, off + 16, BF);                    \
         v16f v2 = load16(vc, off + 32, BF), v3 = load16(vc, off + 48, BF);               \
         a0 += sr[j] * v0;                                                                \
@@ -415,12 +414,13 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 
 /* Every decoder layer of a model whose projections are all small enough for dw_linear (a draft
  * model), for B sequences of T rows (one sequence on consecutive slots: slots NULL, slot0 and L;
- * else paged, with padding rows, as dw_attend_batch): the sequence of calls that LlamaModel._fused_forward
- * makes per layer, in one call. x [B * T, hid] is the residual stream (updated in place), h
- * [B * T, hid] receives the final-normalised hidden states. w holds 10 pointers
- * per layer: ln1, qkv weight, qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down
- * weight, down bias (weights transposed, as dw_linear takes them; biases may be NULL). Caches: layer l's K at cache + l * layer_stride
- * elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not available. */
+ * else paged, with padding rows, as dw_attend_batch): the calls LlamaModel._fused_forward makes
+ * per layer, in one call. x [B * T, hid] is the residual stream (updated in place), h [B * T, hid]
+ * receives the final-normalised hidden states. w holds 10 pointers per layer: ln1, qkv weight,
+ * qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down weight, down bias (weights
+ * transposed, as dw_linear takes them; biases may be NULL). Caches: layer l's K at cache + l *
+ * layer_stride elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not
+ * available. */
 int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, long Hkv, long D, long I,
                void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,
                const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
