@@ -147,19 +147,12 @@ class ConsecutiveMetadata(AttentionMetadata):
     def _tensors(self) -> AttentionMetadata:
         if self._built is None:
             start_slot, start, T, positions, sliding_window = self._args
-            L = start + T
-            dev = positions.device
-            gather = torch.arange(start_slot, start_slot + L, device=dev)[None]
-            if T == 1 and (sliding_window is None or L <= sliding_window):
-                mask = None
-            else:
-                key_pos = torch.arange(L, device=dev)
-                allowed = key_pos[None, None, :] <= positions[:, :, None]
-                if sliding_window is not None:
-                    allowed &= key_pos[None, None, :] > (positions[:, :, None] - sliding_window)
-                # additive float mask (0 / -inf): SDPA would convert a boolean one in every layer
-                mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
-            self._built = AttentionMetadata(torch.arange(T, device=dev), gather[0, start:], gather, mask, start_slot)
+            gather = torch.arange(start_slot, start_slot + start + T, device=positions.device)[None]
+            meta = AttentionMetadata.build_dense(positions, gather[:, start:], gather, sliding_window)
+            if meta.mask is not None:  # additive 0 / -inf: SDPA would convert a boolean mask in every layer
+                meta.mask = torch.zeros(meta.mask.shape, device=gather.device).masked_fill_(~meta.mask, float("-inf"))
+            meta.gather_start = start_slot
+            self._built = meta
         return self._built
 
     write_index = property(lambda self: self._tensors().write_index)
