@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
-from draftwise.engine.runner import ModelRunner
+from draftwise.model.runner import ModelRunner
 from draftwise.model import cpu_kernels, load_model
 from draftwise.model.llama import LlamaModel
 from tiny_models import make_model_dir

@@ -26,22 +26,17 @@ def test_check_ngram_passes_with_own_prompts(target_dir, tmp_path, capsys):
 
 
 def test_check_fails_on_a_lossy_sampler(target_dir, draft_dir, capsys, monkeypatch):
-    real = engine_mod.rejection_sample
+    real = engine_mod.verify_proposals
 
-    def accept_everything(draft_ids, draft_probs, target_probs, generators, num_draft_tokens, is_greedy=None):
-        committed, _ = real(draft_ids, draft_probs, target_probs, generators, num_draft_tokens=num_draft_tokens,
-                            is_greedy=is_greedy)
-        lossy = committed.clone()
-        for b, n in enumerate(num_draft_tokens.tolist()):
-            lossy[b, :n] = draft_ids[b, :n]  # every proposal kept, right or wrong
-            lossy[b, n] = committed[b, 0]  # any valid token as the bonus
-        return lossy, num_draft_tokens.clone()
+    def accept_everything(p_logits, meta, q, generators=None, draws=None):
+        res = real(p_logits, meta, q, generators, draws)
+        lossy = res.committed.clone()
+        for b, n in enumerate(meta.num_draft.tolist()):
+            lossy[b, :n] = meta.draft_token_ids[b, :n]  # every proposal kept, right or wrong
+            lossy[b, n] = res.committed[b, 0]  # any valid token as the bonus
+        return type(res)(lossy, meta.num_draft.clone(), res.valid)
 
-    def greedy_accept_everything(draft_ids, target_argmax):  # greedy rows' path
-        return list(draft_ids) + [int(target_argmax[0])], len(draft_ids)
-
-    monkeypatch.setattr(engine_mod, "rejection_sample", accept_everything)
-    monkeypatch.setattr(engine_mod, "greedy_accept", greedy_accept_everything)
+    monkeypatch.setattr(engine_mod, "verify_proposals", accept_everything)
     rc = main(["check", "--model", str(target_dir), "--draft", str(draft_dir),
                "--max-tokens", "16"])
     out = capsys.readouterr().out

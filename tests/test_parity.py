@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from draftwise.engine.runner import ModelRunner
+from draftwise.model.runner import ModelRunner
 from draftwise.model import load_model
 
 transformers = pytest.importorskip("transformers")

@@ -1,8 +1,10 @@
-"""Rejection sampler, exact tier: fractions, exhaustive enumeration, greedy tables, determinism.
+"""Rejection sampler and `verify`, exact tier: fractions, exhaustive enumeration, greedy tables,
+determinism.
 
 p is the target, q the draft. The enumeration runs the sampler's deterministic core
-(`rejection_sample_from_uniforms`) once per branch, with uniforms chosen inside that branch, and
-weighs each branch with the sampler's own formulas (`accept_probability`, `residual_distribution`).
+(`rejection_sample_from_uniforms`), and `verify` (the engine's boundary: flat processed logits in)
+with the same uniforms, once per branch, with uniforms chosen inside that branch, and weighs each
+branch with the sampler's own formulas (`accept_probability`, `residual_distribution`).
 """
 import itertools
 from fractions import Fraction
@@ -13,10 +15,11 @@ import torch
 from draftwise.sampling import (
     accept_probability,
     categorical_from_uniform,
-    greedy_accept,
+    VerifyMetadata,
     rejection_sample,
     rejection_sample_from_uniforms,
     residual_distribution,
+    verify,
 )
 
 # --------------------------------------------------------------------------- (a) exact fractions
@@ -146,7 +149,10 @@ def enumerate_branches(width: int, n: int, point_mass: bool):
                 last = ps[n]
             if w == 0:
                 continue
-            u_acc = [0.0] * acc + ([a[acc]] if acc < n else []) + [0.5] * (width - acc - 1 if acc < n else width - n)
+            # accepted: u = 0; rejected: midway between the acceptance probability and 1 (robust to
+            # the last-bit rounding of softmax(log p) in `verify`)
+            u_rej = [(a[acc] + 1.0) / 2] if acc < n else []
+            u_acc = [0.0] * acc + u_rej + [0.5] * (width - acc - 1 if acc < n else width - n)
             cdf = torch.cumsum(last, 0)
             for t in range(V):
                 if last[t] == 0:
@@ -181,8 +187,16 @@ def test_enumeration_matches_target_distribution(width, n, point_mass):
     u_rec = torch.tensor([r[4] for r in rows], dtype=torch.float64)
     committed, num_accepted = rejection_sample_from_uniforms(
         ids, None if point_mass else q, p, u_acc, u_rec,
-        num_draft_tokens=torch.full((b,), n, dtype=torch.long),
+        num_draft=torch.full((b,), n, dtype=torch.long),
     )
+    # the same branches through `verify`: flat processed logits (log p) and flat q, n proposals each
+    meta = VerifyMetadata.build([r[0][:n] for r in rows], [False] * b)
+    p_logits = torch.log(p[:, : n + 1]).reshape(b * (n + 1), V)  # [N, V], -inf where p = 0
+    q_flat = None if point_mass else q[:, :n].reshape(b * n, V)
+    res = verify(p_logits, meta, q_flat, draws=(u_acc[:, :n], u_rec))
+    assert bool(res.valid.all())
+    assert torch.equal(res.num_accepted, num_accepted)
+    assert torch.equal(res.committed, committed[:, : n + 1])
     # Each branch's uniforms lead the implementation down exactly that branch.
     dist = {}
     for i, r in enumerate(rows):
@@ -212,7 +226,7 @@ def greedy_call(draft_ids, target_argmax, draft_probs=None, num_draft=None):
     p = torch.stack([peaked(t) for t in target_argmax])
     return rejection_sample(
         torch.tensor(draft_ids), draft_probs, p, None,
-        num_draft_tokens=None if num_draft is None else torch.tensor(num_draft),
+        num_draft=None if num_draft is None else torch.tensor(num_draft),
         is_greedy=torch.ones(b, dtype=torch.bool),
     )
 
@@ -252,21 +266,55 @@ def test_greedy_ignores_draft_probs_and_ties_take_lowest_index():
     assert c.tolist() == [[1, -1]] and n.tolist() == [0]
 
 
-def test_greedy_accept_matches_the_batched_greedy_sampler():
-    """The engine's greedy path (`greedy_accept` on ints) equals `rejection_sample` with is_greedy."""
+def test_verify_greedy_rows_match_the_batched_greedy_sampler():
+    """`verify`'s greedy rows (argmax of the flat logits, no softmax) equal `rejection_sample` with
+    is_greedy, row by row, in ragged batches."""
     g = torch.Generator().manual_seed(3)
-    for _ in range(200):
-        k = int(torch.randint(0, 5, (1,), generator=g))
-        p = torch.softmax(torch.randn(1, k + 1, 6, generator=g) * 3, -1)
-        target_argmax = p[0].argmax(-1).tolist()
-        # proposals that follow the argmax for a random prefix, then random tokens
-        n_ok = int(torch.randint(0, k + 1, (1,), generator=g))
-        draft = target_argmax[:n_ok] + torch.randint(0, 6, (k - n_ok,), generator=g).tolist()
-        c, n = rejection_sample(torch.tensor([draft], dtype=torch.long).reshape(1, k), None, p, None,
-                                is_greedy=torch.tensor([True]))
-        toks, a = greedy_accept(draft, target_argmax)
-        assert a == int(n[0]) and toks == c[0, : a + 1].tolist()
-        assert a >= n_ok
+    for _ in range(50):
+        b = int(torch.randint(1, 6, (1,), generator=g))
+        ks = torch.randint(0, 5, (b,), generator=g).tolist()
+        logits, drafts, want = [], [], []
+        for k in ks:
+            row = torch.randn(k + 1, 6, generator=g) * 3  # [k+1, V]
+            target_argmax = row.argmax(-1).tolist()
+            # proposals that follow the argmax for a random prefix, then random tokens
+            n_ok = int(torch.randint(0, k + 1, (1,), generator=g))
+            draft = target_argmax[:n_ok] + torch.randint(0, 6, (k - n_ok,), generator=g).tolist()
+            c, n = rejection_sample(torch.tensor([draft], dtype=torch.long).reshape(1, k), None,
+                                    torch.softmax(row, -1)[None], None, is_greedy=torch.tensor([True]))
+            want.append((c[0, : int(n[0]) + 1].tolist(), int(n[0])))
+            assert int(n[0]) >= n_ok
+            logits.append(row)
+            drafts.append(draft)
+        res = verify(torch.cat(logits), VerifyMetadata.build(drafts, [True] * b), None)
+        assert [(res.tokens(i), int(res.num_accepted[i])) for i in range(b)] == want
+
+
+def test_verify_metadata_offsets_and_padding():
+    meta = VerifyMetadata.build([[5, 6, 7], [], [9]], [False, True, False])
+    assert meta.num_draft.tolist() == [3, 0, 1]
+    assert meta.cu_num_logits.tolist() == [0, 4, 5, 7]
+    assert meta.cu_num_draft.tolist() == [0, 3, 3, 4]
+    assert meta.draft_token_ids.tolist() == [[5, 6, 7], [-1, -1, -1], [9, -1, -1]]
+    assert meta.logits_index().tolist() == [[0, 1, 2, 3], [4, 4, 4, 4], [5, 6, 6, 6]]
+    assert meta.draft_index().tolist() == [[0, 1, 2], [3, 3, 3], [3, 3, 3]]
+    last_empty = VerifyMetadata.build([[5, 6], []], [False, False])  # rows without proposals stay in range
+    assert last_empty.draft_index().tolist() == [[0, 1], [1, 1]]
+
+
+def test_verify_fails_only_rows_with_unusable_distributions():
+    """A NaN row (e.g. a temperature whose float32 is 0) or a row with every token masked commits
+    nothing and is flagged; the other rows are decided as if alone."""
+    g = torch.Generator().manual_seed(0)
+    good = torch.randn(3, 6, generator=g)
+    nan = torch.full((2, 6), float("nan"))
+    masked = torch.full((1, 6), -torch.inf)
+    meta = VerifyMetadata.build([[1, 2], [3], []], [True, False, True])
+    res = verify(torch.cat([good, nan, masked]), meta, None, [None, torch.Generator().manual_seed(1), None])
+    assert res.valid.tolist() == [True, False, False]
+    assert res.tokens(1) == [] and res.tokens(2) == []
+    alone = verify(good, VerifyMetadata.build([[1, 2]], [True]), None)
+    assert res.tokens(0) == alone.tokens(0)
 
 
 def test_random_rows_with_deterministic_tables():
@@ -300,8 +348,8 @@ def test_mixed_greedy_and_random_rows_and_inputs_untouched():
 
 def test_shape_errors():
     p = torch.full((1, 3, 4), 0.25)
-    with pytest.raises(ValueError, match="num_draft_tokens"):
-        rejection_sample(torch.zeros(1, 2, dtype=torch.long), None, p, None, num_draft_tokens=torch.tensor([3]))
+    with pytest.raises(ValueError, match="num_draft"):
+        rejection_sample(torch.zeros(1, 2, dtype=torch.long), None, p, None, num_draft=torch.tensor([3]))
     with pytest.raises(ValueError, match="target_probs"):
         rejection_sample(torch.zeros(1, 3, dtype=torch.long), None, p, None)
     with pytest.raises(ValueError, match="draft_probs"):
@@ -346,7 +394,7 @@ def test_per_row_generator_is_independent_of_the_rest_of_the_batch():
             gens[pos] = torch.Generator().manual_seed(42 + trial)
             if other_b:
                 gens[0] = None  # torch's default generator for another row
-            c, n = rejection_sample(oi, oq, op, gens, num_draft_tokens=num_draft)
+            c, n = rejection_sample(oi, oq, op, gens, num_draft=num_draft)
             results.append((c[pos, :4].tolist(), n[pos].item()))
         assert results[0] == results[1] == results[2]
 

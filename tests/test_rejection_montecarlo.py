@@ -1,4 +1,4 @@
-"""Rejection sampler, statistical tier: 30,000 seeded trials per case against the target's distribution.
+"""Verification (`verify` over the rejection sampler), statistical tier: 30,000 seeded trials per case against the target's distribution.
 
 Each case builds p (target) and q (draft) with `process_logits` from history-dependent random
 logits, exactly as the engine does: the same params for both, and the history at proposed
@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftwise.sampling import SamplingParams, probs_from_logits, process_logits, rejection_sample
+from draftwise.sampling import SamplingParams, VerifyMetadata, probs_from_logits, process_logits, verify
 
 V, K, TRIALS, ALPHA = 6, 2, 30_000, 1e-4
 PROMPT = [0, 1, 1, 4]
@@ -110,7 +110,12 @@ def run_case(case: Case, seed: int):
             draft[:, j] = torch.multinomial(q[:, j], 1, generator=g).squeeze(1)
         code = code * V + draft[:, j]
 
-    committed, num_accepted = rejection_sample(draft, None if case.point_mass else q, p, g)
+    # through `verify`, the engine's boundary: flat processed logits (log p) and flat q
+    meta = VerifyMetadata.build(draft.tolist(), [False] * TRIALS)
+    q_flat = None if case.point_mass else q.reshape(TRIALS * K, V)
+    res = verify(torch.log(p).reshape(TRIALS * (K + 1), V), meta, q_flat, g)
+    assert bool(res.valid.all())
+    committed, num_accepted = res.committed, res.num_accepted
     length = num_accepted + 1
     assert bool((committed[:, :K][torch.arange(K)[None, :] < num_accepted[:, None]]
                  == draft[torch.arange(K)[None, :] < num_accepted[:, None]]).all())

@@ -20,7 +20,8 @@ class SpecConfig:
             raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
 
     @property
-    def num_spec(self) -> int:
+    def max_draft(self) -> int:
+        """The most proposals one sequence verifies per step: k, or 0 without a method."""
         return self.k if self.method else 0
 
 

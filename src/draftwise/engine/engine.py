@@ -3,48 +3,73 @@
     step = schedule -> propose -> verify -> postprocess
 
 - schedule (`Scheduler`): which sequences run, how many tokens each feeds, how many proposals each
-  may verify; K/V slots are reserved for them (target: last committed + k; drafter: its catch-up
-  + k-1).
-- propose (`Proposer`): a `DraftBlock` per decoding sequence (length 0..k).
-- verify: one target forward over all decoding sequences' `[last committed, d_1..d_k]` (plus one
-  for prefill chunks), `process_logits` gives p at every position; greedy rows keep proposals
-  while they equal the argmax of p's logits (`greedy_accept`, no softmax), and the pure
-  `rejection_sample` runs batched over the other rows' ragged block (`VerifyBatch`).
+  may verify (`num_draft`); K/V slots are reserved for them (target: last committed + num_draft;
+  drafter: its catch-up + num_draft - 1).
+- propose (`Proposer`): a `DraftBlock` per decoding sequence (0..num_draft tokens).
+- verify: target forward -> `process_logits` (p at every position) -> `sampling.verify` (the pure
+  selection rule over the ragged batch) -> a typed `Verification`.
 - postprocess: the only place state changes: committed tokens are appended one at a time with
   stop checks (so nothing after a stop is committed), cache lengths are set to the committed path
-  (target and drafter: rollback by bookkeeping), finished sequences free their blocks.
+  (target and drafter: rollback by bookkeeping), finished sequences free their blocks. Each
+  sequence is postprocessed on its own: an exception there fails that sequence alone.
+
+A batched phase that raises is handled by `FailureIsolation` (isolation.py): the step's
+sequences are requeued and re-admitted one by one until the culprit is found; the others are
+unaffected. A failed sequence finishes with `finish_reason == "error"` and `seq.error` set.
 
 Glossary: proposed (drafter's tokens), accepted (proposals kept), recovered (the replacement
 drawn at the first rejection), bonus (the extra token when all proposals are accepted),
 committed (accepted + recovered or bonus). p = target distribution, q = draft distribution.
+`k` is the configured maximum of proposals per step; `num_draft` what one sequence verifies.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..model.loader import LoadedModel
+from ..model.runner import ModelRunner
 from ..proposers import DraftBlock, proposer_class
-from ..sampling import SamplingParams, greedy_accept, process_logits, rejection_sample
+from ..sampling import SamplingParams, process_logits
+from ..sampling.verify import VerifyMetadata, VerifyResult, flat_draft_probs
+from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
-from .verify_batch import VerifyBatch
-from .runner import ModelRunner
+from .isolation import FailureIsolation
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprob
 from .stats import EngineStats
 
+log = logging.getLogger("draftwise.engine")
+_NO_DRAFT = DraftBlock([], None)
+
 
 @dataclass
 class StepOutput:
-    """What one step did to one sequence (for streaming): new tokens/text, finished or not."""
+    """What one step did to one sequence (for streaming): new tokens, finished or not."""
 
     seq: Sequence
     new_token_ids: list[int]
-    new_text: str
     finished: bool
+
+
+@dataclass
+class Verification:
+    """What verification decided for the sequences that commit tokens this step."""
+
+    rows: dict[int, int]  # seq_id -> row b of the batch
+    meta: VerifyMetadata | None
+    result: VerifyResult | None
+    p_logits: torch.Tensor | None  # [N, V] processed target logits (log-probabilities)
+
+    def committed(self, b: int) -> tuple[list[int], int, torch.Tensor]:
+        """Row b's committed tokens, number accepted, and p's logits rows at those positions."""
+        a = int(self.result.num_accepted[b])
+        start = int(self.meta.cu_num_logits[b])
+        return self.result.tokens(b), a, self.p_logits[start : start + a + 1]
 
 
 class LLMEngine:
@@ -61,23 +86,16 @@ class LLMEngine:
         self.tokenizer = target.tokenizer
         self.eos_ids = target.eos_token_ids
         self.vocab_size = target.config.vocab_size
-        max_len = target.config.max_position_embeddings
         cls = proposer_class(self.spec.method) if self.spec.method else None
         if cls is not None and cls.needs_draft_model and draft is None:
             raise ValueError(f"speculative method {self.spec.method!r} needs a draft model (--draft DIR)")
+        max_len = target.config.max_position_embeddings
         if cls is not None and cls.needs_draft_model:
             max_len = min(max_len, draft.config.max_position_embeddings)
         if cfg.max_model_len:
             max_len = min(max_len, cfg.max_model_len)
         self.max_model_len = max_len
-        lookahead = self.spec.num_spec + 1
-        num_blocks = cfg.num_kv_blocks
-        if num_blocks is None:
-            tokens = min(cfg.max_num_seqs * (max_len + lookahead), max(cfg.kv_cache_max_tokens, max_len + lookahead))
-            num_blocks = -(-tokens // cfg.block_size)
-        min_blocks = -(-(max_len + lookahead) // cfg.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(f"num_kv_blocks must be >= {min_blocks} to hold one full context, got {num_blocks}")
+        num_blocks = self._num_blocks(max_len)
         self.runner = ModelRunner(target, num_blocks, cfg.block_size)
         self.proposer = None
         if cls is not None:
@@ -87,11 +105,24 @@ class LLMEngine:
             )
         draft_kv = self.proposer.kv if self.proposer is not None else None
         self.scheduler = Scheduler(
-            self.runner.kv, draft_kv, max_len, self.spec.num_spec, cfg.max_num_seqs, cfg.max_num_batched_tokens
+            self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens
         )
+        self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
-        self.stats = EngineStats(accepted_per_position=[0] * self.spec.num_spec)
+        self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
         self.seqs: dict[str, Sequence] = {}
+
+    def _num_blocks(self, max_len: int) -> int:
+        cfg = self.config
+        lookahead = self.spec.max_draft + 1
+        num_blocks = cfg.num_kv_blocks
+        if num_blocks is None:
+            tokens = min(cfg.max_num_seqs * (max_len + lookahead), max(cfg.kv_cache_max_tokens, max_len + lookahead))
+            num_blocks = -(-tokens // cfg.block_size)
+        min_blocks = -(-(max_len + lookahead) // cfg.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(f"num_kv_blocks must be >= {min_blocks} to hold one full context, got {num_blocks}")
+        return num_blocks
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:
@@ -100,6 +131,7 @@ class LLMEngine:
         return self.tokenizer.encode(prompt).ids
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What needs the model: vocabulary and context length (values: `SamplingParams`)."""
         params.validate_vocab(self.vocab_size)
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
@@ -119,7 +151,7 @@ class LLMEngine:
         self.check_request(ids, params)
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, self.spec.num_spec)
+        seq = Sequence(request_id, ids, params, self.spec.max_draft)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
@@ -133,19 +165,43 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (the caller has read its output)."""
+        self.seqs.pop(request_id, None)
+
+    def occupancy(self) -> dict:
+        """Queue lengths and K/V blocks, for /health and /metrics."""
+        def pool(kv):
+            if kv is None:
+                return None
+            return {"total": kv.pool.num_blocks, "used": kv.pool.num_used, "free": kv.pool.num_free}
+
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "requests": len(self.seqs),
+            "kv": {"target": pool(self.runner.kv), "draft": pool(self.scheduler.draft_kv)},
+        }
+
     # ---------------------------------------------------------------- the step
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
+        self.isolation.before_step()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        decoding = [s for s in sched.scheduled if s.num_spec > 0]
         t1 = time.perf_counter()
-        blocks = self.propose(decoding)
-        t2 = time.perf_counter()
-        results = self.verify(sched.scheduled, blocks)
+        try:
+            blocks = self.propose([s for s in sched.scheduled if s.num_draft > 0])
+            t2 = time.perf_counter()
+            ver = self.verify(sched.scheduled, blocks)
+        except Exception as e:  # a batched phase: nothing committed yet
+            log.exception("engine step failed")
+            culprits = self.isolation.on_failure([s.seq for s in sched.scheduled])
+            return [self.fail(seq, f"internal error while generating: {type(e).__name__}: {e}") for seq in culprits]
         t3 = time.perf_counter()
-        outputs = self.postprocess(sched.scheduled, blocks, results, t2 - t1, t3 - t2)
+        outputs = self.postprocess(sched.scheduled, blocks, ver, t2 - t1, t3 - t2)
+        self.isolation.after_step([s.seq for s in sched.scheduled])
         t4 = time.perf_counter()
         st = self.stats
         st.steps += 1
@@ -158,144 +214,139 @@ class LLMEngine:
     def propose(self, decoding: list[ScheduledSeq]) -> dict[int, DraftBlock]:
         if self.proposer is None or not decoding:
             return {}
-        blocks = self.proposer.propose([s.seq for s in decoding], [s.num_spec for s in decoding])
+        blocks = self.proposer.propose([s.seq for s in decoding], [s.num_draft for s in decoding])
         return {s.seq.seq_id: b for s, b in zip(decoding, blocks)}
 
     @torch.inference_mode()
-    def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]):
-        """Target forward(s) + p + rejection sampling. Returns {seq_id: (committed, num_accepted, p_logits)}."""
-        empty = DraftBlock([], None)
-        # decode/verify group: one forward over [last committed + proposals] of every sequence
-        dec = [s for s in scheduled if not s.seq.is_prefilling]
-        pre = [s for s in scheduled if s.seq.is_prefilling]
-        logits_rows: dict[int, torch.Tensor] = {}
-        for group in (dec, pre):
+    def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
+        """Target forward -> p (`process_logits`) -> the selection rule (`sampling.verify`)."""
+        sampling, logits = self._forward(scheduled, blocks)
+        if not sampling:
+            return Verification({}, None, None, None)
+        drafts = [blocks.get(s.seq.seq_id, _NO_DRAFT) for s in sampling]
+        # p at every position j of every sequence: history = output + proposals before j
+        params, prompts, hists = [], [], []
+        for s, blk in zip(sampling, drafts):
+            for j in range(len(blk.token_ids) + 1):
+                params.append(s.seq.params)
+                prompts.append(s.seq.prompt_ids)
+                hists.append(s.seq.output_ids + blk.token_ids[:j])
+        p_logits = process_logits(logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params))  # [N, V]
+        ids = [b.token_ids for b in drafts]
+        meta = VerifyMetadata.build(ids, [s.seq.params.is_greedy for s in sampling])
+        q = flat_draft_probs(ids, [b.probs for b in drafts], self.vocab_size)  # [sum(num_draft), V] or None
+        result = verify_proposals(p_logits, meta, q, [s.seq.generator for s in sampling])
+        return Verification({s.seq.seq_id: b for b, s in enumerate(sampling)}, meta, result, p_logits)
+
+    def _forward(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]):
+        """One target forward per group: decoding sequences (last committed + proposals), then
+        prefill chunks. Returns the sequences that commit a token this step and their logits
+        rows, flat `[N, V]` (1 + num_draft rows each)."""
+        groups = ([s for s in scheduled if not s.seq.is_prefilling], [s for s in scheduled if s.seq.is_prefilling])
+        sampling, parts = [], []
+        for group in groups:
             if not group:
                 continue
             feeds, starts, nlog = [], [], []
             for s in group:
                 seq = s.seq
-                toks = seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens]
-                d = blocks.get(seq.seq_id, empty).token_ids
-                feeds.append(toks + d)
+                d = blocks.get(seq.seq_id, _NO_DRAFT).token_ids
+                feeds.append(seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
                 starts.append(seq.num_computed)
                 nlog.append(1 + len(d) if s.samples else 1)
             logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog)
             off = 0
             for s, n in zip(group, nlog):
-                logits_rows[s.seq.seq_id] = logits[off : off + n]
+                if s.samples:
+                    sampling.append(s)
+                    parts.append(logits[off : off + n])
                 off += n
-        sampling = [s for s in scheduled if s.samples]
-        if not sampling:
-            return {}
-        seq_blocks = [blocks.get(s.seq.seq_id, empty) for s in sampling]
-        # p at every position j of every sequence: history = output + proposals before j
-        params, prompts, hists = [], [], []
-        for s, blk in zip(sampling, seq_blocks):
-            for j in range(len(blk.token_ids) + 1):
-                params.append(s.seq.params)
-                prompts.append(s.seq.prompt_ids)
-                hists.append(s.seq.output_ids + blk.token_ids[:j])
-        flat_logits = torch.cat([logits_rows[s.seq.seq_id] for s in sampling])  # [N, V]
-        p_logits = process_logits(flat_logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params))
-        cu = VerifyBatch.offsets(seq_blocks)
-        out = {}
-        # greedy rows: the greedy rule on the argmax of the processed logits (no softmax needed)
-        greedy = [i for i, s in enumerate(sampling) if s.seq.params.is_greedy]
-        if greedy:
-            argmax = p_logits.argmax(dim=-1).tolist()
-            for i in greedy:
-                toks, a = greedy_accept(seq_blocks[i].token_ids, argmax[cu[i] : cu[i + 1]])
-                out[sampling[i].seq.seq_id] = (toks, a, p_logits[cu[i] : cu[i] + a + 1])
-        # random rows: the rejection sampler on p and q
-        rand = [i for i in range(len(sampling)) if not sampling[i].seq.params.is_greedy]
-        if rand:
-            rblocks = [seq_blocks[i] for i in rand]
-            vb = VerifyBatch.build(rblocks)
-            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in rand])
-            target_probs = vb.pad_rows(torch.softmax(p_logits[rows], dim=-1))  # [R, K+1, V]
-            draft_probs = None
-            if vb.max_k and any(b.probs is not None for b in rblocks):
-                draft_probs = torch.zeros(len(rand), vb.max_k, target_probs.shape[-1])
-                for r, b in enumerate(rblocks):
-                    if b.probs is not None:
-                        draft_probs[r, : len(b.token_ids)] = b.probs
-            committed, num_accepted = rejection_sample(
-                vb.draft_token_ids,
-                draft_probs,
-                target_probs,
-                [sampling[i].seq.generator for i in rand],
-                num_draft_tokens=torch.tensor(vb.num_draft, dtype=torch.long),
-            )
-            for r, i in enumerate(rand):
-                a = int(num_accepted[r])
-                out[sampling[i].seq.seq_id] = (committed[r, : a + 1].tolist(), a, p_logits[cu[i] : cu[i] + a + 1])
-        return out
+        return sampling, (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
 
-    def postprocess(self, scheduled, blocks, results, propose_s, verify_s) -> list[StepOutput]:
+    def postprocess(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock], ver: Verification,
+                    propose_s: float, verify_s: float) -> list[StepOutput]:
         outputs = []
-        now = time.perf_counter()
-        st = self.stats
         for s in scheduled:
             seq = s.seq
-            if seq.seq_id not in results:  # a prefill chunk that does not reach the end yet
+            b = ver.rows.get(seq.seq_id)
+            if b is None:  # a prefill chunk that does not reach the end yet
                 seq.num_computed += s.num_new_tokens
                 continue
-            toks, a, rows = results[seq.seq_id]
-            blk = blocks.get(seq.seq_id)
-            n_before = seq.num_tokens
-            was_decoding = not seq.is_prefilling
-            if was_decoding:  # a verification round (a prefill's first token is not a round)
-                self._count_round(seq, len(blk.token_ids) if blk else 0, a, propose_s)
-            seq.stats.verify_seconds += verify_s
-            new_ids, new_text, reason, stop_string = [], "", None, False
-            for j, tok in enumerate(toks):
-                seq.output_ids.append(tok)
-                new_ids.append(tok)
-                if seq.logprobs is not None:
-                    seq.logprobs.append(self._logprob(rows[j], tok, seq.params.logprobs))
-                reason = self._check_stop(seq, tok)
-                if seq.params.stop:
-                    added = self.detok.step(seq)
-                    new_text += added
-                    if added:
-                        cut = find_stop(seq.text, len(added), seq.params.stop)
-                        if cut != -1:
-                            new_text = new_text[: max(0, len(new_text) - (len(seq.text) - cut))]
-                            seq.text = seq.text[:cut]
-                            reason, stop_string = "stop", True
-                if reason:
-                    break
-            if not seq.params.stop:
-                new_text = self.detok.step(seq)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            st.generation_tokens += len(new_ids)
-            if self.proposer is not None and blk is not None:
-                self.proposer.postprocess(seq, blk, a, n_before)
-            if reason:
-                self._finish(seq, reason, flush=not stop_string)
-            else:
-                seq.num_computed = seq.num_tokens - 1
-                self.runner.kv.truncate(seq.seq_id, seq.num_computed)
-            outputs.append(StepOutput(seq, new_ids, new_text, seq.is_finished))
+            try:
+                if not bool(ver.result.valid[b]):
+                    raise ValueError("the target's distribution for this request is unusable (NaN logits or every "
+                                     "token masked): check temperature, penalties and logit_bias")
+                outputs.append(self._postprocess_one(seq, blocks.get(seq.seq_id), ver.committed(b),
+                                                     propose_s, verify_s))
+            except Exception as e:
+                log.exception("postprocess failed for request %s", seq.request_id)
+                outputs.append(self.fail(seq, f"error while generating: {type(e).__name__}: {e}"))
         return outputs
 
+    def _postprocess_one(self, seq: Sequence, blk: DraftBlock | None, committed, propose_s: float,
+                         verify_s: float) -> StepOutput:
+        toks, a, rows = committed
+        n_before = seq.num_tokens
+        if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
+            self._count_round(seq, len(blk.token_ids) if blk else 0, a, propose_s)
+        seq.stats.verify_seconds += verify_s
+        new_ids, reason, stop_string = self._commit(seq, toks, rows)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        self.stats.generation_tokens += len(new_ids)
+        if self.proposer is not None and blk is not None:
+            self.proposer.postprocess(seq, blk, a, n_before)
+        if reason:
+            self._finish(seq, reason, flush=not stop_string)
+        else:
+            seq.num_computed = seq.num_tokens - 1
+            self.runner.kv.truncate(seq.seq_id, seq.num_computed)
+        return StepOutput(seq, new_ids, seq.is_finished)
+
+    def _commit(self, seq: Sequence, toks: list[int], rows: torch.Tensor) -> tuple[list[int], str | None, bool]:
+        """Append committed tokens one at a time, stopping at the first stop condition.
+        Returns (tokens appended, finish reason or None, whether a stop string ended it)."""
+        new_ids, reason, stop_string = [], None, False
+        for j, tok in enumerate(toks):
+            seq.output_ids.append(tok)
+            new_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._logprob(rows[j], tok, seq.params.logprobs))
+            reason = self._check_stop(seq, tok)
+            if seq.params.stop:
+                added = self.detok.step(seq)
+                cut = find_stop(seq.text, len(added), seq.params.stop) if added else -1
+                if cut != -1:
+                    seq.text = seq.text[:cut]
+                    reason, stop_string = "stop", True
+            if reason:
+                break
+        if not seq.params.stop:
+            self.detok.step(seq)
+        return new_ids, reason, stop_string
+
+    def fail(self, seq: Sequence, message: str) -> StepOutput:
+        """Finish one sequence with an error (its stream ends with it); the others go on."""
+        seq.error = message
+        if not seq.is_finished:
+            self._finish(seq, "error", flush=False)
+        return StepOutput(seq, [], True)
+
     # ---------------------------------------------------------------- helpers
-    def _count_round(self, seq: Sequence, k: int, a: int, propose_s: float) -> None:
-        """Statistics of one round that proposed k tokens and accepted a (committing a + 1)."""
+    def _count_round(self, seq: Sequence, num_draft: int, a: int, propose_s: float) -> None:
+        """Statistics of one round that proposed num_draft tokens and accepted a (committing a + 1)."""
         st = self.stats
         seq.stats.rounds += 1
-        seq.stats.proposed_tokens += k
+        seq.stats.proposed_tokens += num_draft
         seq.stats.accepted_tokens += a
         seq.stats.committed_in_rounds += a + 1
         seq.stats.committed_per_round.append(a + 1)
-        seq.stats.draft_seconds += propose_s if k else 0.0
+        seq.stats.draft_seconds += propose_s if num_draft else 0.0
         for j in range(a):
             seq.stats.accepted_per_position[j] += 1
             st.accepted_per_position[j] += 1
         st.rounds += 1
-        st.draft_tokens += k
+        st.proposed_tokens += num_draft
         st.accepted_tokens += a
         st.committed_tokens += a + 1
         st.committed_per_round[a + 1] = st.committed_per_round.get(a + 1, 0) + 1
@@ -329,7 +380,3 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         seq.stats.total_seconds = seq.finish_time - seq.arrival_time
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (the caller has read its output)."""
-        self.seqs.pop(request_id, None)

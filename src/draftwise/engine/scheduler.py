@@ -5,8 +5,9 @@ proposals it may verify, and reserves K/V slots for them (target and drafter) be
 runs. Running sequences go first, in admission order; when a pool runs dry the most recently
 admitted sequence is preempted by recompute (its blocks freed, its committed tokens kept, and it
 is requeued at the front). Waiting requests are then admitted while blocks, the budget and
-`max_num_seqs` allow; a long prompt is prefilled in chunks. The scheduler only reserves
-capacity: committed tokens and lengths change in the engine's postprocess.
+`max_num_seqs` (and `admission_limit`, which failure isolation lowers) allow; a long prompt is
+prefilled in chunks. The scheduler only reserves capacity: committed tokens and lengths change in
+the engine's postprocess.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed from all_ids[num_computed:]
-    num_spec: int  # proposals this sequence may verify (0 while prefilling)
+    num_draft: int  # proposals this sequence may verify (0 while prefilling)
 
     @property
     def samples(self) -> bool:
@@ -55,6 +56,7 @@ class Scheduler:
         self.k = k
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.admission_limit: int | None = None  # a lower cap on running sequences, when set
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,7 +67,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_spec_for(self, seq: Sequence) -> int:
+    def num_draft_for(self, seq: Sequence) -> int:
         """Proposals to verify: never past max_tokens nor past the context (depends on lengths only)."""
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         room = self.max_model_len - seq.num_tokens
@@ -87,7 +89,9 @@ class Scheduler:
         if self.draft_kv is not None:
             self.draft_kv.free(seq.seq_id)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def requeue(self, seq: Sequence) -> None:
+        """Preempt a running sequence by recompute: its blocks are freed, its committed tokens
+        kept, and it waits at the front of the queue (ahead of sequences requeued before it)."""
         self.running.remove(seq)
         self.free(seq)
         seq.num_computed = 0
@@ -96,7 +100,6 @@ class Scheduler:
         seq.stats.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -108,11 +111,12 @@ class Scheduler:
             if todo > 1:  # prefill chunk
                 n, k = min(todo, budget), 0
             else:
-                n, k = 1, min(self.num_spec_for(seq), budget - 1)
+                n, k = 1, min(self.num_draft_for(seq), budget - 1)
             draft_tokens = seq.num_tokens + k - 1 if k else 0
             while not self._reserve_ok(seq, seq.num_computed + n + k, draft_tokens):
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self.requeue(victim)
+                out.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is Status.WAITING:  # preempted itself: nothing after it runs either
@@ -123,7 +127,8 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        limit = self.max_num_seqs if self.admission_limit is None else min(self.max_num_seqs, self.admission_limit)
+        while self.waiting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve_ok(seq, seq.num_computed + n, 0):

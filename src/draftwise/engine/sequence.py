@@ -73,6 +73,7 @@ class TokenLogprob:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, k: int = 0):
+        """`k`: the engine's maximum proposals per step (sizes the per-position statistics)."""
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -94,7 +95,7 @@ class Sequence:
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
-        self.error: str | None = None
+        self.error: str | None = None  # set when the engine failed this sequence (finish_reason 'error')
 
     @property
     def all_ids(self) -> list[int]:

@@ -11,7 +11,7 @@ class EngineStats:
     verify_seconds: float = 0.0
     other_seconds: float = 0.0  # scheduling, bookkeeping, detokenization
     rounds: int = 0  # verification rounds of decoding sequences (prefill excluded)
-    draft_tokens: int = 0
+    proposed_tokens: int = 0  # tokens the drafter proposed (snapshot key: draft_tokens, kept for old readers)
     accepted_tokens: int = 0
     committed_tokens: int = 0  # tokens committed by rounds
     accepted_per_position: list[int] = field(default_factory=list)
@@ -28,7 +28,8 @@ class EngineStats:
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
             "rounds": self.rounds,
-            "draft_tokens": self.draft_tokens,
+            "draft_tokens": self.proposed_tokens,
+            "proposed_tokens": self.proposed_tokens,
             "accepted_tokens": self.accepted_tokens,
             "committed_tokens": self.committed_tokens,
             "accepted_per_position": list(self.accepted_per_position),

@@ -1,4 +1,8 @@
-"""Proposers (drafters): one protocol, a registry by method name, one file per method."""
-from .base import DraftBlock, Proposer, available_methods, create_proposer, proposer_class, register_proposer
+"""Proposers (drafters): one protocol, a registry by method name, one file per method.
 
-__all__ = ["DraftBlock", "Proposer", "available_methods", "create_proposer", "proposer_class", "register_proposer"]
+The built-in methods register themselves when imported here (the registry in base.py never
+imports them, so there is no import circle)."""
+from .base import DraftBlock, History, Proposer, available_methods, proposer_class, register_proposer
+from . import draft_model, ngram  # noqa: F401  (registration)
+
+__all__ = ["DraftBlock", "History", "Proposer", "available_methods", "proposer_class", "register_proposer"]

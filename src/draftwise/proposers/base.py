@@ -1,9 +1,13 @@
-"""The `Proposer` protocol, the `DraftBlock` it returns, and the registry of methods by name.
+"""The `Proposer` protocol, the `DraftBlock` it returns, the `History` it reads, and the registry.
 
-A proposer looks only at committed history (prompt + accepted output) and proposes up to `k`
-tokens per sequence. `probs` is q, the drafter's processed distribution at each proposed position
-(`[k, vocab]`), or None for drafters without one (a point mass, e.g. n-gram lookup). A new method
-is a new file that registers itself here; the engine never branches on the method name.
+A proposer looks only at a sequence's committed history (prompt + accepted output) and proposes
+up to `num_draft` tokens for it. `probs` is q, the drafter's processed distribution at each
+proposed position (`[num_draft, vocab]`), or None for drafters without one (a point mass, e.g.
+n-gram lookup). A new method is a new file that registers itself with `register_proposer`; the
+package's `__init__` imports the built-in ones, and the engine never branches on the method name.
+
+Proposers sit below the engine: they read sequences through the `History` protocol (which the
+engine's `Sequence` satisfies) and never import engine/.
 """
 from __future__ import annotations
 
@@ -12,14 +16,31 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..engine.sequence import Sequence
 from ..kv import KVManager
+from ..sampling import SamplingParams
 
 
 @dataclass
 class DraftBlock:
-    token_ids: list[int]  # [k_b] proposed tokens
-    probs: torch.Tensor | None  # [k_b, vocab] q at each proposed position, or None (point mass)
+    token_ids: list[int]  # [num_draft] proposed tokens
+    probs: torch.Tensor | None  # [num_draft, vocab] q at each proposed position, or None (point mass)
+
+
+class History(Protocol):
+    """What a proposer may read of a sequence (the engine's `Sequence` satisfies it)."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # committed output
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's seeded generator, if any
+    draft_computed: int  # positions of the drafter's own cache that are valid (owned by the proposer)
+
+    @property
+    def all_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class Proposer(Protocol):
@@ -29,12 +50,11 @@ class Proposer(Protocol):
     name: str
     needs_draft_model: bool  # the engine must be given a draft model directory
     kv: KVManager | None  # the drafter's own paged cache, if it has one
-    max_model_len: int | None  # the drafter's context limit, if any
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[DraftBlock]:
-        """Up to ks[i] tokens for seqs[i]. May write scratch K/V; must not change `seqs`."""
+    def propose(self, seqs: list[History], num_draft: list[int]) -> list[DraftBlock]:
+        """Up to num_draft[i] tokens for seqs[i]. May write scratch K/V; must not change `seqs`."""
 
-    def postprocess(self, seq: Sequence, block: DraftBlock, num_accepted: int, num_tokens_before: int) -> None:
+    def postprocess(self, seq: History, block: DraftBlock, num_accepted: int, num_tokens_before: int) -> None:
         """After verification: roll the drafter's own state back to the committed path."""
 
 
@@ -51,20 +71,10 @@ def register_proposer(name: str):
 
 
 def available_methods() -> list[str]:
-    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def proposer_class(method: str):
-    _load_builtins()
     if method not in _REGISTRY:
         raise ValueError(f"speculative method must be one of {', '.join(sorted(_REGISTRY))} or none, got {method!r}")
     return _REGISTRY[method]
-
-
-def create_proposer(method: str, **kwargs) -> Proposer:
-    return proposer_class(method)(**kwargs)
-
-
-def _load_builtins() -> None:
-    from . import draft_model, ngram  # noqa: F401  (registration side effect)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.runner import ModelRunner
+from ..model.runner import ModelRunner
 from ..sampling import process_logits
 from .base import DraftBlock, register_proposer
 
@@ -31,14 +31,13 @@ class DraftModelProposer:
             )
         self.runner = ModelRunner(draft, num_blocks, block_size)
         self.kv = self.runner.kv
-        self.max_model_len = draft.config.max_position_embeddings
         self.eos_ids = list(eos_ids or [])
 
     @torch.inference_mode()
-    def propose(self, seqs, ks):
+    def propose(self, seqs, num_draft):
         blocks = [DraftBlock([], None) for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = [i for i, k in enumerate(ks) if k > 0]
+        active = [i for i, n in enumerate(num_draft) if n > 0]
         feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
         starts = {i: seqs[i].draft_computed for i in active}
         while active:
@@ -69,7 +68,7 @@ class DraftModelProposer:
                 blocks[i].token_ids.append(tok)
                 starts[i] += len(feeds[i])
                 feeds[i] = [tok]
-                if len(blocks[i].token_ids) < ks[i]:
+                if len(blocks[i].token_ids) < num_draft[i]:
                     nxt.append(i)
             active = nxt
         for i, b in enumerate(blocks):
@@ -78,9 +77,9 @@ class DraftModelProposer:
         return blocks
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
-        k = len(block.token_ids)
-        if k == 0:
+        n = len(block.token_ids)
+        if n == 0:
             return
-        # the drafter fed the committed tokens and proposals d_1..d_{k-1}; keep the accepted ones
-        seq.draft_computed = num_tokens_before + min(num_accepted, k - 1)
+        # the drafter fed the committed tokens and proposals d_1..d_{n-1}; keep the accepted ones
+        seq.draft_computed = num_tokens_before + min(num_accepted, n - 1)
         self.kv.truncate(seq.seq_id, seq.draft_computed)

@@ -32,7 +32,6 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
 class NgramProposer:
     kv = None
     needs_draft_model = False
-    max_model_len = None
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1, **_):
         max_n, min_n = ngram_max, ngram_min
@@ -40,8 +39,8 @@ class NgramProposer:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, seqs, ks):
-        return [DraftBlock(ngram_lookup(s.all_ids, k, self.max_n, self.min_n), None) for s, k in zip(seqs, ks)]
+    def propose(self, seqs, num_draft):
+        return [DraftBlock(ngram_lookup(s.all_ids, n, self.max_n, self.min_n), None) for s, n in zip(seqs, num_draft)]
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass

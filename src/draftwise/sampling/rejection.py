@@ -2,7 +2,7 @@
 
 Glossary (one row b of the batch, p = target, q = draft):
 
-- proposed: the draft's tokens x_0 .. x_{n-1}, n = num_draft_tokens[b] <= K; position j of the row
+- proposed: the draft's tokens x_0 .. x_{n-1}, n = num_draft[b] <= K; position j of the row
   is the position of x_j, and p_j, q_j are the target's and draft's distributions there.
 - accepted: a proposal kept. x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j))
   (a point-mass draft, q = None: with probability p_j(x_j)); greedy rows accept x_j iff it is
@@ -46,18 +46,6 @@ def accept_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     return torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).to(torch.float64))
 
 
-def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> tuple[list[int], int]:
-    """The greedy rule for one row, on plain ints: keep proposals while they equal the target's
-    argmax at their position, then commit the target's own token there (recovered or bonus).
-    `target_argmax` has len(draft) + 1 entries. Returns (committed tokens, number accepted).
-    Same result as `rejection_sample` with `is_greedy`; the engine uses it for greedy rows so that
-    they need no softmax, and takes the argmax of the processed logits."""
-    a = 0
-    while a < len(draft_token_ids) and draft_token_ids[a] == target_argmax[a]:
-        a += 1
-    return list(draft_token_ids[:a]) + [int(target_argmax[a])], a
-
-
 def residual_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
     """max(p - q, 0), unnormalised, falling back to p where it has no mass."""
     p = p.to(torch.float64)
@@ -92,12 +80,12 @@ def categorical_from_uniform(weights: torch.Tensor, u: torch.Tensor) -> torch.Te
 
 
 def rejection_sample(
-    draft_token_ids: torch.Tensor,  # [B, K] long (padding arbitrary beyond num_draft_tokens)
+    draft_token_ids: torch.Tensor,  # [B, K] long (padding arbitrary beyond num_draft)
     draft_probs: torch.Tensor | None,  # [B, K, V] q; None = point mass on the draft token
-    target_probs: torch.Tensor,  # [B, K+1, V] p; row n = num_draft_tokens[b] is the bonus distribution
+    target_probs: torch.Tensor,  # [B, K+1, V] p; row n = num_draft[b] is the bonus distribution
     generator: Generators,
     *,
-    num_draft_tokens: torch.Tensor | None = None,  # [B] long, 0..K
+    num_draft: torch.Tensor | None = None,  # [B] long, 0..K
     is_greedy: torch.Tensor | None = None,  # [B] bool
 ) -> tuple[torch.Tensor, torch.Tensor]:  # committed [B, K+1] long, -1 padded; num_accepted [B] long
     """Verify a batch of proposals; see the module docstring for the glossary and guarantees.
@@ -106,7 +94,7 @@ def rejection_sample(
     """
     b, k = draft_token_ids.shape
     device = target_probs.device
-    num_draft = _num_draft(num_draft_tokens, b, k, device)
+    num_draft = _num_draft(num_draft, b, k, device)
     greedy = _greedy(is_greedy, b, device)
     u_recover, u_accept = _draw_uniforms(generator, num_draft, greedy, k, device)
     return rejection_sample_from_uniforms(
@@ -115,7 +103,7 @@ def rejection_sample(
         target_probs,
         u_accept,
         u_recover,
-        num_draft_tokens=num_draft,
+        num_draft=num_draft,
         is_greedy=greedy,
     )
 
@@ -127,7 +115,7 @@ def rejection_sample_from_uniforms(
     u_accept: torch.Tensor,  # [B, K] float64 in [0, 1): proposal j accepted iff u_accept[b, j] < accept prob
     u_recover: torch.Tensor,  # [B] float64 in [0, 1): inverse-CDF uniform of the recovered/bonus draw
     *,
-    num_draft_tokens: torch.Tensor | None = None,  # [B] long
+    num_draft: torch.Tensor | None = None,  # [B] long
     is_greedy: torch.Tensor | None = None,  # [B] bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The deterministic core of `rejection_sample`: same inputs and outputs, uniforms given."""
@@ -138,7 +126,7 @@ def rejection_sample_from_uniforms(
         raise ValueError(f"target_probs must be [B, K+1, V] = [{b}, {k + 1}, V], got {list(target_probs.shape)}")
     if draft_probs is not None and draft_probs.shape != (b, k, vocab):
         raise ValueError(f"draft_probs must be [B, K, V] = [{b}, {k}, {vocab}], got {list(draft_probs.shape)}")
-    num_draft = _num_draft(num_draft_tokens, b, k, device)
+    num_draft = _num_draft(num_draft, b, k, device)
     greedy = _greedy(is_greedy, b, device)
     rows = torch.arange(b, device=device)
     pos = torch.arange(k, device=device)
@@ -188,12 +176,12 @@ def rejection_sample_from_uniforms(
     return committed, num_accepted
 
 
-def _num_draft(num_draft_tokens, b: int, k: int, device) -> torch.Tensor:  # [B] long
-    if num_draft_tokens is None:
+def _num_draft(num_draft, b: int, k: int, device) -> torch.Tensor:  # [B] long
+    if num_draft is None:
         return torch.full((b,), k, dtype=torch.long, device=device)
-    n = num_draft_tokens.to(device=device, dtype=torch.long)
+    n = num_draft.to(device=device, dtype=torch.long)
     if n.shape != (b,) or bool(((n < 0) | (n > k)).any()):
-        raise ValueError(f"num_draft_tokens must be [B] = [{b}] with values in [0, {k}], got {n.tolist()}")
+        raise ValueError(f"num_draft must be [B] = [{b}] with values in [0, {k}], got {n.tolist()}")
     return n
 
 

@@ -91,7 +91,7 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
         snap = aeng.snapshot
         return {
             "status": "ok", "model": model_name,
-            "speculation": {"method": engine.spec.method or "none", "k": engine.spec.num_spec},
+            "speculation": {"method": engine.spec.method or "none", "k": engine.spec.max_draft},
             "requests_in_server": aeng.num_in_flight, "requests_in_engine": snap.requests,
             "waiting": snap.waiting, "running": snap.running, "kv_blocks": snap.kv,
         }

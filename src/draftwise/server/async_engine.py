@@ -10,16 +10,10 @@ step. After each step it publishes a `Snapshot` (counters, queue lengths, KV blo
 Streaming text is held back while it could be the start of a stop string (the engine cuts a stop
 string from the text once it is complete, so text already sent could not be taken back).
 
-Failure isolation: if `step()` raises, the exception does not say which request caused it. If it
-was raised before postprocess (nothing committed yet) and several sequences were in the step,
-they are all requeued by recompute (exactly what a preemption does: their outputs are unchanged,
-and the preemption counters count it) and re-admitted one at a time, each joining sequences that
-already ran a step without failing; the one whose admission makes a step fail is the culprit.
-The culprit is aborted and its stream ends with the error (HTTP 500); the others go on. When that
-cannot be decided (a failure inside postprocess, or of a sequence that had already passed), all
-sequences of the step are aborted with the error. Waiting and later requests are served as usual.
-(A seeded sampled request caught in a failed step may not reproduce its seed's output: the step
-had already drawn from its generator.)
+Failure isolation is the engine's (engine/isolation.py): a step returns the sequences it failed
+like any other finished ones, with `seq.error` set; their streams end with the error (HTTP 500)
+and the others go on. Should `step()` itself raise (a bug outside the isolated phases), every
+sequence the engine holds is failed with the error (the running ones, or all if none runs) and the server keeps serving.
 Shutdown: `shutdown()` lets the thread finish every in-flight request, then joins it.
 
 Thread affinity: `draftwise serve` builds the engine (loads the weights) inside the same
@@ -35,11 +29,9 @@ import asyncio
 import logging
 import queue
 import threading
-import traceback
 from dataclasses import dataclass, field
 
 from ..engine import LLMEngine
-from ..engine.scheduler import SchedulerOutput
 from ..engine.sequence import Sequence, Status, TokenLogprob
 from ..sampling import SamplingParams
 
@@ -164,8 +156,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._suspects: list[_Tracked] = []  # failure isolation: sequences still to re-admit one by one
-        self._max_num_seqs = engine.scheduler.max_num_seqs
+        self._max_num_seqs = engine.config.max_num_seqs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = thread  # run the loop here (else a new thread)
         self._publish()
@@ -273,14 +264,14 @@ class AsyncEngine:
                 out.append(self._output(t, finished=True, reason="abort"))
 
     def _step(self) -> list[RequestOutput]:
-        waiting_before = {id(t.seq) for t in self._suspects if t.seq.status is Status.WAITING}
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception as e:  # outside the engine's isolated phases: fail the running sequences
             log.exception("engine step failed")
-            batch = self._fail_step(e, waiting_before)
-            self._isolate_next()
-            return batch
+            message = f"internal error while generating: {type(e).__name__}: {e}"
+            held = [t.seq for t in self._tracked.values()]
+            victims = [seq for seq in held if seq.status is Status.RUNNING] or held
+            outputs = [self.engine.fail(seq, message) for seq in victims]
         batch = []
         for o in outputs:
             t = self._tracked.get(o.seq.request_id)
@@ -290,52 +281,6 @@ class AsyncEngine:
             if o.finished:
                 del self._tracked[o.seq.request_id]
                 self.engine.release(o.seq.request_id)
-            batch.append(out)
-        if self._suspects:
-            ran = {id(o.seq) for o in outputs}
-            self._suspects = [t for t in self._suspects if id(t.seq) not in ran]
-            self._isolate_next()
-        return batch
-
-    def _fail_step(self, e: Exception, waiting_before: set[int]) -> list[RequestOutput]:
-        sched = self.engine.scheduler
-        running = [t for t in self._tracked.values() if t.seq.status is not Status.WAITING]
-        in_postprocess = any(f.name == "postprocess" for f in traceback.extract_tb(e.__traceback__))
-        if not in_postprocess:
-            probes = [t for t in running if id(t.seq) in waiting_before]
-            if len(probes) == 1:  # isolating: the sequence just admitted made the step fail
-                return self._abort_with_error(probes, e)
-            if not waiting_before and len(running) > 1 and not self._suspects:
-                by_seq = {id(t.seq): t for t in running}
-                order = [by_seq[id(s)] for s in sched.running if id(s) in by_seq]
-                for t in reversed(order):  # requeued at the front, in their admission order
-                    sched._preempt(t.seq, SchedulerOutput())
-                self._suspects = order
-                log.warning("isolating the failure: re-admitting %d sequences one at a time", len(order))
-                return []
-        if not running and sched.waiting:  # failed before admitting anything: blame the head
-            running = [t for t in self._tracked.values() if t.seq is sched.waiting[0]]
-        return self._abort_with_error(running, e)
-
-    def _isolate_next(self) -> None:
-        """While isolating, admit one more suspect only when all running sequences have passed."""
-        sched = self.engine.scheduler
-        self._suspects = [t for t in self._suspects if t.seq.request_id in self._tracked]
-        if not self._suspects:
-            sched.max_num_seqs = self._max_num_seqs
-            return
-        untested = any(t.seq.status is Status.RUNNING for t in self._suspects)
-        sched.max_num_seqs = max(1, len(sched.running) + (0 if untested else 1))
-
-    def _abort_with_error(self, victims: list[_Tracked], e: Exception) -> list[RequestOutput]:
-        batch = []
-        for t in victims:
-            rid = t.seq.request_id
-            del self._tracked[rid]
-            self.engine.abort(rid)
-            self.engine.release(rid)
-            out = self._output(t, finished=True, reason="abort")
-            out.error = f"internal error while generating: {type(e).__name__}: {e}"
             batch.append(out)
         return batch
 
@@ -354,7 +299,7 @@ class AsyncEngine:
         out = RequestOutput(
             seq.request_id, new_ids, new_text, lps, finished, reason if finished else None,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n,
-            stats=seq.stats.to_dict() if finished else None,
+            stats=seq.stats.to_dict() if finished else None, error=seq.error if finished else None,
         )
         if finished:
             if seq.first_token_time is not None:
@@ -364,18 +309,6 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         eng = self.engine
-
-        def pool(kv):
-            if kv is None:
-                return None
-            p = kv.pool
-            return {"total": p.num_blocks, "used": p.num_used, "free": p.num_free}
-
-        draft_kv = getattr(eng.proposer, "kv", None) if eng.proposer is not None else None
-        self.snapshot = Snapshot(
-            stats=eng.stats.snapshot(),
-            waiting=len(eng.scheduler.waiting),
-            running=len(eng.scheduler.running),
-            requests=len(eng.seqs),
-            kv={"target": pool(eng.runner.kv), "draft": pool(draft_kv)},
-        )
+        occ = eng.occupancy()
+        self.snapshot = Snapshot(stats=eng.stats.snapshot(), waiting=occ["waiting"], running=occ["running"],
+                                 requests=occ["requests"], kv=occ["kv"])

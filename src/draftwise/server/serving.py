@@ -72,7 +72,7 @@ class OpenAIServing:
         self.chat_template = chat
         self.tokenizer = engine.engine.tokenizer
         spec = engine.engine.spec
-        self.method, self.k = spec.method, spec.num_spec
+        self.method, self.k = spec.method, spec.max_draft
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, name: str | None) -> None:

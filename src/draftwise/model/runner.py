@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVManager
-from ..model.attention import AttentionMetadata
-from ..model.loader import LoadedModel
+from .attention import AttentionMetadata
+from .loader import LoadedModel
 
 
 class ModelRunner:
@@ -28,10 +28,6 @@ class ModelRunner:
             cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )  # [layers, 2, num_slots, Hkv, D]
-
-    @property
-    def max_model_len(self) -> int:
-        return self.cfg.max_position_embeddings
 
     @torch.inference_mode()
     def run(
