@@ -23,7 +23,7 @@ MAX_TOKENS = 128
 def held_out_prompt(tokenizer, index: int = 0) -> tuple[str, str]:
     """A held-out stdlib function's signature and docstring (the model card's evaluation set)."""
     try:
-        from .train.corpus import split
+        from .corpus import split
         from .train.evaluate import function_prompts
 
         fn = function_prompts(split(), tokenizer, n=64)[index]

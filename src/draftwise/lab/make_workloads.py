@@ -18,7 +18,7 @@ import argparse
 import ast
 from pathlib import Path
 
-from ..train.corpus import split
+from ..corpus import split
 from .workload import WORKLOADS_DIR, Request, write_jsonl
 
 MAX_CONTEXT_CHARS = 900  # preceding file text kept before the function

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .corpus import Split
+from ..corpus import Split
 from .tokenizer import EOS
 
 

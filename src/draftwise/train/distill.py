@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..model.loader import load_model
-from . import corpus
+from .. import corpus
 from .data import load_streams
 from .export import export_model
+from .fit import DRAFT_DEFAULTS, corpus_stats, train_model
 from .shapes import PRESETS, build_model, count_params, llama_config
 from .trainer import ce_loss
 
@@ -42,8 +43,6 @@ def kd_loss_fn(teacher, alpha: float = 0.9):
 
 def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/draft", resume=False,
                 ce_only=False, alpha=0.9, overrides=None, log=None, init=None) -> dict:
-    from .pipeline import DRAFT_DEFAULTS, corpus_stats, train_model
-
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
     hp = dict(DRAFT_DEFAULTS, **(overrides or {}))
     teacher = load_model(target_dir, dtype="bfloat16")

@@ -5,17 +5,13 @@ import time
 from pathlib import Path
 
 
-from . import corpus
-from .data import Batches, load_streams
-from .evaluate import val_loss
+from .. import corpus
+from .data import load_streams
+from .distill import train_draft
 from .export import export_model
+from .fit import TARGET_DEFAULTS, corpus_stats, train_model
 from .shapes import PRESETS, build_model, count_params, llama_config
 from .tokenizer import EOS, load_tokenizer, save_tokenizer, train_tokenizer
-from .trainer import Trainer, TrainConfig, peak_rss_mb
-
-TARGET_DEFAULTS = dict(shape="target", batch_size=8, seq_len=512, lr=1.5e-3, warmup_steps=200)
-DRAFT_DEFAULTS = dict(shape="draft", batch_size=16, seq_len=512, lr=3e-3, warmup_steps=50)
-VAL_WINDOWS = 16  # periodic validation: 16 x 512 held-out tokens; the final one uses all
 
 
 def train_tokenizer_dir(out: str | Path) -> dict:
@@ -27,38 +23,11 @@ def train_tokenizer_dir(out: str | Path) -> dict:
     return {"files": len(texts), "seconds": round(time.time() - t0, 1)}
 
 
-def corpus_stats(split, streams) -> dict:
-    return {"root": str(split.root), "train_files": len(split.train), "held_out_files": len(split.held_out),
-            "train_tokens": int(len(streams["train"])), "held_out_tokens": int(len(streams["val"])),
-            "held_out": list(corpus.HELD_OUT)}
-
-
 def _setup(tokenizer_dir: Path, ckpt_dir: Path):
     tok = load_tokenizer(tokenizer_dir)
     split = corpus.split()
     streams = load_streams(tok, split, ckpt_dir)
     return tok, split, streams
-
-
-def train_model(model, streams, ckpt_dir, hp: dict, minutes, tokens, resume, loss_fn=None, log=None):
-    if minutes is None and tokens is None:
-        raise ValueError("give a budget: --minutes or --tokens")
-    cfg = TrainConfig(ckpt_dir=str(ckpt_dir), batch_size=hp["batch_size"], seq_len=hp["seq_len"], lr=hp["lr"],
-                      warmup_steps=hp["warmup_steps"], seed=hp.get("seed", 0), max_tokens=tokens, minutes=minutes)
-    seq = hp["seq_len"]
-    trainer = Trainer(model, Batches(streams["train"], cfg.batch_size, seq, seed=cfg.seed), cfg,
-                      eval_fn=lambda m: val_loss(m, streams["val"], seq, VAL_WINDOWS), log=log,
-                      **({"loss_fn": loss_fn} if loss_fn else {}))
-    if resume:
-        trainer.resume()
-    t0 = time.time()
-    summary = trainer.run()
-    summary["wall_seconds_this_run"] = round(time.time() - t0, 1)
-    model.eval()
-    summary["val_loss"] = round(val_loss(model, streams["val"], seq), 4)
-    summary["history"] = trainer.history
-    summary["peak_rss_mb"] = round(peak_rss_mb())
-    return summary
 
 
 def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="checkpoints/target",
@@ -77,11 +46,6 @@ def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="c
     summary.update(role="target", parameters=count_params(model), corpus=corpus_stats(split, streams))
     export_model(model, out, tokenizer_dir, summary)
     return summary
-
-
-def train_draft(*a, **k):  # filled in by distill
-    from .distill import train_draft as _t
-    return _t(*a, **k)
 
 
 def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_continue_minutes=0.0) -> dict:

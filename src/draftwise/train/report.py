@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..model.loader import load_model
-from . import corpus
+from .. import corpus
 from .evaluate import (acceptance_betas, acceptance_summary, cut_function, function_prompts, generate, parses)
 
 
