@@ -157,23 +157,29 @@ def rejection_sample_from_uniforms(
         last_token[greedy] = target_argmax[rows, num_accepted][greedy]
     rand = torch.nonzero(~greedy).squeeze(1)  # [R] random rows
     if rand.numel():
-        at = num_accepted[rand]  # [R]
-        weights = target_probs[rand, at].to(torch.float64)  # [R, V]
-        rej = rejected[rand]  # [R]
-        if bool(rej.any()):
-            rr, jr = rand[rej], at[rej]  # rows with a rejection, and its position
-            if draft_probs is None:
-                q_last = torch.zeros(rr.numel(), vocab, dtype=torch.float64, device=device)
-                q_last.scatter_(1, draft_safe[rr, jr][:, None], 1.0)
-            else:
-                q_last = draft_probs[rr, jr]  # [Rj, V]
-            weights[rej] = residual_mass(target_probs[rr, jr], q_last)
-        last_token[rand] = categorical_from_uniform(weights, u_recover.to(device)[rand])
+        last_token[rand] = _draw_last(rand, num_accepted[rand], rejected[rand], draft_safe, draft_probs,
+                                      target_probs, u_recover.to(device)[rand])
 
     committed = torch.full((b, k + 1), -1, dtype=torch.long, device=device)  # [B, K+1]
     committed[:, :k] = torch.where(pos[None, :] < num_accepted[:, None], draft, -1)
     committed[rows, num_accepted] = last_token
     return committed, num_accepted
+
+
+def _draw_last(rand, at, rej, draft_safe, draft_probs, target_probs, u) -> torch.Tensor:  # [R] long
+    """The recovered (rows with a rejection at `at`) or bonus token of the random rows `rand`:
+    drawn from max(p - q, 0) at the rejection (q a point mass when draft_probs is None), else p."""
+    vocab = target_probs.shape[-1]
+    weights = target_probs[rand, at].to(torch.float64)  # [R, V]
+    if bool(rej.any()):
+        rr, jr = rand[rej], at[rej]  # rows with a rejection, and its position
+        if draft_probs is None:
+            q_last = torch.zeros(rr.numel(), vocab, dtype=torch.float64, device=weights.device)
+            q_last.scatter_(1, draft_safe[rr, jr][:, None], 1.0)
+        else:
+            q_last = draft_probs[rr, jr]  # [Rj, V]
+        weights[rej] = residual_mass(target_probs[rr, jr], q_last)
+    return categorical_from_uniform(weights, u)
 
 
 def _num_draft(num_draft, b: int, k: int, device) -> torch.Tensor:  # [B] long
