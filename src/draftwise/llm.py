@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engine import EngineConfig, LLMEngine, RequestStats, SpecConfig
-from .engine.config import draft_dtype_for
 from .engine.sequence import Sequence, TokenLogprob
-from .model import load_model
+from .model.pair import load_pair
 from .proposers import proposer_class
-from .paths import default_draft, default_target
 from .sampling import SamplingParams
 
 
@@ -55,15 +53,9 @@ class LLM:
         **engine_kwargs,
     ):
         spec = spec or SpecConfig()
-        model_dir = Path(model) if model else default_target()
-        target = load_model(model_dir, dtype=dtype, device=device)
-        draft_model = None
-        if spec.method and proposer_class(spec.method).needs_draft_model:
-            draft_dir = Path(draft) if draft else (default_draft() if not model else None)
-            if draft_dir is None:
-                raise ValueError(f"speculative method {spec.method!r} needs a draft model directory (draft=...)")
-            draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
-                                     load_tokenizer=False)
+        needs_draft = bool(spec.method) and proposer_class(spec.method).needs_draft_model
+        target, draft_model = load_pair(model, draft, needs_draft=needs_draft, dtype=dtype, draft_dtype=draft_dtype,
+                                        device=device, method=spec.method or "", draft_option="draft=...")
         self.engine = LLMEngine(target, draft_model, spec, EngineConfig(dtype=dtype, device=device, **engine_kwargs))
         self.tokenizer = target.tokenizer
         self._ids = itertools.count()

@@ -33,6 +33,8 @@ def add_parser(sub):
     p.add_argument("--url", default=None, help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000)")
     p.add_argument("--served-model", default=None, help="model name for --url (default: the first of /v1/models)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
@@ -79,7 +81,8 @@ def run(args) -> int:
         raise ValueError(f"--draft: not a directory: {args.draft}")
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
-        served_model=args.served_model, dtype=args.dtype, device=args.device, slo=parse_slo(args.slo),
+        served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
+        slo=parse_slo(args.slo),
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, seed=args.seed,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
@@ -91,7 +94,7 @@ def run(args) -> int:
         "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
-        "dtype": args.dtype, "device": args.device, "seed": args.seed, "quick": args.quick,
+        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device, "seed": args.seed, "quick": args.quick,
     }
     command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
     results = build_results(results, settings, command, time.perf_counter() - t0)

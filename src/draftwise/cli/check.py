@@ -44,9 +44,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from ..lab.check import CheckSetup, run_checks
-    from ..engine.config import draft_dtype_for
-    from ..model import load_model
-    from ..paths import default_draft, default_target
+    from ..model.pair import load_pair
     from ..proposers import proposer_class
 
     if args.threads:
@@ -59,16 +57,9 @@ def run(args) -> int:
     spec = spec_from_args(args)
     if spec.method is None:
         raise ValueError("check needs a speculative method (--method draft or ngram)")
-    target = load_model(Path(args.model) if args.model else default_target(), dtype=args.dtype, device=args.device)
-    draft = None
-    if proposer_class(spec.method).needs_draft_model:
-        draft_dir = args.draft or (None if args.model else default_draft())
-        if draft_dir is None:
-            raise ValueError(f"method {spec.method!r} needs --draft DIR")
-        draft = load_model(Path(draft_dir), dtype=draft_dtype_for(args.dtype, args.device, args.draft_dtype),
-                           device=args.device, load_tokenizer=False)
-    if target.tokenizer is None:
-        raise ValueError(f"{target.path} has no tokenizer.json")
+    target, draft = load_pair(args.model, args.draft, needs_draft=proposer_class(spec.method).needs_draft_model,
+                              dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
+                              method=spec.method)
     max_len = target.config.max_position_embeddings
     if draft is not None:
         max_len = min(max_len, draft.config.max_position_embeddings)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -77,6 +76,7 @@ class BenchPlan:
     url: str | None = None
     served_model: str | None = None
     dtype: str = "float32"
+    draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on CPU)
     device: str = "cpu"
     slo: dict = field(default_factory=dict)
     dollars_per_hour: float | None = None
@@ -99,18 +99,12 @@ def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
     console = console or Console(stderr=True)
     if plan.url:
         return [_run_http(plan, w, console) for w in plan.workloads]
-    from ..engine.config import draft_dtype_for
-    from ..model import load_model
-    from ..paths import default_draft, default_target
+    from ..model.pair import load_pair
 
-    target = load_model(Path(plan.model) if plan.model else default_target(), dtype=plan.dtype, device=plan.device)
-    draft = None
-    if any(_uses_draft(c) for c in plan.configs):
-        draft_dir = plan.draft or (None if plan.model else default_draft())
-        if draft_dir is None:
-            raise ValueError("a draft config needs --draft DIR when --model is given")
-        draft = load_model(Path(draft_dir), dtype=draft_dtype_for(plan.dtype, plan.device), device=plan.device,
-                           load_tokenizer=False)
+    uses_draft = [c.label for c in plan.configs if _uses_draft(c)]
+    target, draft = load_pair(plan.model, plan.draft, needs_draft=bool(uses_draft), dtype=plan.dtype,
+                              draft_dtype=plan.draft_dtype, device=plan.device,
+                              method=uses_draft[0] if uses_draft else "draft")
     return [_run_workload(plan, w, target, draft, console) for w in plan.workloads]
 
 
