@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["generate", "train", "serve", "bench", "check"]
+SUBCOMMANDS = ["generate", "train", "serve", "bench", "check", "import_gguf"]
 
 
 class UserError(Exception):
