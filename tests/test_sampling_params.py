@@ -42,7 +42,10 @@ def test_replace_revalidates_and_copies():
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
         (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
-        (dict(repetition_penalty=0.0), r"repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be in \[0.0001, 10000\]"),
+        (dict(repetition_penalty=1e-50), r"repetition_penalty"),
+        (dict(temperature=1e39), r"temperature must be a finite number >= 0"),
+        (dict(temperature=10**400), r"temperature"),
         (dict(repetition_penalty=-1.0), r"repetition_penalty"),
         (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
         (dict(presence_penalty=-2.01), r"presence_penalty must be in \[-2, 2\]"),
@@ -83,3 +86,16 @@ def test_validate_vocab():
         SamplingParams(stop_token_ids=[2, 99999]).validate_vocab(8192)
     with pytest.raises(ValueError, match=r"logit_bias: token id 8192 is outside the vocabulary \[0, 8192\)"):
         SamplingParams(logit_bias={8192: 1.0}).validate_vocab(8192)
+
+
+def test_float32_edge_values():
+    """Values that are valid Python floats but 0 or inf in float32 (issue 11)."""
+    tiny = SamplingParams(temperature=1e-50)
+    assert tiny.is_greedy and SamplingParams(temperature=9.9e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+    SamplingParams(temperature=3e38, min_tokens=3)  # finite in float32
+    for kw in (dict(temperature=1e39), dict(repetition_penalty=1e-50), dict(repetition_penalty=1e-5),
+               dict(repetition_penalty=1e39), dict(top_p=math.nan), dict(min_p=math.nan),
+               dict(logit_bias={1: math.nan})):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)

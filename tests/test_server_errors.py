@@ -97,11 +97,13 @@ def test_not_json_422(srv):
     envelope(r, 422)
 
 
-def test_queue_full_429(srv):
-    # max_queue=2: three choices cannot all wait
-    err = envelope(post(srv, "/v1/completions", {"prompt": "def", "n": 3, "max_tokens": 2}), 429)
-    assert err["type"] == "rate_limit_error"
-    assert post(srv, "/v1/completions", {"prompt": "def", "n": 2, "max_tokens": 2}).status_code == 200
+def test_never_fits_is_400_not_429(srv):
+    # max_queue=2: on an idle server, choices up to max_num_seqs + 2 fit; more can never fit (400, not
+    # a 429 that clients retry). The transient 429 (with Retry-After): tests/test_server_hostile.py.
+    cap = srv.engine.engine.config.max_num_seqs + 2
+    err = envelope(post(srv, "/v1/completions", {"prompt": ["def", "x"], "n": cap // 2 + 1, "max_tokens": 2}), 400, "n")
+    assert "can never fit" in err["message"]
+    assert post(srv, "/v1/completions", {"prompt": "def", "n": 3, "max_tokens": 2}).status_code == 200
 
 
 def test_failure_in_one_request_is_500_and_server_keeps_serving(srv):

@@ -1,9 +1,19 @@
 """Per-request sampling parameters: `SamplingParams`, with the defaults of the OpenAI / vLLM APIs.
 
-`__post_init__` checks every value that can be checked without a vocabulary and raises
-`ValueError` with a message naming the parameter and its allowed range, e.g.
-"top_p must be in (0, 1], got 1.5". Checks that need the vocabulary (token ids in `logit_bias`
-and `stop_token_ids`) live in `validate_vocab`, which the engine calls when a request arrives.
+`validate` (run by `__post_init__`) is the one place where parameter values are checked: every
+value that can be checked without a model, with a `ValueError` naming the parameter and its
+allowed range, e.g. "top_p must be in (0, 1], got 1.5". Values are checked as the sampler will use
+them, in float32: a temperature or penalty that is finite and nonzero as a Python float but 0 or
+inf in float32 would turn the logits into NaN, so the ranges below are float32-safe:
+
+- temperature: 0 (greedy) or up to float32's largest finite value; a temperature below
+  `GREEDY_BELOW` (1e-5) samples greedily, as in vLLM (dividing logits by less overflows float32);
+- repetition_penalty: in [1e-4, 1e4] (a smaller one overflows the logits it divides);
+- top_p: in (0, 1]; min_p: in [0, 1]; presence/frequency penalty: in [-2, 2]; logit_bias: in
+  [-100, 100]; none of them NaN.
+
+Checks that need the model (token ids in `logit_bias` and `stop_token_ids` against the
+vocabulary, the context length) are the engine's (`validate_vocab`, `LLMEngine.check_request`).
 
 The dataclass is plain (mutable, compared by value, not hashed): copy it with
 `dataclasses.replace`, which re-runs the checks.
@@ -15,6 +25,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) sample greedily (vLLM's _SAMPLING_EPS)
+FLOAT32_MAX = 3.4028234663852886e38
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 def _is_int(x) -> bool:
@@ -26,9 +39,13 @@ def _is_number(x) -> bool:
 
 
 def _number(name: str, x, allowed: str) -> float:
-    if not _is_number(x) or math.isnan(x):
+    try:
+        v = float(x) if _is_number(x) else math.nan
+    except OverflowError:  # an int beyond float's range
+        v = math.inf
+    if math.isnan(v):
         raise ValueError(f"{name} must be {allowed}, got {x!r}")
-    return float(x)
+    return v
 
 
 def _integer(name: str, x, allowed: str) -> int:
@@ -57,9 +74,15 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every value (raises ValueError naming the parameter); normalises `stop`,
+        `stop_token_ids` and `logit_bias` in place."""
         t = _number("temperature", self.temperature, "a finite number >= 0")
-        if not (0.0 <= t < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0.0 <= t <= FLOAT32_MAX):
+            note = f" (infinite in float32: at most {FLOAT32_MAX:.4g})" if t > FLOAT32_MAX else ""
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}{note}")
 
         k = _integer("top_k", self.top_k, ">= -1 (0 or -1 = disabled)")
         if k < -1:
@@ -73,11 +96,11 @@ class SamplingParams:
         if not (0.0 <= min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
-        rp = _number("repetition_penalty", self.repetition_penalty, "a finite number > 0")
-        if not (0.0 < rp < math.inf):
-            raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
-            )
+        lo, hi = REPETITION_PENALTY_RANGE
+        rp = _number("repetition_penalty", self.repetition_penalty, f"in [{lo:g}, {hi:g}]")
+        if not (lo <= rp <= hi):
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = no penalty; a smaller "
+                             f"penalty overflows float32 logits), got {self.repetition_penalty!r}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             v = _number(name, getattr(self, name), "in [-2, 2]")
@@ -145,7 +168,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below `GREEDY_BELOW` (the argmax; no seed is used)."""
+        return self.temperature < GREEDY_BELOW
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a token id named by the request is outside [0, vocab_size)."""

@@ -1,8 +1,12 @@
 """FastAPI routes: the OpenAI endpoints, `/v1/models`, `/health`, `/metrics`; errors as envelopes.
 
-The engine thread starts with the app (lifespan) and, at shutdown, finishes whatever is still in
-flight before it stops; uvicorn's graceful shutdown (SIGTERM, Ctrl-C) has already waited for the
-open responses by then.
+The engine thread starts with the app (lifespan). At shutdown, uvicorn's graceful shutdown
+(SIGTERM, Ctrl-C) has already waited for the open responses, for at most its
+`timeout_graceful_shutdown` (`draftwise serve --shutdown-timeout`), then cancelled what was left;
+the lifespan then aborts every request the engine still holds and stops the engine thread.
+
+`RequestGuard` (guard.py) checks the API key and the body size / encoding before FastAPI parses a
+body; `ServerLimits` (limits.py) bounds what one request may ask.
 
 `/health` doubles as a debug view: requests the server and the engine still hold, queue lengths
 and KV blocks used/free for the target and the draft (tests check that all blocks come back).
@@ -22,7 +26,9 @@ from ..engine import LLMEngine
 from .async_engine import AsyncEngine, EngineThread
 from .chat import ChatTemplate
 from .errors import APIError
-from .metrics import CONTENT_TYPE, make_registry, render
+from .guard import RequestGuard
+from .limits import ServerLimits
+from .metrics import CONTENT_TYPE, Outcomes, make_registry, render
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 
@@ -30,31 +36,46 @@ log = logging.getLogger("draftwise.server")
 
 
 def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
-              max_queue: int | None = None, thread: EngineThread | None = None) -> FastAPI:
+              max_queue: int | None = None, thread: EngineThread | None = None,
+              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
+    """`api_key`: required as `Authorization: Bearer KEY` on /v1/* (None: open)."""
+    limits = limits or ServerLimits()
     aeng = AsyncEngine(engine, max_queue=max_queue, thread=thread)
-    serving = OpenAIServing(aeng, model_name, aliases or set(), ChatTemplate(engine.target.tokenizer_config))
-    registry = make_registry(aeng, model_name)
+    outcomes = Outcomes()
+    serving = OpenAIServing(aeng, model_name, aliases or set(), ChatTemplate(engine.target.tokenizer_config),
+                            limits, outcomes)
+    registry = make_registry(aeng, model_name, outcomes)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         aeng.start()
         yield
+        aeng.abort_all("shutdown")  # what the bounded drain left (nothing after a normal one)
         await aeng.shutdown()
+        serving.close()
 
     app = FastAPI(title="draftwise", lifespan=lifespan)
     app.state.engine = aeng
     app.state.serving = serving
+    app.state.outcomes = outcomes
+    app.add_middleware(RequestGuard, limits=limits, api_key=api_key, on_reject=lambda: outcomes.record("rejected"))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        aeng.record("rejected" if e.status < 500 else "error")
+        outcomes.record("rejected" if e.status < 500 else "error")
         return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        aeng.record("rejected")
+        outcomes.record("rejected")
         errs = e.errors()
+        if errs and errs[0].get("type") == "json_invalid":  # loc is ("body", character offset)
+            first = errs[0]
+            pos = first.get("loc", (None, None))[-1]
+            err = (first.get("ctx") or {}).get("error", "")
+            msg = f"the request body is not valid JSON{f' ({err})' if err else ''} at character {pos}"
+            return APIError(422, msg, None, "invalid_json").response()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
@@ -65,7 +86,7 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):  # a bug in one request: 500, keep serving
         log.exception("request failed")
-        aeng.record("error")
+        outcomes.record("error")
         return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)

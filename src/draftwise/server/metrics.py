@@ -1,10 +1,17 @@
 """`/metrics`: Prometheus collectors over the engine's counters, in their own registry.
 
 Names are prefixed `draftwise:` (as vLLM's are `vllm:`). Everything is read at scrape time from
-the `Snapshot` the engine thread publishes after each step, plus the server's count of finished
-requests by outcome (stop, length, abort, error; `rejected` for requests answered 4xx/429
-before reaching the engine). Two histograms are observed as requests finish: time to first token
-and end-to-end latency, both measured inside the engine (from `add_request`).
+the `Snapshot` the engine thread publishes after each step, plus two counts of outcomes:
+
+- `draftwise:requests_total{outcome}`: HTTP requests, each counted once (`Outcomes`): `rejected`
+  (answered 4xx/429 before reaching the engine), `error` (answered 500, or a stream that ended
+  with an error), `abort` (the client left, or shutdown cut it), else `length` if any choice
+  hit max_tokens, else `stop`;
+- `draftwise:request_choices_total{outcome}`: engine requests (one per choice: prompts x n) by
+  how they finished: stop, length, abort, error.
+
+Two histograms are observed as choices finish: time to first token and end-to-end latency, both
+measured inside the engine (from `add_request`).
 """
 from __future__ import annotations
 
@@ -16,10 +23,29 @@ from .async_engine import AsyncEngine
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class Outcomes:
+    """HTTP requests by outcome, each counted once (event-loop side)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def record(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+
+def request_outcome(finish_reasons: list[str | None]) -> str:
+    """One outcome for a request from its choices' finish reasons: error > abort > length > stop."""
+    for outcome in ("error", "abort", "length"):
+        if outcome in finish_reasons:
+            return outcome
+    return "stop" if all(r == "stop" for r in finish_reasons) else "unknown"
+
+
 class EngineCollector:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, outcomes: Outcomes):
         self.engine = engine
         self.model_name = model_name
+        self.outcomes = outcomes
 
     def collect(self):
         eng = self.engine
@@ -28,7 +54,14 @@ class EngineCollector:
         m = ["model_name"]
         v = [self.model_name]
 
-        c = CounterMetricFamily("draftwise:requests", "Finished requests by outcome.", labels=m + ["outcome"])
+        c = CounterMetricFamily("draftwise:requests", "HTTP requests by outcome, each counted once.",
+                                labels=m + ["outcome"])
+        for outcome, n in sorted(self.outcomes.counts.items()):
+            c.add_metric(v + [outcome], n)
+        yield c
+
+        c = CounterMetricFamily("draftwise:request_choices", "Engine requests (one per choice) by how they finished.",
+                                labels=m + ["outcome"])
         for outcome, n in sorted(eng.outcomes.items()):
             c.add_metric(v + [outcome], n)
         yield c
@@ -91,9 +124,9 @@ class EngineCollector:
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
+def make_registry(engine: AsyncEngine, model_name: str, outcomes: Outcomes) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(EngineCollector(engine, model_name))
+    reg.register(EngineCollector(engine, model_name, outcomes))
     ttft = Histogram("draftwise:time_to_first_token_seconds", "Time to first token (in the engine).",
                      ["model_name"], buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
     e2e = Histogram("draftwise:e2e_request_latency_seconds", "Request latency (in the engine), finished requests.",

@@ -4,6 +4,8 @@ Fields the OpenAI API lacks are accepted as extra body fields, as vLLM does: `to
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`. Unknown fields are ignored.
 A body pydantic cannot parse (wrong types, missing `prompt`) is a 422; values of the right type
 but out of range are checked by `SamplingParams` and answered 400 naming the parameter.
+`invalid_text` finds a string that is not valid Unicode text (a lone surrogate such as the JSON
+escape `"\\ud800"`, which cannot be tokenized or echoed back): 400 naming where it is.
 """
 from __future__ import annotations
 
@@ -12,6 +14,30 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict
 
 from ..sampling import SamplingParams
+
+
+def invalid_text(obj, where: str = "") -> str | None:
+    """The first string in a request body (a model, list or dict) that cannot be encoded as UTF-8,
+    as "WHERE: ..." (e.g. "messages[0].content: lone surrogate \\ud800 at character 3"); None if all are."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{where or 'body'}: not valid Unicode text (lone surrogate \\u{ord(obj[e.start]):04x} at character {e.start})"
+        return None
+    if isinstance(obj, BaseModel):
+        items = ((k, getattr(obj, k)) for k in type(obj).model_fields)
+        return next((m for k, v in items if (m := invalid_text(v, f"{where}.{k}" if where else k))), None)
+    if isinstance(obj, (list, tuple)):
+        if obj and isinstance(obj[0], int):  # token ids: nothing to check, and lists may be long
+            return None
+        return next((m for i, v in enumerate(obj) if (m := invalid_text(v, f"{where}[{i}]"))), None)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            m = invalid_text(k, f"{where} key") or invalid_text(v, f"{where}[{k!r}]")
+            if m:
+                return m
+    return None
 
 
 class StreamOptions(BaseModel):

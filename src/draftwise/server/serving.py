@@ -11,6 +11,13 @@ early (client disconnect) aborts the unfinished choices, which frees their KV bl
 
 Every response carries a `draftwise` object: the request's speculation statistics summed over its
 choices (each choice also has its own).
+
+Before anything reaches the engine: the body's text is valid Unicode (`invalid_text`), the
+request is within `ServerLimits` (prompt characters before tokenizing; prompts, n, stop strings),
+the sampling values pass `SamplingParams.validate` and the engine's model checks
+(`check_request`), and the choices fit the queue (else 429 with `Retry-After`). Tokenization and
+chat rendering run in a small thread pool (`encode_batch` releases the GIL), never on the event
+loop. Each HTTP request is counted once in `Outcomes` (app.py counts those answered with an error).
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import dataclasses
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -28,7 +36,11 @@ from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, RequestOutput
 from .chat import ChatTemplate
 from .errors import APIError, from_value_error
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .limits import ServerLimits, queue_full
+from .metrics import Outcomes, request_outcome
+from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text
+
+TOKENIZER_THREADS = 2
 
 
 @dataclass
@@ -65,14 +77,28 @@ def sse(obj) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, model_aliases: set[str], chat: ChatTemplate):
+    def __init__(self, engine: AsyncEngine, model_name: str, model_aliases: set[str], chat: ChatTemplate,
+                 limits: ServerLimits | None = None, outcomes: Outcomes | None = None):
         self.engine = engine
         self.model_name = model_name
         self.aliases = {model_name} | model_aliases
         self.chat_template = chat
         self.tokenizer = engine.engine.tokenizer
+        self.limits = limits or ServerLimits()
+        self.outcomes = outcomes if outcomes is not None else Outcomes()
+        self.max_num_seqs = engine.engine.config.max_num_seqs
         spec = engine.engine.spec
         self.method, self.k = spec.method, spec.max_draft
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="draftwise-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def capacity(self) -> int | None:
+        """Choices the server holds at once (running + queued); None without a queue limit."""
+        q = self.engine.max_queue
+        return None if q is None else self.max_num_seqs + q
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, name: str | None) -> None:
@@ -82,23 +108,37 @@ class OpenAIServing:
     def token_str(self, tok: int) -> str:
         return self.tokenizer.decode([tok], skip_special_tokens=False) if self.tokenizer is not None else str(tok)
 
-    def encode(self, text: str, special: bool = True) -> list[int]:
+    async def encode(self, texts: list[str], special: bool = True, render=None) -> list[list[int]]:
+        """Token ids of `texts` (or of `render()`'s text), computed in the tokenizer pool."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids", "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+        def work():
+            batch = [render()] if render is not None else texts
+            return [e.ids for e in self.tokenizer.encode_batch(batch, add_special_tokens=special)]
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    def check_text(self, req) -> None:
+        bad = invalid_text(req)
+        if bad:
+            raise APIError(400, bad, bad.split(".")[0].split("[")[0].split(" ")[0].rstrip(":"), "invalid_text")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str, param_name: str):
-        """Validate everything, then add prompt x n engine requests sharing one queue."""
+        """Validate against the model and the queue, then add prompt x n engine requests sharing one queue."""
         for ids in prompts:
             try:
                 self.engine.engine.check_request(ids, params)
             except ValueError as e:
                 raise from_value_error(e, param_name) from None
-        n = params.n
+        new = len(prompts) * params.n
         limit = self.engine.max_queue
-        if limit is not None and self.engine.num_queued + len(prompts) * n > limit:
-            raise APIError(429, f"The server's queue is full ({self.engine.num_queued} requests waiting, "
-                                f"limit {limit}); retry later.", None, "queue_full")
+        if limit is not None:  # the limits let it fit an idle server: only a transient overload is left
+            waiting = self.engine.snapshot.waiting  # held back for lack of K/V blocks
+            queued_after = max(self.engine.num_in_flight + new - self.max_num_seqs, waiting + new if waiting else 0)
+            if queued_after > limit:
+                raise queue_full(self.engine.num_queued, limit)
+        n = params.n
         sink: asyncio.Queue = asyncio.Queue()
         choices = []
         for pi, ids in enumerate(prompts):
@@ -107,7 +147,11 @@ class OpenAIServing:
                 if params.seed is not None and j:
                     p = dataclasses.replace(params, seed=(params.seed + j) % 2**63)
                 rid = f"{prefix}-{pi * n + j}"
-                self.engine.add_request(rid, ids, p, sink)
+                try:
+                    self.engine.add_request(rid, ids, p, sink)
+                except RuntimeError as e:  # shutting down
+                    self._abort_unfinished(choices)
+                    raise APIError(503, str(e), None, "shutting_down") from None
                 choices.append(_Choice(pi * n + j, rid))
         return sink, choices
 
@@ -161,9 +205,11 @@ class OpenAIServing:
             first = await self._first(sink, raw)
         except BaseException:
             self._abort_unfinished(choices)
+            self.outcomes.record("abort")
             raise
         if first is None:  # the client left before anything was generated
             self._abort_unfinished(choices)
+            self.outcomes.record("abort")
             return JSONResponse({}, status_code=499)
         if first.error:
             self._abort_unfinished(choices)
@@ -176,12 +222,16 @@ class OpenAIServing:
         try:
             async for c, out in self._collect(sink, choices, first):
                 if out.error:
-                    raise APIError(500, out.error, None, "internal_error")
+                    raise APIError(500, out.error, None, "internal_error")  # counted by app.py
                 fmt_add(c, out)
                 c.num_tokens = out.num_output_tokens
+        except asyncio.CancelledError:  # shutdown past its bound
+            self.outcomes.record("abort")
+            raise
         finally:
             watcher.cancel()
             self._abort_unfinished(choices)
+        self.outcomes.record(request_outcome([c.finish_reason for c in choices]))
         body = dict(head)
         body["choices"] = [fmt_final(c) for c in choices]
         body["usage"] = self._usage(prompts, choices)
@@ -191,43 +241,55 @@ class OpenAIServing:
     async def _stream(self, req, prompts, choices, sink, first, head, fmt_chunk):
         chunk_kind = head["object"] + ".chunk" if head["object"] == "chat.completion" else head["object"]
         base = dict(head, object=chunk_kind)
+        outcome = "abort"  # unless the stream ends
         try:
             async for c, out in self._collect(sink, choices, first):
                 if out.error:
                     err = APIError(500, out.error, None, "internal_error").body()
+                    outcome = "error"
                     yield sse(err)
                     break
                 c.num_tokens = out.num_output_tokens
                 for choice in fmt_chunk(c, out):
                     yield sse(dict(base, choices=[choice]))
             else:
+                outcome = request_outcome([c.finish_reason for c in choices])
                 if req.include_usage:
                     yield sse(dict(base, choices=[], usage=self._usage(prompts, choices),
                                    draftwise=self._summary(choices)))
             yield "data: [DONE]\n\n"
         finally:  # also on client disconnect (the task is cancelled): nothing awaited here
             self._abort_unfinished(choices)
+            self.outcomes.record(outcome)
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_text(req)
         self.check_model(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported", "echo", "unsupported")
         p = req.prompt
+        texts, prompts = None, None
         if isinstance(p, str):
-            prompts = [self.encode(p)]
+            texts = [p]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.encode(x) for x in p]
+            texts = list(p)
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         else:
             prompts = [list(x) for x in p]
-        if not prompts:
+        num_prompts = len(texts if texts is not None else prompts)
+        if not num_prompts:
             raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
         try:
             params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         except ValueError as e:
             raise from_value_error(e) from None
+        self.limits.check_request(num_prompts, params.n, params.stop, self.capacity)
+        if texts is not None:
+            for i, t in enumerate(texts):
+                self.limits.check_prompt_chars(len(t), "prompt" if isinstance(p, str) else f"prompt[{i}]")
+            prompts = await self.encode(texts)
         want_lp = req.logprobs is not None
 
         def lp_block(c: _Choice, out: RequestOutput) -> dict | None:
@@ -272,14 +334,23 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_text(req)
         self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_value")
+        messages = [m.as_dict() for m in req.messages]
+        self.limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self.limits.check_request(1, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or [], None)
+
+        def render() -> str:
+            text = self.chat_template.render(messages, req.add_generation_prompt)
+            self.limits.check_prompt_chars(len(text), "messages")  # the template's own text too
+            return text
+
         try:
-            text = self.chat_template.render([m.as_dict() for m in req.messages], req.add_generation_prompt)
+            ids = (await self.encode([], special=False, render=render))[0]
         except ValueError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from None
-        ids = self.encode(text, special=False)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs", "invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -290,6 +361,7 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens, lp)
         except ValueError as e:
             raise from_value_error(e, "messages") from None
+        self.limits.check_request(1, params.n, params.stop, self.capacity)
 
         def lp_entries(out: RequestOutput) -> list[dict]:
             def entry(tok, v):
