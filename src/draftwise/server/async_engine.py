@@ -312,3 +312,13 @@ class AsyncEngine:
         occ = eng.occupancy()
         self.snapshot = Snapshot(stats=eng.stats.snapshot(), waiting=occ["waiting"], running=occ["running"],
                                  requests=occ["requests"], kv=occ["kv"])
+
+    # ------------------------------------------------------------ event-loop side (shutdown)
+    def abort_all(self, reason: str) -> int:
+        """Abort every request the server still holds (e.g. shutdown past its bound); returns how many."""
+        ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid)
+        if ids:
+            log.warning("aborting %d request(s): %s", len(ids), reason)
+        return len(ids)
