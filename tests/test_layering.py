@@ -5,7 +5,7 @@ functions too (a deferred import is still a dependency, and still closes a circl
 bottom to top:
 
     0  model/, kv/, sampling/, and the package-root leaves paths.py, corpus.py
-    1  proposers/
+    1  proposers/, policies/
     2  engine/
     3  llm.py, server/, lab/, train/   (side by side: none imports another, see ALLOWED)
     4  cli/, demo.py, __main__.py, draftwise/__init__.py (the public facade)
@@ -25,12 +25,12 @@ PACKAGE = "draftwise"
 
 LAYERS = {
     "model": 0, "kv": 0, "sampling": 0, "paths": 0, "corpus": 0,
-    "proposers": 1,
+    "proposers": 1, "policies": 1,
     "engine": 2,
     "llm": 3, "server": 3, "lab": 3, "train": 3,
     "cli": 4, "demo": 4, "__main__": 4, "": 4,  # "": the package's own __init__
 }
-LAYER_NAMES = ["model/kv/sampling", "proposers", "engine", "llm/server/lab/train", "cli"]
+LAYER_NAMES = ["model/kv/sampling", "proposers/policies", "engine", "llm/server/lab/train", "cli"]
 
 # Imports between different groups of layer 3 that are allowed, with the reason.
 ALLOWED = {

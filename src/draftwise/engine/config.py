@@ -4,22 +4,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.pair import draft_dtype_for  # noqa: F401 (moved to model/; the old import keeps working)
+from ..policies import CostModel, policy_class
 
 
 @dataclass
 class SpecConfig:
-    """`method`: a registered proposer name ("draft", "ngram") or None for plain decoding."""
+    """`method`: a registered proposer name ("draft", "ngram") or None for plain decoding.
+    `policy`: a registered verification policy ("fixed", "adaptive", "goodput"); `profile`: the
+    hardware profile JSON the goodput policy optimises against (None: the cached one for this
+    model pair, measured on first use); `cost_model`: a `CostModel` given directly instead."""
 
     method: str | None = None
     k: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    policy: str = "fixed"
+    profile: str | None = None
+    cost_model: CostModel | None = None
 
     def __post_init__(self):
         if self.method in ("none", ""):
             self.method = None
         if self.method is not None and not 1 <= self.k <= 16:
             raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
+        policy_class(self.policy)  # validates the name
 
     @property
     def max_draft(self) -> int:

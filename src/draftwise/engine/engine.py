@@ -5,7 +5,9 @@
 - schedule (`Scheduler`): which sequences run, how many tokens each feeds, how many proposals each
   may verify (`num_draft`); K/V slots are reserved for them (target: last committed + num_draft;
   drafter: its catch-up + num_draft - 1).
-- propose (`Proposer`): a `DraftBlock` per decoding sequence (0..num_draft tokens).
+- propose: the verification `Policy` plans how many tokens each decoding sequence drafts (0 = plain
+  decoding this step), the `Proposer` drafts them (a `DraftBlock` each), and the policy admits a
+  prefix of each block for verification (causally: never by looking at the proposal itself).
 - verify: target forward -> `process_logits` (p at every position) -> `sampling.verify` (the pure
   selection rule over the ragged batch) -> a typed `Verification`.
 - postprocess: the only place state changes: committed tokens are appended one at a time with
@@ -32,6 +34,7 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
+from ..policies import policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
 from ..sampling.verify import VerifyMetadata, VerifyResult, flat_draft_probs
@@ -103,6 +106,11 @@ class LLMEngine:
                 target=target, draft=draft, num_blocks=num_blocks, block_size=cfg.block_size,
                 eos_ids=self.eos_ids, ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
             )
+        self.policy = None
+        if cls is not None:
+            pcls = policy_class(self.spec.policy)
+            cost = self._cost_model(draft) if pcls.needs_cost_model else None
+            self.policy = pcls(k=self.spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
         draft_kv = self.proposer.kv if self.proposer is not None else None
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens
@@ -123,6 +131,24 @@ class LLMEngine:
         if num_blocks < min_blocks:
             raise ValueError(f"num_kv_blocks must be >= {min_blocks} to hold one full context, got {num_blocks}")
         return num_blocks
+
+    def _cost_model(self, draft: LoadedModel | None):
+        """The cost model a policy optimises against: given, from --profile, or the cached
+        hardware profile of this model pair (measured on first use)."""
+        if self.spec.cost_model is not None:
+            return self.spec.cost_model
+        import sys
+
+        from ..policies.profile import load_or_measure
+
+        cfg = self.config
+        draft_dtype = str(next(draft.model.parameters()).dtype).replace("torch.", "") if draft is not None else None
+        profile = load_or_measure(
+            self.target, draft, dtype=cfg.dtype, draft_dtype=draft_dtype, device=cfg.device,
+            threads=torch.get_num_threads(), max_num_seqs=cfg.max_num_seqs, k=self.spec.k, path=self.spec.profile,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )
+        return profile.cost
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:
@@ -192,7 +218,7 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         try:
-            blocks = self.propose([s for s in sched.scheduled if s.num_draft > 0])
+            drafted, blocks = self.propose([s for s in sched.scheduled if s.num_draft > 0])
             t2 = time.perf_counter()
             ver = self.verify(sched.scheduled, blocks)
         except Exception as e:  # a batched phase: nothing committed yet
@@ -200,7 +226,7 @@ class LLMEngine:
             culprits = self.isolation.on_failure([s.seq for s in sched.scheduled])
             return [self.fail(seq, f"internal error while generating: {type(e).__name__}: {e}") for seq in culprits]
         t3 = time.perf_counter()
-        outputs = self.postprocess(sched.scheduled, blocks, ver, t2 - t1, t3 - t2)
+        outputs = self.postprocess(sched.scheduled, drafted, blocks, ver, t2 - t1, t3 - t2)
         self.isolation.after_step([s.seq for s in sched.scheduled])
         t4 = time.perf_counter()
         st = self.stats
@@ -211,11 +237,21 @@ class LLMEngine:
         st.preemptions = self.scheduler.num_preemptions
         return outputs
 
-    def propose(self, decoding: list[ScheduledSeq]) -> dict[int, DraftBlock]:
+    def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
+        """Plan -> draft -> admit. Returns the drafted blocks (what the drafter's cache holds) and
+        the admitted prefixes (what is verified), by seq_id."""
         if self.proposer is None or not decoding:
-            return {}
-        blocks = self.proposer.propose([s.seq for s in decoding], [s.num_draft for s in decoding])
-        return {s.seq.seq_id: b for s, b in zip(decoding, blocks)}
+            return {}, {}
+        seqs = [s.seq for s in decoding]
+        plan = self.policy.plan(seqs, [s.num_draft for s in decoding])
+        t0 = time.perf_counter()
+        if any(plan):
+            drafted = self.proposer.propose(seqs, plan)
+        else:  # no row drafts: the drafter does not run
+            drafted = [_NO_DRAFT] * len(seqs)
+        admitted = self.policy.admit(seqs, drafted, time.perf_counter() - t0)
+        return ({s.seq_id: b for s, b in zip(seqs, drafted)},
+                {s.seq_id: b.truncated(n) for s, b, n in zip(seqs, drafted, admitted)})
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
@@ -263,8 +299,9 @@ class LLMEngine:
                 off += n
         return sampling, (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
 
-    def postprocess(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock], ver: Verification,
-                    propose_s: float, verify_s: float) -> list[StepOutput]:
+    def postprocess(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
+                    blocks: dict[int, DraftBlock], ver: Verification, propose_s: float,
+                    verify_s: float) -> list[StepOutput]:
         outputs = []
         for s in scheduled:
             seq = s.seq
@@ -276,26 +313,28 @@ class LLMEngine:
                 if not bool(ver.result.valid[b]):
                     raise ValueError("the target's distribution for this request is unusable (NaN logits or every "
                                      "token masked): check temperature, penalties and logit_bias")
-                outputs.append(self._postprocess_one(seq, blocks.get(seq.seq_id), ver.committed(b),
-                                                     propose_s, verify_s))
+                outputs.append(self._postprocess_one(seq, drafted.get(seq.seq_id), blocks.get(seq.seq_id),
+                                                     ver.committed(b), propose_s, verify_s))
             except Exception as e:
                 log.exception("postprocess failed for request %s", seq.request_id)
                 outputs.append(self.fail(seq, f"error while generating: {type(e).__name__}: {e}"))
         return outputs
 
-    def _postprocess_one(self, seq: Sequence, blk: DraftBlock | None, committed, propose_s: float,
-                         verify_s: float) -> StepOutput:
+    def _postprocess_one(self, seq: Sequence, drafted: DraftBlock | None, blk: DraftBlock | None, committed,
+                         propose_s: float, verify_s: float) -> StepOutput:
         toks, a, rows = committed
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
-            self._count_round(seq, len(blk.token_ids) if blk else 0, a, propose_s)
+            self._count_round(seq, len(drafted.token_ids) if drafted else 0, len(blk.token_ids) if blk else 0,
+                              a, propose_s)
         seq.stats.verify_seconds += verify_s
         new_ids, reason, stop_string = self._commit(seq, toks, rows)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self.stats.generation_tokens += len(new_ids)
-        if self.proposer is not None and blk is not None:
-            self.proposer.postprocess(seq, blk, a, n_before)
+        if drafted is not None:
+            self.proposer.postprocess(seq, drafted, a, n_before)
+            self.policy.observe(seq, drafted, len(blk.token_ids), a)
         if reason:
             self._finish(seq, reason, flush=not stop_string)
         else:
@@ -333,20 +372,23 @@ class LLMEngine:
         return StepOutput(seq, [], True)
 
     # ---------------------------------------------------------------- helpers
-    def _count_round(self, seq: Sequence, num_draft: int, a: int, propose_s: float) -> None:
-        """Statistics of one round that proposed num_draft tokens and accepted a (committing a + 1)."""
+    def _count_round(self, seq: Sequence, num_proposed: int, num_verified: int, a: int, propose_s: float) -> None:
+        """Statistics of one round that proposed num_proposed tokens, verified num_verified of them
+        and accepted a (committing a + 1)."""
         st = self.stats
         seq.stats.rounds += 1
-        seq.stats.proposed_tokens += num_draft
+        seq.stats.proposed_tokens += num_proposed
+        seq.stats.verified_tokens += num_verified
         seq.stats.accepted_tokens += a
         seq.stats.committed_in_rounds += a + 1
         seq.stats.committed_per_round.append(a + 1)
-        seq.stats.draft_seconds += propose_s if num_draft else 0.0
+        seq.stats.draft_seconds += propose_s if num_proposed else 0.0
         for j in range(a):
             seq.stats.accepted_per_position[j] += 1
             st.accepted_per_position[j] += 1
         st.rounds += 1
-        st.proposed_tokens += num_draft
+        st.proposed_tokens += num_proposed
+        st.verified_tokens += num_verified
         st.accepted_tokens += a
         st.committed_tokens += a + 1
         st.committed_per_round[a + 1] = st.committed_per_round.get(a + 1, 0) + 1
@@ -377,6 +419,8 @@ class LLMEngine:
         if flush and reason != "abort":
             self.detok.flush(seq)
         seq.finish_reason = reason
+        if self.policy is not None:
+            self.policy.forget(seq.seq_id)
         seq.finish_time = time.perf_counter()
         seq.stats.total_seconds = seq.finish_time - seq.arrival_time
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

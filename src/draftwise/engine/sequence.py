@@ -31,6 +31,7 @@ class RequestStats:
 
     rounds: int = 0
     proposed_tokens: int = 0
+    verified_tokens: int = 0  # proposals sent to the target (<= proposed: the policy admits a prefix)
     accepted_tokens: int = 0
     committed_in_rounds: int = 0  # tokens committed by rounds (accepted + recovered/bonus)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -47,12 +48,14 @@ class RequestStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+        """Accepted / verified proposals (= / proposed under the fixed policy)."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
 
     def to_dict(self) -> dict:
         return {
             "rounds": self.rounds,
             "proposed_tokens": self.proposed_tokens,
+            "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,

@@ -12,6 +12,7 @@ class EngineStats:
     other_seconds: float = 0.0  # scheduling, bookkeeping, detokenization
     rounds: int = 0  # verification rounds of decoding sequences (prefill excluded)
     proposed_tokens: int = 0  # tokens the drafter proposed (snapshot key: draft_tokens, kept for old readers)
+    verified_tokens: int = 0  # proposals sent to the target (the policy admits a prefix of each block)
     accepted_tokens: int = 0
     committed_tokens: int = 0  # tokens committed by rounds
     accepted_per_position: list[int] = field(default_factory=list)
@@ -30,6 +31,7 @@ class EngineStats:
             "rounds": self.rounds,
             "draft_tokens": self.proposed_tokens,
             "proposed_tokens": self.proposed_tokens,
+            "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "committed_tokens": self.committed_tokens,
             "accepted_per_position": list(self.accepted_per_position),

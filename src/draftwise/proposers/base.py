@@ -24,6 +24,14 @@ from ..sampling import SamplingParams
 class DraftBlock:
     token_ids: list[int]  # [num_draft] proposed tokens
     probs: torch.Tensor | None  # [num_draft, vocab] q at each proposed position, or None (point mass)
+    confidence: list[float] | None = None  # [num_draft] max_x q_j(x), a function of q_j only; None: unknown
+
+    def truncated(self, n: int) -> "DraftBlock":
+        """The first n proposals (what a verification policy admits)."""
+        if n >= len(self.token_ids):
+            return self
+        return DraftBlock(self.token_ids[:n], None if self.probs is None else self.probs[:n],
+                          None if self.confidence is None else self.confidence[:n])
 
 
 class History(Protocol):

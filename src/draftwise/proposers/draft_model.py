@@ -1,8 +1,10 @@
 """A separate draft model with its own paged K/V cache.
 
 Each round the drafter first catches up on committed tokens it has not seen
-(`all_ids[draft_computed:]`: the last committed token, or more after a prefill, a preemption or
-a fully accepted round), then runs k-1 more single-token steps. At every proposed position q is
+(`all_ids[draft_computed:]`: the last committed token, or more after a prefill, a preemption, a
+fully accepted round or steps without drafting), then runs num_draft - 1 more single-token steps.
+Each proposal carries its confidence, max_x q_j(x), computed from q_j before x_j is drawn (what
+a causal verification policy may read). At every proposed position q is
 produced by the same `process_logits` as the target's p, with the proposed tokens before that
 position in the history (greedy rows need only its argmax and carry no probs). The drafter never reads the target's K/V. After verification its cache
 length is set back to the committed path (`postprocess`), by bookkeeping only.
@@ -35,7 +37,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft):
-        blocks = [DraftBlock([], None) for _ in seqs]
+        blocks = [DraftBlock([], None, []) for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, n in enumerate(num_draft) if n > 0]
         feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
@@ -55,6 +57,9 @@ class DraftModelProposer:
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
             q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
             argmax = q_logits.argmax(dim=-1).tolist() if len(sampled) < len(active) else None
+            # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn
+            top = q_logits.max(dim=-1, keepdim=True).values  # [A, 1]
+            conf = (1.0 / torch.exp(q_logits - top).sum(dim=-1)).tolist()  # [A]
             nxt = []
             row = 0
             for r, i in enumerate(active):
@@ -66,6 +71,7 @@ class DraftModelProposer:
                     probs[i].append(q[row])
                     row += 1
                 blocks[i].token_ids.append(tok)
+                blocks[i].confidence.append(conf[r])
                 starts[i] += len(feeds[i])
                 feeds[i] = [tok]
                 if len(blocks[i].token_ids) < num_draft[i]:

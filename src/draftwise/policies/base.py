@@ -1,0 +1,102 @@
+"""The verification `Policy` protocol and the registry of policies by name.
+
+Each engine step, for every decoding sequence, a policy decides twice:
+
+1. `plan` (before drafting): how many tokens to draft, at most the scheduler's cap (which depends
+   on lengths only). 0 = plain decoding for that row this step; a step in which no row drafts
+   skips the drafter.
+2. `admit` (after drafting): how many of the drafted proposals to verify (a prefix).
+
+**Causal admission.** For a sampled row, whether proposal j is verified may depend on the
+committed history, the earlier proposals x_1..x_{j-1} and the draft's distributions q_1..q_j
+(e.g. their confidence max_x q_j(x), `DraftBlock.confidence`), never on the realised x_j or
+anything after it: the admitted length is then a stopping time of the drafting process, and
+rejection sampling over the admitted prefix is exact. A rule that looks at x_j can bias the
+output: with p = (3/5, 2/5) and q = (4/5, 1/5), "verify x only if q(x) > 1/2, else sample the
+target directly" emits A with probability 4/5 * 3/4 + 1/5 * 3/5 = 18/25, not 3/5. Greedy rows may
+use anything (their output is the target's argmax whatever is verified). `causal_lengths` below
+is the helper every built-in policy uses: it reads only confidences.
+
+3. `observe` (postprocess): what was verified and accepted, to calibrate; `forget` when a request
+   finishes.
+
+A new policy is a new file that registers itself with `register_policy`; the package's
+`__init__` imports the built-ins.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from ..proposers.base import DraftBlock, History
+from .cost import CostModel
+
+
+class Policy(Protocol):
+    """Constructed with keyword context: k (the configured maximum), cost (a CostModel or None),
+    has_draft_model (drafting costs a forward)."""
+
+    name: str
+    needs_cost_model: bool
+
+    def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
+        """Tokens to draft per sequence, each in [0, max_draft[i]]."""
+
+    def admit(self, seqs: Sequence[History], blocks: Sequence[DraftBlock], draft_seconds: float) -> list[int]:
+        """Proposals to verify per sequence, each in [0, len(blocks[i].token_ids)] (causal for sampled rows)."""
+
+    def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
+        """After verification of `block.token_ids[:num_verified]`, of which num_accepted were kept."""
+
+    def forget(self, seq_id: int) -> None:
+        """The request finished: drop its state."""
+
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(name: str):
+    def deco(cls):
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str):
+    if name not in _REGISTRY:
+        raise ValueError(f"policy must be one of {', '.join(sorted(_REGISTRY))}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def causal_lengths(blocks: Sequence[DraftBlock], keep: Callable[[int, int, float | None], bool]) -> list[int]:
+    """Admitted length per block: proposal j (0-based) of block i is verified while
+    `keep(i, j, confidence_j)` holds for it and every proposal before it. `keep` sees the
+    position and the confidence of q_j, never the token: causal by construction."""
+    out = []
+    for i, b in enumerate(blocks):
+        conf = b.confidence or [None] * len(b.token_ids)
+        n = 0
+        while n < len(b.token_ids) and keep(i, n, conf[n]):
+            n += 1
+        out.append(n)
+    return out
+
+
+class _Stateless:
+    """Defaults for policies without per-request state."""
+
+    needs_cost_model = False
+
+    def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+__all__ = ["Policy", "CostModel", "register_policy", "available_policies", "policy_class", "causal_lengths"]

@@ -1,0 +1,124 @@
+"""`goodput`: per request, per step, the verification lengths that maximise the step's expected
+committed tokens per second.
+
+    maximise  sum_i E_i(L_i) / (t_draft + cost(B, sum_i (1 + L_i)))
+    E_i(L)  = 1 + sum_{j <= L} prod_{m <= j} a_{i,m}
+
+a_{i,m}: the estimated acceptance of proposal m of row i given the earlier ones were accepted
+(calibration.py: from the drafter's confidence at m, calibrated online, engine-wide and per
+request); cost(.) and t_draft: the measured hardware profile's cost model (cost.py). Both
+decisions use `choose_lengths`:
+
+- `plan` (before drafting): a_{i,m} = the request's recent acceptance rate; the drafting time is
+  part of the objective (one drafter step per position, over the rows that draft that far), so a
+  loaded step or a useless drafter drafts little or nothing. A row that has not verified for
+  `probe_every` steps drafts and verifies one proposal (a probe: its estimate can recover).
+- `admit` (after drafting): a_{i,m} from the confidences, which are functions of q_m alone
+  (causal admission: the realised x_m is never read, so sampled output is exact); the drafting
+  time is spent and enters as a constant.
+
+`choose_lengths` adds candidate positions in decreasing order of their gain prod a (a row's gains
+decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
+for a cost linear in tokens, and it accounts for the jump of a new drafter step.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .base import causal_lengths, register_policy
+from .calibration import Calibration, RequestEstimate
+from .cost import CostModel
+
+
+def choose_lengths(
+    gains: Sequence[Sequence[float]],  # [B][<= K] prod_{m<=j} a_{i,m}, non-increasing along a row
+    step_seconds: Callable[[int], float],  # total tokens fed -> seconds of the target forward (+ fixed costs)
+    draft_step_seconds: Callable[[int], float] | None = None,  # rows in a drafter step -> seconds
+    minimum: Sequence[int] | None = None,  # [B] lengths that must be kept (probes)
+) -> list[int]:
+    b = len(gains)
+    order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)), key=lambda t: (-t[0], t[1]))
+    lengths = [0] * b
+    count_ge: dict[int, int] = {}  # position j -> rows drafting past it
+    tokens, expected, draft_s = b, float(b), 0.0
+    best, best_n = expected / max(step_seconds(tokens), 1e-12), 0
+    forced = 0
+    if minimum is not None:  # forced positions first, whatever they gain
+        forced_pos = {(i, j) for i, m in enumerate(minimum) for j in range(min(m, len(gains[i])))}
+        order = [t for t in order if (t[2], t[1]) in forced_pos] + [t for t in order if (t[2], t[1]) not in forced_pos]
+        forced = len(forced_pos)
+    for n, (g, j, i) in enumerate(order):
+        if lengths[i] != j:  # cannot happen with non-increasing gains; keep prefixes regardless
+            continue
+        lengths[i] += 1
+        if draft_step_seconds is not None:
+            c = count_ge.get(j, 0) + 1
+            count_ge[j] = c
+            draft_s += draft_step_seconds(c) - (draft_step_seconds(c - 1) if c > 1 else 0.0)
+        tokens += 1
+        expected += g
+        value = expected / max(draft_s + step_seconds(tokens), 1e-12)
+        if n + 1 <= forced or value > best:
+            best, best_n = value, n + 1
+    out = [0] * b
+    for g, j, i in order[:best_n]:
+        out[i] = max(out[i], j + 1)
+    return out
+
+
+@register_policy("goodput")
+class GoodputPolicy:
+    needs_cost_model = True
+    probe_every = 32
+
+    def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
+        if cost is None:
+            raise ValueError("the goodput policy needs a cost model (a hardware profile)")
+        self.k = k
+        self.cost = cost
+        self.has_draft_model = has_draft_model
+        self.calibration = Calibration()
+        self._probes: set[int] = set()  # seq_ids probing this step
+
+    def _context(self, seqs) -> float:
+        return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
+
+    def plan(self, seqs, max_draft):
+        b, ctx = len(seqs), self._context(seqs)
+        cal = self.calibration
+        gains, probes = [], []
+        for s, m in zip(seqs, max_draft):
+            a = cal.prior_rate(s.seq_id)
+            gains.append([a ** (j + 1) for j in range(m)])
+            r = cal.requests.get(s.seq_id)
+            probes.append(1 if m and r is not None and r.steps_without_verifying >= self.probe_every else 0)
+        self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
+        draft = (lambda n: self.cost.draft_seconds(n, ctx)) if self.has_draft_model else None
+        return choose_lengths(gains, lambda t: self.cost.target_seconds(b, t, ctx), draft, probes)
+
+    def admit(self, seqs, blocks, draft_seconds):
+        b, ctx = len(seqs), self._context(seqs)
+        cal = self.calibration
+        gains = []
+        for s, blk in zip(seqs, blocks):
+            greedy = s.params.is_greedy
+            row, g = [], 1.0
+            for c in blk.confidence or [None] * len(blk.token_ids):  # q_j's confidence, never the token
+                g *= cal.rate(s.seq_id, greedy, c)
+                row.append(g)
+            gains.append(row)
+        probes = [1 if s.seq_id in self._probes else 0 for s in seqs]  # a probe verifies its first proposal
+        lengths = choose_lengths(gains, lambda t: draft_seconds + self.cost.target_seconds(b, t, ctx), None, probes)
+        return causal_lengths(blocks, lambda i, j, conf: j < lengths[i])
+
+    def observe(self, seq, block, num_verified, num_accepted):
+        r = self.calibration.requests.setdefault(seq.seq_id, RequestEstimate())
+        if num_verified:
+            r.steps_without_verifying = 0
+            conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
+            self.calibration.observe(seq.seq_id, seq.params.is_greedy, conf, num_accepted)
+        else:
+            r.steps_without_verifying += 1
+
+    def forget(self, seq_id):
+        self.calibration.forget(seq_id)
