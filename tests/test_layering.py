@@ -132,7 +132,7 @@ def test_upward_imports_are_reported():
          "draftwise.engine.engine": {"draftwise.proposers", "draftwise.llm"}, "draftwise.cli.main": {"draftwise.llm"}}
     assert upward_imports(g) == [
         "draftwise.engine.engine (engine) imports draftwise.llm (llm/server/lab/train)",
-        "draftwise.proposers.base (proposers) imports draftwise.engine.sequence (engine)"]
+        "draftwise.proposers.base (proposers/policies) imports draftwise.engine.sequence (engine)"]
 
 
 def test_no_upward_imports(graph):
