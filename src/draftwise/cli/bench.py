@@ -51,6 +51,7 @@ def run(args) -> int:
     from ..lab.report import build_results, markdown, write_report
     from ..lab.runner import QUICK, BenchPlan, parse_configs, run_bench
     from ..lab.workload import load_workload
+    from ..paths import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,9 +76,9 @@ def run(args) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if args.dollars_per_hour is not None and args.dollars_per_hour < 0:
         raise ValueError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
-    if args.model and not Path(args.model).is_dir():
+    if args.model and not resolve_model(args.model).is_dir():  # a name under models/ counts
         raise ValueError(f"--model: not a directory: {args.model}")
-    if args.draft and not Path(args.draft).is_dir():
+    if args.draft and not resolve_model(args.draft).is_dir():
         raise ValueError(f"--draft: not a directory: {args.draft}")
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,

@@ -2,7 +2,8 @@
 
 A directory holds `config.json`, `model.safetensors` or `model.safetensors.index.json` with its
 shards, `tokenizer.json` (loaded with `tokenizers`), optionally `tokenizer_config.json` and
-`generation_config.json`. Every failure is a `ModelLoadError` naming the file and the field.
+`generation_config.json`. A bare name (`smollm2`) that is not a directory here is looked up
+under `models/` (`paths.resolve_model`). Every failure is a `ModelLoadError` naming the file and the field.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..paths import models_dir, resolve_model
 from .config import ModelConfig, ModelLoadError
 from .llama import LlamaModel
 
@@ -65,9 +67,10 @@ def _weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                load_tokenizer: bool = True, fuse: bool = True) -> LoadedModel:
-    path = Path(path)
+    path = resolve_model(path)
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: model directory not found")
+        hint = f" (nor {models_dir() / path})" if len(path.parts) == 1 else ""
+        raise ModelLoadError(f"{path}: model directory not found{hint}")
     cfg = ModelConfig.from_dir(path)
     dt = resolve_dtype(dtype)
     with torch.device("meta"):
