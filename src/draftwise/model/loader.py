@@ -1,8 +1,8 @@
 """Load and save Hugging Face-format model directories (no hub access).
 
 A directory holds `config.json`, `model.safetensors` or `model.safetensors.index.json` with its
-shards, `tokenizer.json` (loaded with `tokenizers`), optionally `tokenizer_config.json` and
-`generation_config.json`. A bare name (`smollm2`) that is not a directory here is looked up
+shards, `tokenizer.json` (loaded with `tokenizers`), optionally `tokenizer_config.json`,
+`chat_template.jinja` (read into the tokenizer config's `chat_template`) and `generation_config.json`. A bare name (`smollm2`) that is not a directory here is looked up
 under `models/` (`paths.resolve_model`). Every failure is a `ModelLoadError` naming the file and the field.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..paths import models_dir, resolve_model
@@ -78,7 +78,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     expected = dict(model.state_dict())
     loaded: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as sf:
+        try:
+            sf = safe_open(str(f), framework="pt")
+        except SafetensorError as e:  # empty, truncated, not safetensors at all
+            size = f.stat().st_size
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({size} bytes; {e}): "
+                                 "truncated or corrupt? re-copy or re-export it") from None
+        with sf:
             for name in sf.keys():
                 if name not in expected:
                     if name.endswith("rotary_emb.inv_freq"):
@@ -116,6 +122,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         except Exception as e:  # tokenizers raises a bare Exception
             raise ModelLoadError(f"{tok_file}: cannot be parsed ({e})") from None
     tok_cfg = _read_json(path / "tokenizer_config.json")
+    jinja = path / "chat_template.jinja"  # transformers 5 writes the template here; it wins, as there
+    if jinja.is_file():
+        tok_cfg["chat_template"] = jinja.read_text(encoding="utf-8")
     gen_cfg = _read_json(path / "generation_config.json")
     return LoadedModel(path, cfg, model, tokenizer, tok_cfg, gen_cfg)
 

@@ -1,9 +1,11 @@
 """The chat template: messages -> one prompt string.
 
-When the model's `tokenizer_config.json` has a `chat_template` (a Jinja2 string, or a list of
-`{"name", "template"}` from which "default" is taken) it is rendered as Hugging Face does: in a
-sandbox, with `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
-`raise_exception`. Otherwise the plain template below is used, one line per message:
+When the model has a chat template (`chat_template.jinja` in its directory, which wins as in
+transformers 5, else the `chat_template` of `tokenizer_config.json`: a Jinja2 string, or a list of
+`{"name", "template"}` from which "default" is taken; `load_model` puts either in the tokenizer
+config, and `import-gguf` writes the GGUF's `tokenizer.chat_template` there) it is rendered as
+Hugging Face does: in a sandbox, with `messages`, `add_generation_prompt`, `bos_token`,
+`eos_token` and `raise_exception`. Otherwise the plain template below is used, one line per message:
 
     system: You are terse.
     user: Say hi.
