@@ -2,8 +2,51 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..engine import SpecConfig
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (e.g. --threads; argparse names the option in its error)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
+    return v
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` if it can be encoded as UTF-8; else ValueError naming `where` (e.g. a command-line
+    argument with invalid UTF-8 bytes, which Python decodes to lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"lone surrogate \\u{ord(bad):04x}"
+        raise ValueError(f"{where}: not valid UTF-8 text ({what} at character {e.start})") from None
+    return text
+
+
+def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> None:
+    """Warn (stderr) when one of `methods` runs a draft model whose tokenizer maps ids to other
+    strings than the target's."""
+    from ..model.vocab_check import tokenizer_mismatch
+    from ..paths import default_draft, default_target
+    from ..proposers import proposer_class
+
+    if not any(m and proposer_class(m).needs_draft_model for m in methods):
+        return
+    draft = args.draft or (None if args.model else default_draft())
+    if draft is None:
+        return
+    found = tokenizer_mismatch(args.model or default_target(), draft)
+    if found and found[0]:
+        print(f"draftwise {command}: warning: the draft's tokenizer ({draft}) maps {found[0]} of {found[1]} token "
+              "ids to other strings than the target's: the output stays exact, but fewer proposals will be "
+              "accepted", file=sys.stderr)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +58,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
 
 
 def spec_from_args(args) -> SpecConfig:
@@ -32,5 +75,7 @@ def build_llm(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLM(args.model, draft=args.draft, spec=spec_from_args(args), dtype=args.dtype, device=args.device,
+    spec = spec_from_args(args)
+    warn_tokenizer_mismatch(args, args.command, [spec.method])
+    return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
                draft_dtype=args.draft_dtype)

@@ -5,7 +5,7 @@ import json
 import sys
 
 from ..sampling import SamplingParams
-from .common import add_model_args, build_llm
+from .common import add_model_args, build_llm, check_text
 
 
 def add_parser(sub):
@@ -24,6 +24,10 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    for i, prompt in enumerate(args.prompts, 1):
+        check_text(prompt, f"PROMPT {i}")
+    for s in args.stop or []:
+        check_text(s, "--stop")
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,

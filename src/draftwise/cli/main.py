@@ -1,7 +1,8 @@
 """`draftwise` command line: one subcommand per file in this package.
 
 Each subcommand module defines `add_parser(subparsers)` and `run(args) -> int`. Errors that a
-user can fix (bad paths, bad values) are printed as one line on stderr with exit status 2.
+user can fix (bad paths, bad values, bad options, unreadable files) are printed as one line on
+stderr with exit status 2, argparse's own included.
 """
 from __future__ import annotations
 
@@ -16,8 +17,15 @@ class UserError(Exception):
     """An error caused by the user's input: printed as one line, exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (naming the option) instead of usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftwise", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="draftwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:
@@ -38,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("draftwise: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, OSError) as e:  # OSError: a file the user named (FileNotFoundError, ...)
         print(f"draftwise {args.command}: error: {e}", file=sys.stderr)
         return 2
 
