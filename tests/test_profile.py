@@ -1,0 +1,190 @@
+"""The hardware profile (policies/profile.py): the fit, the budget, the JSON, the cache, the CLI.
+
+The fit and the budget logic run on synthetic times (exact); the measurement runs for real on
+the tiny models with a small grid, where only robust properties are asserted (timings are noisy
+on a shared machine).
+"""
+import json
+import types
+
+import numpy as np
+import pytest
+
+from draftwise.cli.main import main
+from draftwise.model import load_model
+from draftwise.policies import profile as prof_mod
+from draftwise.policies.cost import CostModel
+from draftwise.policies.profile import (
+    FORMAT, DraftPoint, GridPoint, HardwareProfile, fit_cost_model, load_or_measure, measure_profile,
+    model_fingerprint, profile_cache_path,
+)
+
+TRUE_TARGET = (2e-3, 1e-4, 5e-4, 1e-7)  # t0, t_seq, t_tok, t_ctx
+TRUE_DRAFT = (3e-4, 5e-5, 2e-8)
+
+
+def synthetic(b: int, t: int, c: int, target=TRUE_TARGET) -> float:
+    return CostModel(target, TRUE_DRAFT).target_seconds(b, b * t, c)
+
+
+def synthetic_grid(target=TRUE_TARGET):
+    grid = [GridPoint(b, t, c, synthetic(b, t, c, target)) for b in (1, 2, 4, 8) for t in (1, 2, 3, 5) for c in (64, 256)]
+    draft = [DraftPoint(b, c, CostModel(target, TRUE_DRAFT).draft_seconds(b, c)) for b in (1, 2, 4, 8) for c in (64, 256)]
+    return grid, draft
+
+
+@pytest.fixture(scope="module")
+def pair(target_dir, draft_dir):
+    return load_model(target_dir), load_model(draft_dir, dtype="bfloat16", load_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def small_profile(pair):
+    target, draft = pair
+    return measure_profile(target, draft, max_num_seqs=4, k=3, contexts=(16, 64), budget_seconds=5, repeats=3)
+
+
+def test_fit_recovers_known_coefficients():
+    grid, draft = synthetic_grid()
+    cost = fit_cost_model(grid, draft)
+    np.testing.assert_allclose(cost.target, TRUE_TARGET, rtol=1e-6)
+    np.testing.assert_allclose(cost.draft, TRUE_DRAFT, rtol=1e-6)
+    assert fit_cost_model(grid, []).draft == (0.0, 0.0, 0.0)  # no drafter measured
+
+
+def test_fit_clamps_negative_coefficients():
+    # a per-sequence term of -0.2 ms: unconstrained least squares reproduces it, the fit must not
+    grid, _ = synthetic_grid(target=(1e-3, -2e-4, 1e-3, 0.0))
+    x = np.array([[1, p.num_seqs, p.num_seqs * p.tokens_per_seq, p.num_seqs * p.context] for p in grid], float)
+    free = np.linalg.lstsq(x, np.array([p.seconds for p in grid]), rcond=None)[0]
+    assert free[1] < 0  # the premise
+    cost = fit_cost_model(grid, [])
+    assert min(cost.target) >= 0 and cost.target[1] == 0
+    assert cost.target[2] > 0  # the refit without t_seq still charges per token
+    # every prediction stays in the right range (the clamped term is absorbed by the others)
+    for p in grid:
+        assert 0.5 < cost.target_seconds(p.num_seqs, p.num_seqs * p.tokens_per_seq, p.context) / p.seconds < 1.5
+
+
+def test_budget_skips_points_and_fit_is_exact_on_a_simulated_clock(pair, monkeypatch):
+    """_time_run and the clock replaced by the synthetic cost: the planning and the fit, exactly."""
+    clock = [0.0]
+
+    def fake_run(runner, b, t, c):
+        s = synthetic(b, t, c) if runner.loaded is pair[0] else CostModel(TRUE_TARGET, TRUE_DRAFT).draft_seconds(b, c)
+        clock[0] += s
+        return s
+
+    monkeypatch.setattr(prof_mod, "_time_run", fake_run)
+    monkeypatch.setattr(prof_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    full = measure_profile(*pair, max_num_seqs=8, k=4, contexts=(32, 128), budget_seconds=100, repeats=3)
+    assert not full.skipped and len(full.grid) == 4 * 5 * 2 and len(full.draft_grid) == 4 * 2
+    np.testing.assert_allclose(full.cost.target, TRUE_TARGET, rtol=1e-6)
+    np.testing.assert_allclose(full.cost.draft, TRUE_DRAFT, rtol=1e-6)
+    assert full.fit["median_rel_error"] < 1e-9
+
+    clock[0] = 0.0
+    budget = 0.35 * full.measured_seconds
+    cut = measure_profile(*pair, max_num_seqs=8, k=4, contexts=(32, 128), budget_seconds=budget, repeats=3)
+    assert cut.skipped and cut.measured_seconds <= budget * 1.05
+    assert len(cut.grid) + sum(s["model"] == "target" for s in cut.skipped) == 4 * 5 * 2
+    measured = {(p.num_seqs, p.tokens_per_seq, p.context) for p in cut.grid}
+    assert {(b, t, 32) for b in (1, 2, 4, 8) for t in (1, 5)} <= measured  # the first tier was kept
+    assert all(s["tokens_per_seq"] not in (1, 5) or s["context"] != 32 for s in cut.skipped)
+
+
+def test_measured_profile_is_sane_and_round_trips(small_profile, tmp_path):
+    p = small_profile
+    assert p.threads >= 1 and p.device == "cpu" and p.dtype == "float32" and p.draft_dtype == "bfloat16"
+    assert p.models["target"]["fingerprint"] == model_fingerprint(p.models["target"]["path"])
+    assert all(s > 0 for s in (g.seconds for g in p.grid)) and p.draft_grid
+    assert min(p.cost.target) >= 0 and min(p.cost.draft) >= 0
+    # noise-prone: the median over the grid, not every point; a fit with wrong units or swapped
+    # features is off by far more than 50%
+    assert p.fit["median_rel_error"] < 0.5
+    path = p.save(tmp_path / "sub" / "p.json")
+    back = HardwareProfile.load(path)
+    assert back.to_dict() == p.to_dict()
+    assert json.loads(path.read_text())["format"] == FORMAT
+
+
+def test_load_errors_name_the_path(tmp_path, small_profile):
+    with pytest.raises(ValueError, match="p0.json.*not found"):
+        HardwareProfile.load(tmp_path / "p0.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json.*not a readable"):
+        HardwareProfile.load(bad)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**small_profile.to_dict(), "format": "draftwise.profile/0"}))
+    with pytest.raises(ValueError, match="old.json.*format 'draftwise.profile/0'.*draftwise profile"):
+        HardwareProfile.load(old)
+    broken = tmp_path / "broken.json"
+    d = small_profile.to_dict()
+    del d["grid"]
+    broken.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="broken.json.*malformed"):
+        HardwareProfile.load(broken)
+
+
+def test_load_or_measure_uses_the_cache_and_remeasures_on_a_changed_model(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    target, draft = pair
+    logs = []
+    kw = dict(max_num_seqs=2, k=2, budget_seconds=3, log=logs.append)
+    first = load_or_measure(target, draft, **kw)
+    cache = profile_cache_path(target.path, draft.path, "float32", "bfloat16", "cpu", first.threads)
+    assert cache.is_file() and cache.parent == tmp_path / "cache" / "profiles"
+    assert len(logs) == 1 and "measuring a hardware profile" in logs[0] and str(cache) in logs[0]
+
+    logs.clear()
+    again = load_or_measure(target, draft, **kw)
+    assert logs == [] and again.to_dict() == first.to_dict()  # from the cache
+    assert load_or_measure(target, draft, **{**kw, "k": 1}).created == first.created  # a smaller grid: covered
+
+    d = json.loads(cache.read_text())
+    d["models"]["target"]["fingerprint"] = "0" * 64  # as if the model had been retrained in place
+    cache.write_text(json.dumps(d))
+    remeasured = load_or_measure(target, draft, **kw)
+    assert any("fingerprint changed" in line for line in logs) and any("measuring" in line for line in logs)
+    assert remeasured.models["target"]["fingerprint"] == model_fingerprint(target.path)
+    assert HardwareProfile.load(cache).models["target"]["fingerprint"] == model_fingerprint(target.path)
+
+    logs.clear()  # an explicit file is used as it is, with a warning when it does not match
+    explicit = load_or_measure(target, None, path=cache, **kw)
+    assert explicit.to_dict() == remeasured.to_dict() and "warning" in logs[0]
+
+
+def test_cache_key_follows_settings(target_dir, draft_dir):
+    a = profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2)
+    assert a == profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2)
+    assert a != profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 1)
+    assert a != profile_cache_path(target_dir, None, "float32", None, "cpu", 2)
+    assert a != profile_cache_path(target_dir, draft_dir, "bfloat16", "bfloat16", "cpu", 2)
+
+
+def test_cli_writes_profile_and_plot(target_dir, draft_dir, tmp_path, capsys):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    rc = main(["profile", "--model", str(target_dir), "--draft", str(draft_dir), "--max-num-seqs", "2", "--k", "2",
+               "--contexts", "8,32", "--budget", "3", "--repeats", "2", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    prof = HardwareProfile.load(out)
+    assert {(g.num_seqs, g.tokens_per_seq) for g in prof.grid if g.context == 8} <= {(b, t) for b in (1, 2) for t in (1, 2, 3)}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "T=3" in text and "median relative error" in text and str(out) in text.replace("\n", "")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "/nonexistent-dir/p.json"], "--out: directory /nonexistent-dir does not exist"),
+    (["--plot", "/nonexistent-dir/p.png"], "--plot: directory /nonexistent-dir does not exist"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--k", "0"], "--k must be in [1, 16]"),
+    (["--budget", "-1"], "--budget must be > 0"),
+    (["--contexts", "64,abc"], "--contexts: expected comma-separated integers"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_cli_user_errors(argv, message, capsys):
+    assert main(["profile", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
