@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["generate", "train", "serve", "bench", "check", "import_gguf"]
+SUBCOMMANDS = ["generate", "train", "serve", "bench", "check", "import_gguf", "profile"]
 
 
 class UserError(Exception):
