@@ -1,7 +1,8 @@
 """Token stream and batches.
 
 The stream is `<|endoftext|> file_0 <|endoftext|> file_1 ...` over a split's files in path
-order, stored as int16 (the vocabulary is 8192). Each epoch cuts the stream into
+order, stored as int16 when the vocabulary fits (the embedded tokenizer's 8192), else int32 (e.g.
+SmolLM2's 49152). Each epoch cuts the stream into
 non-overlapping windows of `seq_len + 1` tokens (offset by a per-epoch shift) and visits them
 in an order shuffled by `seed + epoch`. A batch is a pure function of (seed, step), so the
 data position saved in a checkpoint is a single integer and resume loses nothing.
@@ -16,13 +17,20 @@ from ..corpus import Split
 from .tokenizer import EOS
 
 
+def stream_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest signed integer type that holds every token id."""
+    return torch.int16 if vocab_size <= torch.iinfo(torch.int16).max + 1 else torch.int32
+
+
 def encode_stream(tok, texts: list[str]) -> torch.Tensor:
     eos = tok.token_to_id(EOS)
+    if eos is None:
+        raise ValueError(f"the tokenizer has no {EOS} token to separate files in the token stream")
     ids: list[int] = []
-    for enc in tok.encode_batch(texts):
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
         ids.append(eos)
         ids.extend(enc.ids)
-    return torch.tensor(ids, dtype=torch.int16)
+    return torch.tensor(ids, dtype=stream_dtype(tok.get_vocab_size()))
 
 
 def load_streams(tok, split: Split, cache_dir: str | Path | None = None) -> dict[str, torch.Tensor]:
