@@ -15,8 +15,11 @@ def add_parser(sub):
     p.add_argument("--workload", default=None,
                    help="shipped workload name(s) (code-easy, code-hard, grounded; comma-separated) or a JSONL path "
                         "(default: all shipped; --quick: grounded,code-hard)")
-    p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N (default: "
-                                                    "none,draft:k=2,draft:k=4,ngram:k=4)")
+    p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, with an optional "
+                                                    ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput; "
+                                                    "default: none,draft:k=2,draft:k=4,ngram:k=4)")
+    p.add_argument("--profile", default=None, help="hardware profile JSON for goodput configs (default: the cached "
+                                                   "one for the model pair, measured on first use)")
     p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32")
     p.add_argument("--request-rate", default=None, help="open-loop levels in requests/s, e.g. 0.5,1")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of open-loop gaps (1 = Poisson)")
@@ -62,7 +65,7 @@ def run(args) -> int:
     if n is not None and n < 1:
         raise ValueError(f"--num-requests must be >= 1, got {n}")
     workloads = [w.head(n) for w in workloads]
-    configs = parse_configs(args.configs or q.get("configs", "none,draft:k=2,draft:k=4,ngram:k=4"))
+    configs = parse_configs(args.configs or q.get("configs", "none,draft:k=2,draft:k=4,ngram:k=4"), args.profile)
     if args.url:
         configs = []
     conc = args.concurrency

@@ -34,7 +34,7 @@ def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> No
     """Warn (stderr) when one of `methods` runs a draft model whose tokenizer maps ids to other
     strings than the target's."""
     from ..model.vocab_check import tokenizer_mismatch
-    from ..paths import default_draft, default_target
+    from ..paths import default_draft, default_target, resolve_model
     from ..proposers import proposer_class
 
     if not any(m and proposer_class(m).needs_draft_model for m in methods):
@@ -42,7 +42,7 @@ def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> No
     draft = args.draft or (None if args.model else default_draft())
     if draft is None:
         return
-    found = tokenizer_mismatch(args.model or default_target(), draft)
+    found = tokenizer_mismatch(resolve_model(args.model) if args.model else default_target(), resolve_model(draft))
     if found and found[0]:
         print(f"draftwise {command}: warning: the draft's tokenizer ({draft}) maps {found[0]} of {found[1]} token "
               "ids to other strings than the target's: the output stays exact, but fewer proposals will be "
@@ -59,13 +59,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
+    p.add_argument("--policy", default="fixed",
+                   help="verification policy: fixed (verify every proposal), adaptive (per-request k from "
+                        "acceptance) or goodput (per-step lengths from draft confidence and the hardware "
+                        "profile); default fixed")
+    p.add_argument("--profile", default=None,
+                   help="hardware profile JSON for the goodput policy (default: the cached one for this model "
+                        "pair, measured on first use; see `draftwise profile`)")
 
 
 def spec_from_args(args) -> SpecConfig:
     method = args.method
     if method is None:
         method = "draft" if (args.draft or not args.model) else "none"
-    return SpecConfig(method=None if method == "none" else method, k=args.k)
+    return SpecConfig(method=None if method == "none" else method, k=args.k,
+                      policy=getattr(args, "policy", "fixed"), profile=getattr(args, "profile", None))
 
 
 def build_llm(args):

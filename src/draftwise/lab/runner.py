@@ -29,35 +29,42 @@ QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One `--configs` entry: "none", "draft:k=4", "ngram:k=3"."""
+    """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput"."""
 
     label: str
     method: str | None
     k: int = 4
+    policy: str = "fixed"
+    profile: str | None = None  # the hardware profile for the goodput policy (bench --profile)
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(method=self.method, k=self.k)
+        return SpecConfig(method=self.method, k=self.k, policy=self.policy, profile=self.profile)
 
 
-def parse_configs(text: str) -> list[BenchConfig]:
+def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
     out = []
     for entry in text.split(","):
         entry = entry.strip()
         if not entry:
             continue
         method, *opts = entry.split(":")
-        k = 4
+        k, policy = 4, "fixed"
         for o in opts:
             key, sep, val = o.partition("=")
-            if key != "k" or not sep or not val.isdigit():
-                raise ValueError(f"--configs entries look like none, draft:k=4 or ngram:k=2; got {entry!r}")
-            k = int(val)
+            if key == "k" and sep and val.isdigit():
+                k = int(val)
+            elif key == "policy" and sep and val:
+                policy = val
+            else:
+                raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
+                                 f"draft:k=4:policy=goodput; got {entry!r}")
         method = None if method in ("none", "") else method
         if method is not None:
             _needs_draft(method)  # validates the name
-        SpecConfig(method=method, k=k)  # validates k
-        out.append(BenchConfig("none" if method is None else f"{method}:k={k}", method, k))
+        SpecConfig(method=method, k=k, policy=policy)  # validates k and the policy
+        label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
+        out.append(BenchConfig(label, method, k, policy if method else "fixed", profile))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")

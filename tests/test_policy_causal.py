@@ -1,0 +1,265 @@
+"""Verification policies: causal admission proven (fractions, exhaustive enumeration through the
+real policy code), the length optimiser, and greedy equality of every policy with plain decoding.
+
+The rule under test (policies/base.py): for a sampled row, whether proposal j is verified may
+depend on the committed history, x_1..x_{j-1} and q_1..q_j, never on x_j or later. `Peek`, a
+deliberately non-causal policy (verify x_j only if q_j(x_j) > 1/2), is the control: the same
+enumeration must see its bias.
+"""
+import itertools
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.policies import CostModel, register_policy
+from draftwise.policies.base import _Stateless, causal_lengths
+from draftwise.policies.goodput import GoodputPolicy, choose_lengths
+from draftwise.proposers import DraftBlock
+from draftwise.sampling import VerifyMetadata, accept_probability, residual_distribution, verify
+
+COST = CostModel((0.003, 0.0002, 0.0004, 0.0), (0.0003, 0.00005, 0.0))
+
+
+@register_policy("peek-test")
+class Peek(_Stateless):
+    """Test only, NOT causal: verifies proposal j only while q_j(x_j) > 1/2 (reads the token)."""
+
+    def __init__(self, **_):
+        pass
+
+    def plan(self, seqs, max_draft):
+        return list(max_draft)
+
+    def admit(self, seqs, blocks, draft_seconds):
+        out = []
+        for b in blocks:
+            n = 0
+            while n < len(b.token_ids) and (b.probs is None or float(b.probs[n, b.token_ids[n]]) > 0.5):
+                n += 1
+            out.append(n)
+        return out
+
+
+# --------------------------------------------------------------------------- (a) exact fractions
+
+def output_distribution(p, q, verify_rule):
+    """P(emitted token) for one proposal x ~ q, verified iff verify_rule(x), else the target
+    samples directly; exact fractions."""
+    out = [Fraction(0)] * len(p)
+    for x, qx in enumerate(q):
+        if verify_rule(x):
+            acc = min(Fraction(1), p[x] / qx)
+            out[x] += qx * acc
+            r = [max(pi - qi, Fraction(0)) for pi, qi in zip(p, q)]
+            for y in range(len(p)):
+                out[y] += qx * (1 - acc) * r[y] / sum(r)
+        else:
+            for y in range(len(p)):
+                out[y] += qx * p[y]
+    return out
+
+
+def test_two_symbol_example_causal_vs_peeking():
+    p = [Fraction(3, 5), Fraction(2, 5)]
+    q = [Fraction(4, 5), Fraction(1, 5)]
+    assert output_distribution(p, q, lambda x: q[x] > Fraction(1, 2)) == [Fraction(18, 25), Fraction(7, 25)]
+    # the causal rule, through the helper every built-in policy uses: it sees max q, not x
+    for threshold in (Fraction(1, 2), Fraction(9, 10)):
+        blocks = [DraftBlock([x], None, [max(q)]) for x in range(2)]
+        lengths = causal_lengths(blocks, lambda i, j, conf: conf > threshold)
+        assert lengths[0] == lengths[1]  # the same decision whatever the token
+        assert output_distribution(p, q, lambda x: lengths[x] == 1) == p
+
+
+# --------------------------------------------------------------------------- (b) exhaustive enumeration
+
+V, N = 4, 3  # vocabulary, proposals drafted
+
+
+def table(salt, history):
+    g = torch.Generator().manual_seed(salt * 1000 + sum((t + 1) * 7 ** i for i, t in enumerate(history)))
+    w = torch.rand(V, generator=g, dtype=torch.float64) ** 3
+    w[torch.rand(V, generator=g) < 0.25] = 0.0
+    if w.sum() == 0:
+        w[0] = 1.0
+    return w / w.sum()
+
+
+def target(h):
+    return table(1, h)
+
+
+def draft(h):
+    return table(2, h)
+
+
+def target_joint(horizon):
+    out = {}
+    for y in itertools.product(range(V), repeat=horizon):
+        pr = 1.0
+        for i in range(horizon):
+            pr *= target(y[:i])[y[i]].item()
+        if pr > 0:
+            out[y] = pr
+    return out
+
+
+def extend(prefix, weight, horizon, acc):
+    if len(prefix) == horizon:
+        acc[prefix] = acc.get(prefix, 0.0) + weight
+        return
+    p = target(prefix)
+    for t in range(V):
+        if p[t] > 0:
+            extend(prefix + (t,), weight * p[t].item(), horizon, acc)
+
+
+def enumerate_policy(policy):
+    """Output distribution over N+1 tokens when `policy.admit` picks the verified prefix of each
+    drafted path; every branch is also run through `verify` with uniforms inside it."""
+    seq = SimpleNamespace(seq_id=0, params=SamplingParams(temperature=1.0), num_tokens=10)
+    dist, rows = {}, []
+    for x in itertools.product(range(V), repeat=N):
+        qs = [draft(x[:j]) for j in range(N)]
+        w_path = 1.0
+        for j in range(N):
+            w_path *= qs[j][x[j]].item()
+        if w_path == 0:
+            continue
+        block = DraftBlock(list(x), torch.stack(qs).float(), [float(q.max()) for q in qs])
+        L = policy.admit([seq], [block], 0.0)[0]
+        ps = [target(x[:j]) for j in range(L + 1)]
+        a = [accept_probability(ps[j][x[j]], qs[j][x[j]]).item() for j in range(L)]
+        for acc in range(L + 1):
+            w = w_path
+            for j in range(acc):
+                w *= a[j]
+            last = ps[L] if acc == L else residual_distribution(ps[acc], qs[acc])
+            if acc < L:
+                w *= 1.0 - a[acc]
+            if w == 0:
+                continue
+            cdf = torch.cumsum(last, 0)
+            for t in range(V):
+                if last[t] == 0:
+                    continue
+                u_rec = ((cdf[t - 1].item() if t else 0.0) + cdf[t].item()) / 2
+                u_acc = [0.0] * acc + ([(a[acc] + 1) / 2] if acc < L else []) + [0.5] * (L - acc - 1 if acc < L else 0)
+                rows.append((list(x[:L]), ps, qs[:L], u_acc, u_rec, x[:acc] + (t,)))
+                extend(x[:acc] + (t,), w * last[t].item(), N + 1, dist)
+    # the same branches through `verify`
+    meta = VerifyMetadata.build([r[0] for r in rows], [False] * len(rows))
+    p_logits = torch.cat([torch.log(torch.stack(r[1])) for r in rows])
+    q_list = [torch.stack(r[2]) for r in rows if r[2]]
+    q_flat = torch.cat(q_list) if q_list else None
+    k = meta.max_k
+    u_acc = torch.tensor([r[3] + [0.5] * (k - len(r[3])) for r in rows], dtype=torch.float64).reshape(len(rows), k)
+    res = verify(p_logits, meta, q_flat, draws=(u_acc, torch.tensor([r[4] for r in rows], dtype=torch.float64)))
+    assert [tuple(res.tokens(i)) for i in range(len(rows))] == [r[5] for r in rows]
+    want = target_joint(N + 1)
+    return 0.5 * sum(abs(dist.get(y, 0.0) - want.get(y, 0.0)) for y in set(dist) | set(want)), dist
+
+
+@pytest.mark.parametrize("rate", [0.0, 1000.0, 1500.0, 1e9])
+def test_goodput_admission_is_exact_by_enumeration(rate):
+    policy = GoodputPolicy(k=N, cost=COST, has_draft_model=True)
+    policy._rate = rate  # the planned step's rate sets the threshold the confidences must pass
+    tv, _ = enumerate_policy(policy)
+    assert tv <= 1e-9
+
+
+def test_goodput_admission_varies_with_confidence():
+    """The enumeration above is not vacuous: at these rates the admitted length differs between paths."""
+    policy = GoodputPolicy(k=N, cost=COST, has_draft_model=True)
+    policy._rate = 1500.0
+    seq = SimpleNamespace(seq_id=0, params=SamplingParams(temperature=1.0), num_tokens=10)
+    lengths = set()
+    for x in itertools.product(range(V), repeat=N):
+        qs = [draft(x[:j]) for j in range(N)]
+        lengths.add(policy.admit([seq], [DraftBlock(list(x), None, [float(q.max()) for q in qs])], 0.0)[0])
+    assert len(lengths) >= 3
+
+
+def test_the_enumeration_sees_a_peeking_policy():
+    tv, _ = enumerate_policy(Peek())
+    assert tv > 0.01
+
+
+# --------------------------------------------------------------------------- (c) the optimiser
+
+def brute_force(gains, step):
+    best, arg = -1.0, None
+    for lengths in itertools.product(*[range(len(g) + 1) for g in gains]):
+        e = len(gains) + sum(sum(g[:n]) for g, n in zip(gains, lengths))
+        v = e / step(len(gains) + sum(lengths))
+        if v > best + 1e-12:
+            best, arg = v, list(lengths)
+    return arg, best
+
+
+def test_choose_lengths_is_optimal_for_a_linear_cost():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        gains = []
+        for _ in range(b):
+            a = torch.rand(k, generator=g).tolist()
+            row, acc = [], 1.0
+            for x in a:
+                acc *= x
+                row.append(acc)
+            gains.append(row)
+        base, per_tok = float(torch.rand(1, generator=g)) + 0.1, float(torch.rand(1, generator=g))
+        step = lambda t: base + per_tok * t  # noqa: E731
+        lengths, value = choose_lengths(gains, step)
+        _, best = brute_force(gains, step)
+        assert abs(value - best) < 1e-9
+
+
+def test_choose_lengths_useless_drafter_and_drafting_cost():
+    step = lambda t: 0.004 + 0.0001 * t  # noqa: E731
+    assert choose_lengths([[0.0] * 4] * 3, step)[0] == [0, 0, 0]
+    assert choose_lengths([[0.99 ** (j + 1) for j in range(4)]] * 2, step)[0] == [4, 4]
+    # an expensive drafter step makes the same acceptances not worth drafting
+    assert choose_lengths([[0.5 ** (j + 1) for j in range(4)]], step, lambda n: 0.01)[0] == [0]
+    # a probe is kept whatever it gains
+    assert choose_lengths([[0.0] * 4, [0.0] * 4], step, None, [1, 0])[0] == [1, 0]
+
+
+# --------------------------------------------------------------------------- (d) engine: greedy equality
+
+PROMPTS = [[20 + i, 3, 4, 5, 20 + i, 3] for i in range(16)]
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_every_policy_keeps_greedy_output(target_dir, draft_dir, method):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(target_dir))
+    want = {c: [o.token_ids for o in plain.generate(PROMPTS[:c], sp)] for c in (1, 16)}
+    for policy in ("fixed", "adaptive", "goodput", "peek-test"):
+        llm = LLM(str(target_dir), draft=str(draft_dir) if method == "draft" else None,
+                  spec=SpecConfig(method=method, k=3, policy=policy, cost_model=COST))
+        for c in (1, 16):
+            got = llm.generate(PROMPTS[:c], sp)
+            assert [o.token_ids for o in got] == want[c], (policy, c)
+        st = llm.engine.stats
+        assert st.verified_tokens <= st.proposed_tokens and st.accepted_tokens <= st.verified_tokens
+
+
+def test_goodput_stops_drafting_with_a_useless_drafter(target_dir, draft_dir):
+    """With acceptances near 0 the goodput policy verifies (and drafts) little: probes only."""
+    llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=4, policy="goodput",
+                                                                     cost_model=COST))
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    policy = llm.engine.policy
+    for table_ in policy.calibration.tables:  # pretend the drafter was never right
+        for cell in table_:
+            cell[0] = 0.0
+    policy.calibration.total = [0.0, 100.0]
+    out = llm.generate([[7, 8, 9, 10]], sp)[0]
+    rounds = out.stats.rounds
+    assert out.stats.verified_tokens <= rounds // GoodputPolicy.probe_every + 2
+    assert out.stats.proposed_tokens <= 4 * (rounds // GoodputPolicy.probe_every + 2)
