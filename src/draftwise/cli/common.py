@@ -59,6 +59,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(1 GiB, the weights' "
+                        "size), at most half the free memory)")
     p.add_argument("--policy", default="fixed",
                    help="verification policy: fixed (verify every proposal), adaptive (per-request k from "
                         "acceptance) or goodput (per-step lengths from draft confidence and the hardware "
@@ -86,4 +89,4 @@ def build_llm(args):
     spec = spec_from_args(args)
     warn_tokenizer_mismatch(args, args.command, [spec.method])
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
-               draft_dtype=args.draft_dtype)
+               draft_dtype=args.draft_dtype, kv_cache_memory=args.kv_cache_memory)
