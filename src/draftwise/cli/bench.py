@@ -6,6 +6,17 @@ import sys
 import time
 from pathlib import Path
 
+from .common import positive_int, warn_tokenizer_mismatch
+
+
+
+def _option(name: str, fn, *args):
+    """fn(*args), with a ValueError that does not name an option prefixed by `name`."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith("--") else f"{name}: {msg}") from None
 
 
 def add_parser(sub):
@@ -39,7 +50,7 @@ def add_parser(sub):
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown", default=None, metavar="PATH", help="also write the report to PATH (e.g. BENCHMARKS.md)")
     return p
@@ -71,6 +82,8 @@ def run(args) -> int:
     conc = args.concurrency
     if conc is None and args.request_rate is None:
         conc = q.get("concurrency", "1,2,4,8,16,32")
+    _option("--concurrency", parse_levels, conc, None, args.burstiness)
+    _option("--request-rate", parse_levels, None, args.request_rate, args.burstiness)
     levels = parse_levels(conc, args.request_rate, args.burstiness)
     if not levels:
         raise ValueError("give --concurrency and/or --request-rate")
@@ -86,10 +99,12 @@ def run(args) -> int:
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-        slo=parse_slo(args.slo),
+        slo=_option("--slo", parse_slo, args.slo),
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, seed=args.seed,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
+    if not args.url:
+        warn_tokenizer_mismatch(args, "bench", [c.method for c in configs])
     console = Console(stderr=True)
     t0 = time.perf_counter()
     results = run_bench(plan, console)

@@ -3,13 +3,17 @@
 
 Shipped workloads live in `draftwise/workloads/NAME.jsonl` (built by `make_workloads`);
 `load_workload` takes a shipped name or a path and raises `ValueError` naming the file, line and
-field of the first problem.
+field of the first problem: bytes that are not UTF-8, a string with a lone surrogate (a JSON
+escape such as "\\ud800"), a value `SamplingParams` rejects (it validates temperature and
+max_tokens, as it does for every request).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ..sampling import SamplingParams
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
 
@@ -65,12 +69,19 @@ def parse_request(obj, where: str) -> Request:
         raise ValueError(f"{where}: 'id' must be a string, got {rid!r}")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: 'prompt' must be a non-empty string")
-    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-        raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1, got {mt!r}")
-    if not isinstance(temp, (int, float)) or isinstance(temp, bool) or not 0 <= temp < float("inf"):
-        raise ValueError(f"{where}: 'temperature' must be a finite number >= 0, got {temp!r}")
     if not isinstance(cat, str):
         raise ValueError(f"{where}: 'category' must be a string, got {cat!r}")
+    for key, text in (("id", str(rid)), ("prompt", prompt), ("category", cat)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where}: '{key}' is not valid text (lone surrogate \\u{ord(text[e.start]):04x} "
+                             f"at character {e.start})") from None
+    try:
+        params = SamplingParams(temperature=temp, max_tokens=mt)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    temp = 0.0 if params.is_greedy else params.temperature  # below 1e-5: greedy (SamplingParams)
     return Request(str(rid), prompt, mt, float(temp), cat)
 
 
@@ -78,8 +89,14 @@ def read_jsonl(path: Path) -> list[Request]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"workload file not found: {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
     reqs, seen = [], set()
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
