@@ -9,7 +9,6 @@ from pathlib import Path
 from .common import positive_int, warn_tokenizer_mismatch
 
 
-
 def _option(name: str, fn, *args):
     """fn(*args), with a ValueError that does not name an option prefixed by `name`."""
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_model_args, spec_from_args
+from .common import add_model_args, spec_from_args, warn_tokenizer_mismatch
 
 
 def add_parser(sub):
@@ -57,6 +57,7 @@ def run(args) -> int:
     spec = spec_from_args(args)
     if spec.method is None:
         raise ValueError("check needs a speculative method (--method draft or ngram)")
+    warn_tokenizer_mismatch(args, "check", [spec.method])
     target, draft = load_pair(args.model, args.draft, needs_draft=proposer_class(spec.method).needs_draft_model,
                               dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                               method=spec.method)
