@@ -40,13 +40,18 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full contexts, capped
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory or the default budget (kv_sizing)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_cache_max_tokens: int = 131072  # cap of the default pool size
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB" for the K/V pools; None: default budget
 
     def __post_init__(self):
+        if self.kv_cache_memory is not None:
+            from .kv_sizing import parse_memory
+
+            parse_memory(self.kv_cache_memory)  # a bad size fails here, before any model loads
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.block_size < 1:

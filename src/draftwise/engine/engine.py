@@ -42,6 +42,7 @@ from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
 from .isolation import FailureIsolation
+from .kv_sizing import num_kv_blocks
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprob
 from .stats import EngineStats
@@ -98,7 +99,7 @@ class LLMEngine:
         if cfg.max_model_len:
             max_len = min(max_len, cfg.max_model_len)
         self.max_model_len = max_len
-        num_blocks = self._num_blocks(max_len)
+        num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
         self.runner = ModelRunner(target, num_blocks, cfg.block_size)
         self.proposer = None
         if cls is not None:
@@ -120,17 +121,10 @@ class LLMEngine:
         self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
         self.seqs: dict[str, Sequence] = {}
 
-    def _num_blocks(self, max_len: int) -> int:
-        cfg = self.config
+    def _num_blocks(self, max_len: int, draft: LoadedModel | None) -> int:
+        """Blocks per K/V pool (target's, and the draft model's of the same size): see kv_sizing."""
         lookahead = self.spec.max_draft + 1
-        num_blocks = cfg.num_kv_blocks
-        if num_blocks is None:
-            tokens = min(cfg.max_num_seqs * (max_len + lookahead), max(cfg.kv_cache_max_tokens, max_len + lookahead))
-            num_blocks = -(-tokens // cfg.block_size)
-        min_blocks = -(-(max_len + lookahead) // cfg.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(f"num_kv_blocks must be >= {min_blocks} to hold one full context, got {num_blocks}")
-        return num_blocks
+        return num_kv_blocks(self.config, max_len + lookahead, [self.target] + ([draft] if draft else []))
 
     def _cost_model(self, draft: LoadedModel | None):
         """The cost model a policy optimises against: given, from --profile, or the cached
