@@ -160,3 +160,39 @@ def write_gguf(path: str | Path, arch: str = "llama", qtype: str = "F32", seed: 
     w.write_tensors_to_file()
     w.close()
     return sd
+
+
+def write_spm_gguf(path: str | Path) -> None:
+    """A 1-layer llama file with a SentencePiece vocabulary (`tokenizer.ggml.model = llama`): byte
+    tokens `<0x00>`..`<0xFF>`, scores and no merges, as Llama 2 / Mistral v0.1 files have."""
+    import gguf
+
+    words = sorted({"▁" + w for w in TEXT.lower().split()})
+    subs = sorted({w[i:j] for w in words for i in range(len(w)) for j in range(i + 2, min(len(w), i + 5) + 1)})[:200]
+    chars = sorted(set("".join(words)))
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars + subs
+    scores = [0.0] * 259 + [-1.0 - 0.01 * i for i in range(len(chars))] + [-0.5 * (10 - len(s)) - 0.001 * i
+                                                                           for i, s in enumerate(subs)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in [(w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 32),
+                   (w.add_feed_forward_length, 64), (w.add_head_count, 2), (w.add_head_count_kv, 1),
+                   (w.add_rope_dimension_count, 16), (w.add_layer_norm_rms_eps, 1e-5)]:
+        add(v)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(chars) + len(subs)))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((len(pieces), 32)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    for n, shape in [("attn_norm", (32,)), ("ffn_norm", (32,)), ("attn_q", (32, 32)), ("attn_k", (16, 32)),
+                     ("attn_v", (16, 32)), ("attn_output", (32, 32)), ("ffn_gate", (64, 32)), ("ffn_up", (64, 32)),
+                     ("ffn_down", (32, 64))]:
+        w.add_tensor(f"blk.0.{n}.weight", rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

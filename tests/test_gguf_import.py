@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from draftwise import LLM, SamplingParams
 from draftwise.cli.main import main
 from draftwise.model.gguf_import import GGUFImportError, import_gguf, unpermute
-from gguf_files import CHATML, _permute, write_gguf
+from gguf_files import CHATML, _permute, write_gguf, write_spm_gguf
 
 CASES = [("llama", "F32"), ("llama", "Q8_0"), ("qwen2", "Q4_1"), ("mistral", "Q4_1"), ("qwen3", "Q8_0")]
 STRINGS = ["Hello world", "def parse_args(argv):\n    return argv[1:]", "<|im_start|>user\nhi<|im_end|>\n",
@@ -113,6 +113,20 @@ def test_tokenizer_matches_transformers(imported, case):
         assert ids == ref(s)["input_ids"], s
         assert ours.decode(ids, skip_special_tokens=False) == s
     assert ours.encode("<|im_end|>").ids == [2]  # control tokens stay whole
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    """Llama 2 / Mistral v0.1 style: merges rebuilt from the scores, byte fallback, BOS added."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    write_spm_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_file(str(import_gguf(tmp_path / "spm.gguf", tmp_path / "spm") / "tokenizer.json"))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for s in ["hello world", " the  quick fox", "Speculative decoding!", "héllo\nworld 12"]:
+        ids = ours.encode(s).ids
+        assert ids == ref(s)["input_ids"] and ids[0] == 1, s
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
 
 
 def test_pre_tokenizer_table(tmp_path):
