@@ -20,8 +20,8 @@ def free_port() -> int:
 class ServerThread:
     """`with ServerThread(engine, "tiny") as srv: srv.url ...`; stops (gracefully) on exit."""
 
-    def __init__(self, engine, model_name: str = "tiny", max_queue: int | None = None):
-        self.app = build_app(engine, model_name, max_queue=max_queue)
+    def __init__(self, engine, model_name: str = "tiny", max_queue: int | None = None, **app_kwargs):
+        self.app = build_app(engine, model_name, max_queue=max_queue, **app_kwargs)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
