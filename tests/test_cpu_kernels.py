@@ -101,6 +101,8 @@ def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_
 
 def test_qk_norm_models_keep_the_pytorch_path(tmp_path, tokenizer, monkeypatch, kernels_switch):
     kernels_switch(True)
+    if cpu_kernels.kernels() is None:  # without kernels the fused path is never taken: nothing to check
+        pytest.skip("fused kernels unavailable (no C compiler)")
     path = make_model_dir(tmp_path, seed=3, tokenizer=tokenizer, architectures=["Qwen3ForCausalLM"],
                           model_type="qwen3", head_dim=16)
     monkeypatch.setattr(LlamaModel, "_fused_forward", lambda *a, **k: pytest.fail("fused path used for qk-norm"))

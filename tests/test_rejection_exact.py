@@ -25,28 +25,23 @@ from draftwise.sampling import (
 # --------------------------------------------------------------------------- (a) exact fractions
 
 
-def frac_accept(p_x: Fraction, q_x: Fraction) -> Fraction:
-    """accept_probability in exact arithmetic: min(1, p(x) / q(x))."""
-    return min(Fraction(1), p_x / q_x)
-
-
-def frac_residual(p: list[Fraction], q: list[Fraction]) -> list[Fraction]:
-    """residual_distribution in exact arithmetic: max(p - q, 0) normalised."""
-    r = [max(pi - qi, Fraction(0)) for pi, qi in zip(p, q)]
-    return [ri / sum(r) for ri in r]
-
-
-def test_two_symbol_example_in_fractions():
-    p = [Fraction(3, 5), Fraction(2, 5)]  # target: A, B
-    q = [Fraction(4, 5), Fraction(1, 5)]  # draft
-    accept = [frac_accept(p[x], q[x]) for x in range(2)]
-    assert accept == [Fraction(3, 4), Fraction(1)]
-    rejected_mass = sum(q[x] * (1 - accept[x]) for x in range(2))
-    assert rejected_mass == Fraction(1, 5)
-    residual = frac_residual(p, q)
-    assert residual == [Fraction(0), Fraction(1)]  # all rejected mass becomes B
-    final = [q[y] * accept[y] + rejected_mass * residual[y] for y in range(2)]
-    assert final == [Fraction(3, 5), Fraction(2, 5)] == p
+def test_two_symbol_example_exactly():
+    """p = (1/4, 3/4), q = (1/2, 1/2): the sampler itself, driven over a grid of uniforms,
+    commits A with probability exactly 1/4 = p(A). Dyadic numbers keep float64 exact, and every
+    threshold (accept A with 1/2; the residual (0, 1); the bonus p (1/2, 1/2)) falls on the 1/8
+    grid, so the midpoint of each cell stands for the whole cell."""
+    p = torch.tensor([[[0.25, 0.75], [0.5, 0.5]]], dtype=torch.float64)  # [1, K+1, V]
+    q = torch.tensor([[[0.5, 0.5]]], dtype=torch.float64)  # [1, K, V]
+    grid = [(i + 0.5) / 8 for i in range(8)]
+    first = [Fraction(0), Fraction(0)]
+    accepted = {0: 0, 1: 0}
+    for x, ua, ur in itertools.product(range(2), grid, grid):
+        toks, acc = rejection_sample_from_uniforms(torch.tensor([[x]]), q, p, torch.tensor([[ua]], dtype=torch.float64),
+                                                   torch.tensor([ur], dtype=torch.float64))
+        first[int(toks[0, 0])] += Fraction(1, 2) * Fraction(1, 64)  # q(x) * the cell's measure
+        accepted[x] += int(acc[0])
+    assert accepted == {0: 32, 1: 64}  # min(1, p/q): 1/2 for A, 1 for B
+    assert first == [Fraction(1, 4), Fraction(3, 4)]
 
 
 def test_two_symbol_example_with_the_samplers_formulas():
