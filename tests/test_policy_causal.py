@@ -1,10 +1,12 @@
 """Verification policies: causal admission proven (fractions, exhaustive enumeration through the
-real policy code), the length optimiser, and greedy equality of every policy with plain decoding.
+real policy code), the length optimiser, greedy equality of every policy with plain decoding,
+and `draftwise check` with a policy.
 
 The rule under test (policies/base.py): for a sampled row, whether proposal j is verified may
 depend on the committed history, x_1..x_{j-1} and q_1..q_j, never on x_j or later. `Peek`, a
-deliberately non-causal policy (verify x_j only if q_j(x_j) > 1/2), is the control: the same
-enumeration must see its bias.
+deliberately non-causal policy (verify x_j only if it is q_j's most probable token: it reads the
+token), is the control: the enumeration and `draftwise
+check`'s distribution test must both see its bias.
 """
 import itertools
 from fractions import Fraction
@@ -25,7 +27,8 @@ COST = CostModel((0.003, 0.0002, 0.0004, 0.0), (0.0003, 0.00005, 0.0))
 
 @register_policy("peek-test")
 class Peek(_Stateless):
-    """Test only, NOT causal: verifies proposal j only while q_j(x_j) > 1/2 (reads the token)."""
+    """Test only, NOT causal: verifies proposal j only while x_j is q_j's most probable token (reads
+    the token; with q = p it inflates the top token from p_top to p_top * (2 - p_top))."""
 
     def __init__(self, **_):
         pass
@@ -37,7 +40,10 @@ class Peek(_Stateless):
         out = []
         for b in blocks:
             n = 0
-            while n < len(b.token_ids) and (b.probs is None or float(b.probs[n, b.token_ids[n]]) > 0.5):
+            while n < len(b.token_ids) and b.probs is not None:
+                q = b.probs[n]
+                if float(q[b.token_ids[n]]) < float(q.max()):
+                    break
                 n += 1
             out.append(n)
         return out
@@ -185,7 +191,7 @@ def test_goodput_admission_varies_with_confidence():
 
 def test_the_enumeration_sees_a_peeking_policy():
     tv, _ = enumerate_policy(Peek())
-    assert tv > 0.01
+    assert tv > 1e-3  # against <= 1e-9 for the causal policy
 
 
 # --------------------------------------------------------------------------- (c) the optimiser
@@ -263,3 +269,26 @@ def test_goodput_stops_drafting_with_a_useless_drafter(target_dir, draft_dir):
     rounds = out.stats.rounds
     assert out.stats.verified_tokens <= rounds // GoodputPolicy.probe_every + 2
     assert out.stats.proposed_tokens <= 4 * (rounds // GoodputPolicy.probe_every + 2)
+
+
+# --------------------------------------------------------------------------- (e) draftwise check
+
+def test_check_passes_goodput_and_fails_a_peeking_policy(target_dir, draft_dir, tokenizer, tmp_path, capsys):
+    from draftwise.cli.main import main
+    from draftwise.policies.profile import HardwareProfile
+    from tiny_models import make_model_dir
+
+    prof = HardwareProfile(machine={}, torch=torch.__version__, device="cpu", threads=1, dtype="float32",
+                           draft_dtype="bfloat16", models={}, settings={}, grid=[], draft_grid=[], cost=COST)
+    path = prof.save(tmp_path / "profile.json")
+    common = ["check", "--model", str(target_dir), "--draft", str(draft_dir), "--k", "3", "--samples", "300",
+              "--max-tokens", "16", "--profile", str(path)]
+    assert main(common + ["--policy", "goodput"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PASS distribution" in out and "PASS greedy equality" in out
+    # a peaked model (larger weights) as its own drafter (q = p): peeking inflates each position's
+    # top token from p_top to p_top * (2 - p_top), which the check's chi-square must see
+    peaked = make_model_dir(tmp_path / "peaked", seed=0, tokenizer=tokenizer, layers=2, hidden=64, init_std=4.0)
+    assert main(["check", "--model", str(peaked), "--draft", str(peaked)] + common[5:] + ["--policy", "peek-test"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL distribution" in out and "PASS greedy equality" in out  # greedy rows may peek
