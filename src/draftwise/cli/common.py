@@ -49,7 +49,9 @@ def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> No
               "accepted", file=sys.stderr)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    """engine=False: a command that loads the models but runs no engine (profile): no
+    --kv-cache-memory, --policy, --profile."""
     p.add_argument("--model", help="target model directory (Hugging Face format); default: the embedded target")
     p.add_argument("--draft", help="draft model directory; default: the embedded draft when --model is not given")
     p.add_argument("--method", default=None, help="speculative method: draft, ngram or none (default: draft)")
@@ -59,6 +61,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
+    if not engine:
+        return
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(1 GiB, the weights' "
                         "size), at most half the free memory)")

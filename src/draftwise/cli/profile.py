@@ -16,8 +16,9 @@ def add_parser(sub):
     p = sub.add_parser("profile", help="measure step times of a model pair (the cost model of the goodput policy)",
                        description="Time the target's forward over B sequences x T tokens each (B = 1, 2, 4, ... "
                                    "--max-num-seqs; T = 1 .. k+1) at a few context lengths, and the drafter's "
-                                   "step per B; fit the cost model; write the versioned JSON.")
-    add_model_args(p)
+                                   "step per B; fit the cost model; write the versioned JSON. With --method ngram or none "
+                                   "(or --model without --draft) no draft model is timed: draft cost 0.")
+    add_model_args(p, engine=False)
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest batch measured (default 64)")
     p.add_argument("--contexts", default="64,256", help="context lengths, comma-separated (default 64,256)")
     p.add_argument("--budget", type=float, default=30.0, help="seconds of measurement at most (default 30)")
@@ -80,6 +81,10 @@ def run(args) -> int:
     console = Console(stderr=True)
     console.print(f"draftwise profile: target {target.path}" + (f", draft {draft.path}" if draft else ", no draft")
                   + f", {torch.get_num_threads()} threads, budget {args.budget:g} s")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > (os.cpu_count() or 1) - 0.5:
+        console.print(f"[yellow]warning: load average {load:.1f} on {os.cpu_count()} CPUs: other processes compete, "
+                      "the times will be noisy[/yellow]")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("measuring", total=1)
