@@ -154,6 +154,13 @@ def test_load_or_measure_uses_the_cache_and_remeasures_on_a_changed_model(pair, 
     explicit = load_or_measure(target, None, path=cache, **kw)
     assert explicit.to_dict() == remeasured.to_dict() and "warning" in logs[0]
 
+    # settings that disagree with the loaded models would key a cache file never found again
+    with pytest.raises(ValueError, match="dtype='bfloat16'.*'float32'"):
+        load_or_measure(target, draft, dtype="bfloat16", **kw)
+    with pytest.raises(ValueError, match="threads=99"):
+        load_or_measure(target, draft, threads=99, **kw)
+    load_or_measure(target, draft, dtype="float32", draft_dtype="bfloat16", device="cpu", threads=first.threads, **kw)
+
 
 def test_cache_key_follows_settings(target_dir, draft_dir):
     a = profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2)

@@ -266,6 +266,7 @@ def measure_profile(
     if not contexts or contexts[0] < 0 or contexts[-1] + k + 1 > max_len:
         raise ValueError(f"contexts must be in [0, {max_len - k - 1}] (the models' {max_len} positions, "
                          f"minus k+1), got {contexts}")
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     t_begin = time.perf_counter()
     deadline = t_begin + budget_seconds
     bs = batch_sizes(max_num_seqs)
@@ -331,7 +332,8 @@ def measure_profile(
     cost = fit_cost_model(grid, draft_grid)
     threads = torch.get_num_threads()
     return HardwareProfile(
-        machine=machine_info(), torch=torch.__version__, device=str(runners["target"].device), threads=threads,
+        machine={**machine_info(), "load_average": load_before},  # other work competes when high
+        torch=torch.__version__, device=str(runners["target"].device), threads=threads,
         dtype=_dtype_name(runners["target"].dtype),
         draft_dtype=_dtype_name(runners["draft"].dtype) if draft is not None else None,
         models={"target": _model_entry(target), "draft": _model_entry(draft)},
@@ -434,17 +436,27 @@ def load_or_measure(
     """The profile of this pair and these settings: from `path` when given (used even if it was
     measured for other settings: `log` says so); else from the cache file when it matches (model
     fingerprints, dtypes, device, threads, CPU, a grid at least as large); else measured now and
-    written to the cache. dtype, draft_dtype, device, threads: None = the loaded models' own and
-    `torch.get_num_threads()`."""
+    written to the cache.
+
+    dtype, draft_dtype, device and threads are read from the loaded models and from
+    `torch.get_num_threads()` (what a measurement records); when given, they must agree with them
+    (ValueError otherwise), so that a cache file once written is found again."""
+    t_param = next(target.model.parameters())
     want = {
-        "dtype": dtype or _dtype_name(next(target.model.parameters()).dtype),
-        "draft_dtype": None if draft is None else (draft_dtype or _dtype_name(next(draft.model.parameters()).dtype)),
-        "device": str(device or next(target.model.parameters()).device),
-        "threads": int(threads or torch.get_num_threads()),
+        "dtype": _dtype_name(t_param.dtype),
+        "draft_dtype": None if draft is None else _dtype_name(next(draft.model.parameters()).dtype),
+        "device": str(t_param.device),
+        "threads": torch.get_num_threads(),
         "target": model_fingerprint(target.path),
         "draft": None if draft is None else model_fingerprint(draft.path),
         "cpu": machine_info()["cpu"],
     }
+    given = {"dtype": dtype, "draft_dtype": draft_dtype if draft is not None else None, "threads": threads}
+    for key, value in given.items():
+        if value is not None and str(value).removeprefix("torch.") != str(want[key]):
+            raise ValueError(f"load_or_measure: {key}={value!r}, but the models and torch run with {want[key]!r}")
+    if device is not None and torch.device(device).type != t_param.device.type:
+        raise ValueError(f"load_or_measure: device={device!r}, but the target is on {want['device']!r}")
     if path is not None:
         prof = HardwareProfile.load(path)
         why = _mismatch(prof, want, max_num_seqs, k)
