@@ -129,10 +129,12 @@ def test_load_errors_name_the_path(tmp_path, small_profile):
 
 def test_load_or_measure_uses_the_cache_and_remeasures_on_a_changed_model(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof_mod, "CACHE_GRID", (2, 2))  # the least grid measured for the cache (small: fast)
     target, draft = pair
     logs = []
-    kw = dict(max_num_seqs=2, k=2, budget_seconds=3, log=logs.append)
+    kw = dict(max_num_seqs=1, k=1, budget_seconds=3, log=logs.append)
     first = load_or_measure(target, draft, **kw)
+    assert (first.settings["max_num_seqs"], first.settings["k"]) == (2, 2)  # CACHE_GRID, not the smaller ask
     cache = profile_cache_path(target.path, draft.path, "float32", "bfloat16", "cpu", first.threads)
     assert cache.is_file() and cache.parent == tmp_path / "cache" / "profiles"
     assert len(logs) == 1 and "measuring a hardware profile" in logs[0] and str(cache) in logs[0]
@@ -140,7 +142,8 @@ def test_load_or_measure_uses_the_cache_and_remeasures_on_a_changed_model(pair, 
     logs.clear()
     again = load_or_measure(target, draft, **kw)
     assert logs == [] and again.to_dict() == first.to_dict()  # from the cache
-    assert load_or_measure(target, draft, **{**kw, "k": 1}).created == first.created  # a smaller grid: covered
+    assert load_or_measure(target, draft, **{**kw, "k": 2, "max_num_seqs": 2}).created == first.created  # covered
+    assert logs == []
 
     d = json.loads(cache.read_text())
     d["models"]["target"]["fingerprint"] = "0" * 64  # as if the model had been retrained in place

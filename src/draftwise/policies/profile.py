@@ -44,6 +44,8 @@ FORMAT = "draftwise.profile/1"
 DEFAULT_CONTEXTS = (64, 256)
 DEFAULT_BUDGET_SECONDS = 30.0
 FINGERPRINT_BYTES = 1 << 20  # hashed at each end of each weight file
+CACHE_GRID = (64, 4)  # (max_num_seqs, k) measured at least for the cache: a bench that runs
+                     # c=1, then 2, 4, ... finds the one profile covering each level
 
 Progress = Callable[[int, int, str], None]  # (points done, points planned, what runs now)
 
@@ -436,7 +438,8 @@ def load_or_measure(
     """The profile of this pair and these settings: from `path` when given (used even if it was
     measured for other settings: `log` says so); else from the cache file when it matches (model
     fingerprints, dtypes, device, threads, CPU, a grid at least as large); else measured now and
-    written to the cache.
+    written to the cache (a grid of at least CACHE_GRID, so that runs with a smaller max_num_seqs
+    or k find it covered).
 
     dtype, draft_dtype, device and threads are read from the loaded models and from
     `torch.get_num_threads()` (what a measurement records); when given, they must agree with them
@@ -477,6 +480,7 @@ def load_or_measure(
             max_num_seqs = max(max_num_seqs, prof.settings.get("max_num_seqs", 0))
             k = max(k, prof.settings.get("k", 0))
         log(f"draftwise: cached hardware profile {cache} does not match ({why}); measuring again")
+    max_num_seqs, k = max(max_num_seqs, CACHE_GRID[0]), max(k, CACHE_GRID[1])
     log(f"draftwise: measuring a hardware profile for this model pair (once, <= {budget_seconds:g} s) -> {cache}")
     prof = measure_profile(target, draft, max_num_seqs=max_num_seqs, k=k, budget_seconds=budget_seconds,
                            progress=progress)
