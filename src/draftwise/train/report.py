@@ -26,7 +26,7 @@ def _read(p: Path) -> dict:
 @torch.no_grad()
 def _step_seconds(model_dir, n: int = 64) -> float:
     """Seconds per decoding step (batch 1, paged KV cache, draftwise's runner) after a 64-token prompt."""
-    from ..engine.runner import ModelRunner
+    from ..model.runner import ModelRunner
 
     runner = ModelRunner(load_model(model_dir, load_tokenizer=False), num_blocks=16, block_size=16)
     runner.kv.reserve(0, 64 + n + 1)
