@@ -224,6 +224,12 @@ class LLMEngine:
         self.isolation.after_step([s.seq for s in sched.scheduled])
         t4 = time.perf_counter()
         st = self.stats
+        if drafted:
+            st.decode_steps += 1
+            st.speculative_steps += any(b.token_ids for b in blocks.values())
+            predicted = self._predicted_seconds(sched.scheduled, drafted, blocks)
+            if predicted is not None:
+                st.record_prediction(predicted, t4 - t0)
         st.steps += 1
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2
@@ -246,6 +252,20 @@ class LLMEngine:
         admitted = self.policy.admit(seqs, drafted, time.perf_counter() - t0)
         return ({s.seq_id: b for s, b in zip(seqs, drafted)},
                 {s.seq_id: b.truncated(n) for s, b, n in zip(seqs, drafted, admitted)})
+
+    def _predicted_seconds(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
+                           blocks: dict[int, DraftBlock]) -> float | None:
+        """The cost model's time for this step (drafter steps + the target forward), when the
+        policy has one and the step has no prefill chunk (which the model does not describe)."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is None or any(s.seq.is_prefilling for s in scheduled):
+            return None
+        b = len(scheduled)
+        ctx = sum(s.seq.num_tokens for s in scheduled) / b
+        tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
+        lengths = [len(blk.token_ids) for blk in drafted.values()]
+        draft_s = sum(cost.draft_seconds(sum(n > j for n in lengths), ctx) for j in range(max(lengths, default=0)))
+        return draft_s + cost.target_seconds(b, tokens, ctx)
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
@@ -386,6 +406,7 @@ class LLMEngine:
         st.accepted_tokens += a
         st.committed_tokens += a + 1
         st.committed_per_round[a + 1] = st.committed_per_round.get(a + 1, 0) + 1
+        st.verified_per_round[num_verified] = st.verified_per_round.get(num_verified, 0) + 1
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

@@ -21,6 +21,14 @@ class EngineStats:
     generation_tokens: int = 0
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    # the verification policy at work
+    verified_per_round: dict[int, int] = field(default_factory=dict)  # histogram: verified proposals -> rounds
+    decode_steps: int = 0  # steps with a sequence that could draft
+    speculative_steps: int = 0  # ... in which some sequence verified a proposal
+    # the cost model against the clock, over steps without prefill (goodput policy)
+    predicted_seconds: float = 0.0
+    measured_seconds: float = 0.0
+    step_time_ratio: dict[int, int] = field(default_factory=dict)  # round(50 * measured / predicted) -> steps
 
     def snapshot(self) -> dict:
         return {
@@ -40,4 +48,29 @@ class EngineStats:
             "generation_tokens": self.generation_tokens,
             "preemptions": self.preemptions,
             "finished": dict(self.finished),
+            "verified_per_round": dict(self.verified_per_round),
+            "decode_steps": self.decode_steps,
+            "speculative_steps": self.speculative_steps,
+            "predicted_seconds": self.predicted_seconds,
+            "measured_seconds": self.measured_seconds,
+            "step_time_ratio": dict(self.step_time_ratio),
         }
+
+    def record_prediction(self, predicted: float, measured: float) -> None:
+        self.predicted_seconds += predicted
+        self.measured_seconds += measured
+        key = round(50 * measured / predicted) if predicted > 0 else 0
+        self.step_time_ratio[key] = self.step_time_ratio.get(key, 0) + 1
+
+
+def median_ratio(hist: dict) -> float | None:
+    """The median measured / predicted step time from a `step_time_ratio` histogram (2% bins)."""
+    items = sorted((int(k), v) for k, v in hist.items() if v > 0)
+    total = sum(v for _, v in items)
+    if not total:
+        return None
+    seen = 0
+    for k, v in items:
+        seen += v
+        if 2 * seen >= total:
+            return k / 50

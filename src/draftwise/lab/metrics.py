@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.stats import median_ratio
+
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
 
 
@@ -138,12 +140,27 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
     per_pos = stats.get("accepted_per_position", [])
     n = max(output_tokens, 1)
     draft_s, verify_s, other_s = (stats.get(k, 0.0) for k in ("propose_seconds", "verify_seconds", "other_seconds"))
+    proposed = stats.get("draft_tokens", 0)
+    verified = stats.get("verified_tokens", proposed)  # servers without a policy verify what they propose
+    vhist = {int(k): v for k, v in stats.get("verified_per_round", {}).items()}
+    decode_steps = stats.get("decode_steps", 0)
+    measured, predicted = stats.get("measured_seconds", 0.0), stats.get("predicted_seconds", 0.0)
     return {
         "rounds": rounds,
-        "proposed_tokens": stats.get("draft_tokens", 0),
+        "proposed_tokens": proposed,
+        "verified_tokens": verified,
         "accepted_tokens": stats.get("accepted_tokens", 0),
         "mean_accepted_length": committed / rounds if rounds else None,
-        "acceptance_rate": stats["accepted_tokens"] / stats["draft_tokens"] if stats.get("draft_tokens") else None,
+        "acceptance_rate": stats["accepted_tokens"] / verified if verified else None,
+        # the verification policy: lengths verified per round, share of rounds and steps that speculated
+        "verified_per_round": dict(sorted(vhist.items())),
+        "rounds_speculating": (rounds - vhist.get(0, 0)) / rounds if rounds and vhist else None,
+        "steps_speculating": stats.get("speculative_steps", 0) / decode_steps if decode_steps else None,
+        # the cost model's predicted step time against the clock (goodput policy): median and total ratio
+        "step_time_measured_over_predicted": {
+            "median": median_ratio(stats.get("step_time_ratio", {})),
+            "total": measured / predicted if predicted else None,
+        },
         # fraction of rounds whose j-th proposal was accepted
         "acceptance_by_position": [a / rounds for a in per_pos] if rounds else [],
         "committed_per_round": dict(sorted(hist.items())),

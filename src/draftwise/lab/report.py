@@ -96,16 +96,20 @@ def workload_table(wl: dict) -> str:
 
 
 def acceptance_table(wl: dict) -> str:
-    rows = ["| config | level | rounds | acceptance rate | acceptance by position | committed per round (tokens: rounds) |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| config | level | rounds | acceptance rate | acceptance by position | committed per round (tokens: rounds) "
+            "| verified per round (proposals: rounds) | rounds / steps speculating | step time measured / predicted |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in wl["runs"]:
         sp = r.get("speculation") or {}
         if not sp or not sp.get("proposed_tokens"):
             continue
         pos = " ".join(f"{a:.2f}" for a in sp["acceptance_by_position"])
         hist = " ".join(f"{k}:{v}" for k, v in sp["committed_per_round"].items())
+        vhist = " ".join(f"{k}:{v}" for k, v in (sp.get("verified_per_round") or {}).items())
+        share = f"{_f(sp.get('rounds_speculating'), '{:.0%}')} / {_f(sp.get('steps_speculating'), '{:.0%}')}"
+        ratio = (sp.get("step_time_measured_over_predicted") or {}).get("median")
         rows.append(f"| {r['config']} | {r['level_label']} | {sp['rounds']} | {_f(sp['acceptance_rate'], '{:.2f}')} "
-                    f"| {pos} | {hist} |")
+                    f"| {pos} | {hist} | {vhist} | {share} | {_f(ratio, '{:.2f}')} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
