@@ -90,7 +90,9 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
         return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
+    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, unparsable body
+        if request.url.path.startswith("/v1/"):
+            outcomes.record("rejected" if e.status_code < 500 else "error")
         return APIError(e.status_code, str(e.detail), None, None).response()
 
     @app.post("/v1/completions")
