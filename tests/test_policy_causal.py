@@ -235,6 +235,21 @@ def test_choose_lengths_useless_drafter_and_drafting_cost():
     assert choose_lengths([[0.0] * 4, [0.0] * 4], step, None, [1, 0])[0] == [1, 0]
 
 
+def test_online_cost_learns_what_the_profile_misses():
+    from draftwise.policies.cost import OnlineCost
+
+    model = OnlineCost(COST)
+    assert model.step_seconds(4, 8, 100.0) == pytest.approx(COST.target_seconds(4, 8, 100.0))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):  # the whole step pays 1 ms + 0.2 ms per row + 0.05 ms per token more
+        b, t = int(torch.randint(1, 17, (1,), generator=g)), 0
+        t = b + int(torch.randint(0, 4 * b + 1, (1,), generator=g))
+        model.observe(b, t, 50.0, [], COST.target_seconds(b, t, 50.0) + 0.001 + 0.0002 * b + 0.00005 * t)
+    for b, t in ((1, 1), (8, 40), (16, 80)):
+        want = COST.target_seconds(b, t, 50.0) + 0.001 + 0.0002 * b + 0.00005 * t
+        assert model.step_seconds(b, t, 50.0) == pytest.approx(want, rel=0.02)
+
+
 # --------------------------------------------------------------------------- (d) engine: greedy equality
 
 PROMPTS = [[20 + i, 3, 4, 5, 20 + i, 3] for i in range(16)]

@@ -227,9 +227,8 @@ class LLMEngine:
         if drafted:
             st.decode_steps += 1
             st.speculative_steps += any(b.token_ids for b in blocks.values())
-            predicted = self._predicted_seconds(sched.scheduled, drafted, blocks)
-            if predicted is not None:
-                st.record_prediction(predicted, t4 - t0)
+            if not any(s.seq.is_prefilling for s in sched.scheduled):  # the cost model describes decode steps
+                self._observe_step(sched.scheduled, drafted, blocks, t4 - t0)
         st.steps += 1
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2
@@ -253,19 +252,16 @@ class LLMEngine:
         return ({s.seq_id: b for s, b in zip(seqs, drafted)},
                 {s.seq_id: b.truncated(n) for s, b, n in zip(seqs, drafted, admitted)})
 
-    def _predicted_seconds(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
-                           blocks: dict[int, DraftBlock]) -> float | None:
-        """The cost model's time for this step (drafter steps + the target forward), when the
-        policy has one and the step has no prefill chunk (which the model does not describe)."""
-        cost = getattr(self.policy, "cost", None)
-        if cost is None or any(s.seq.is_prefilling for s in scheduled):
-            return None
+    def _observe_step(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
+                      blocks: dict[int, DraftBlock], seconds: float) -> None:
+        """Tell the policy what a decode step cost; record its prediction against the clock."""
         b = len(scheduled)
         ctx = sum(s.seq.num_tokens for s in scheduled) / b
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
-        draft_s = sum(cost.draft_seconds(sum(n > j for n in lengths), ctx) for j in range(max(lengths, default=0)))
-        return draft_s + cost.target_seconds(b, tokens, ctx)
+        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds)
+        if predicted is not None:
+            self.stats.record_prediction(predicted, seconds)
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:

@@ -50,6 +50,11 @@ class Policy(Protocol):
     def forget(self, seq_id: int) -> None:
         """The request finished: drop its state."""
 
+    def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
+                     seconds: float) -> float | None:
+        """A step without prefill took `seconds` (B rows, T tokens fed, mean context, tokens drafted
+        per row). Returns what the policy's cost model predicted for it (None: it has none)."""
+
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
 
@@ -97,6 +102,9 @@ class _Stateless:
 
     def forget(self, seq_id: int) -> None:
         pass
+
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds) -> float | None:
+        return None
 
 
 __all__ = ["Policy", "CostModel", "register_policy", "available_policies", "policy_class", "causal_lengths"]

@@ -6,18 +6,22 @@ committed tokens per second.
 
 a_{i,m}: the estimated acceptance of proposal m of row i given the earlier ones were accepted
 (calibration.py: from the drafter's confidence at m, calibrated online, engine-wide and per
-request); cost(.) and t_draft: the measured hardware profile's cost model (cost.py). Both
-decisions use `choose_lengths`:
+request); cost(.) and t_draft: the measured hardware profile's cost model (cost.py).
 
-- `plan` (before drafting): a_{i,m} = the request's recent acceptance rate; the drafting time is
-  part of the objective (one drafter step per position, over the rows that draft that far), so a
-  loaded step or a useless drafter drafts little or nothing. A row that has not verified for
-  `probe_every` steps drafts and verifies one proposal (a probe: its estimate can recover).
-- `admit` (after drafting): a_{i,m} from the confidences, which are functions of q_m alone
-  (causal admission: the realised x_m is never read, so sampled output is exact); the drafting
-  time is spent and enters as a constant.
+- `plan` (before drafting) solves the whole problem with a_{i,m} = the request's recent
+  acceptance rate (`choose_lengths`); the drafting time is part of the objective (one drafter
+  step per position, over the rows that draft that far), so a loaded step or a useless drafter
+  drafts little or nothing. A row that has not verified for `probe_every` steps drafts and
+  verifies one proposal (a probe: its estimate can recover). The optimum's value, lambda
+  (expected committed tokens per second of the planned step), is kept for `admit`.
+- `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
+  the confidences of q_1..q_j, pays for its marginal verification time at the planned rate:
+  gain >= lambda * dcost/dtoken. This is the optimality condition of the ratio for a cost linear
+  in tokens, and it is causal by construction: the decision on proposal j reads q_1..q_j (through
+  their confidences) and plan-time figures, never x_j nor anything drafted after it (a rule that
+  picked the best prefix from all the row's confidences would read q_{j+1}, a function of x_j).
 
-`choose_lengths` adds candidate positions in decreasing order of their gain prod a (a row's gains
+`choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
 for a cost linear in tokens, and it accounts for the jump of a new drafter step.
 """
@@ -27,7 +31,7 @@ from typing import Callable, Sequence
 
 from .base import causal_lengths, register_policy
 from .calibration import Calibration, RequestEstimate
-from .cost import CostModel
+from .cost import CostModel, OnlineCost
 
 
 def choose_lengths(
@@ -35,7 +39,7 @@ def choose_lengths(
     step_seconds: Callable[[int], float],  # total tokens fed -> seconds of the target forward (+ fixed costs)
     draft_step_seconds: Callable[[int], float] | None = None,  # rows in a drafter step -> seconds
     minimum: Sequence[int] | None = None,  # [B] lengths that must be kept (probes)
-) -> list[int]:
+) -> tuple[list[int], float]:  # lengths [B], the objective's value (expected tokens per second)
     b = len(gains)
     order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)), key=lambda t: (-t[0], t[1]))
     lengths = [0] * b
@@ -63,7 +67,7 @@ def choose_lengths(
     out = [0] * b
     for g, j, i in order[:best_n]:
         out[i] = max(out[i], j + 1)
-    return out
+    return out, best
 
 
 @register_policy("goodput")
@@ -76,9 +80,11 @@ class GoodputPolicy:
             raise ValueError("the goodput policy needs a cost model (a hardware profile)")
         self.k = k
         self.cost = cost
+        self.model = OnlineCost(cost)  # the profile + what it misses of a whole step, learned online
         self.has_draft_model = has_draft_model
         self.calibration = Calibration()
         self._probes: set[int] = set()  # seq_ids probing this step
+        self._rate = 0.0  # the planned step's expected committed tokens per second
 
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
@@ -94,22 +100,22 @@ class GoodputPolicy:
             probes.append(1 if m and r is not None and r.steps_without_verifying >= self.probe_every else 0)
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
         draft = (lambda n: self.cost.draft_seconds(n, ctx)) if self.has_draft_model else None
-        return choose_lengths(gains, lambda t: self.cost.target_seconds(b, t, ctx), draft, probes)
+        lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
+        return lengths
 
     def admit(self, seqs, blocks, draft_seconds):
         b, ctx = len(seqs), self._context(seqs)
         cal = self.calibration
-        gains = []
-        for s, blk in zip(seqs, blocks):
-            greedy = s.params.is_greedy
-            row, g = [], 1.0
-            for c in blk.confidence or [None] * len(blk.token_ids):  # q_j's confidence, never the token
-                g *= cal.rate(s.seq_id, greedy, c)
-                row.append(g)
-            gains.append(row)
-        probes = [1 if s.seq_id in self._probes else 0 for s in seqs]  # a probe verifies its first proposal
-        lengths = choose_lengths(gains, lambda t: draft_seconds + self.cost.target_seconds(b, t, ctx), None, probes)
-        return causal_lengths(blocks, lambda i, j, conf: j < lengths[i])
+        # marginal seconds of one more verified token, and the rate it must pay for
+        threshold = self._rate * (self.model.step_seconds(b, b + 1, ctx) - self.model.step_seconds(b, b, ctx))
+        gain = [1.0] * b
+
+        def keep(i: int, j: int, conf: float | None) -> bool:  # reads q_j's confidence, never x_j
+            s = seqs[i]
+            gain[i] *= cal.rate(s.seq_id, s.params.is_greedy, conf)
+            return gain[i] >= threshold or (j == 0 and s.seq_id in self._probes)
+
+        return causal_lengths(blocks, keep)
 
     def observe(self, seq, block, num_verified, num_accepted):
         r = self.calibration.requests.setdefault(seq.seq_id, RequestEstimate())
@@ -122,3 +128,9 @@ class GoodputPolicy:
 
     def forget(self, seq_id):
         self.calibration.forget(seq_id)
+
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
+        predicted = self.model.step_seconds(num_seqs, num_tokens, context,
+                                            draft_lengths if self.has_draft_model else ())
+        self.model.observe(num_seqs, num_tokens, context, draft_lengths if self.has_draft_model else (), seconds)
+        return predicted
