@@ -88,6 +88,8 @@ class EngineCollector:
             ("generation_tokens", "generation_tokens", "Tokens generated (committed)."),
             ("rounds", "spec_decode_num_rounds", "Verification rounds of decoding sequences."),
             ("draft_tokens", "spec_decode_num_draft_tokens", "Tokens proposed by the drafter."),
+            ("verified_tokens", "spec_decode_num_verified_tokens",
+             "Proposed tokens sent to the target (the verification policy admits a prefix of each draft)."),
             ("accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted by the target."),
             ("steps", "engine_steps", "Engine steps."),
         ):
