@@ -114,7 +114,8 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
         snap = aeng.snapshot
         return {
             "status": "ok", "model": model_name,
-            "speculation": {"method": engine.spec.method or "none", "k": engine.spec.max_draft},
+            "speculation": {"method": engine.spec.method or "none", "k": engine.spec.max_draft,
+                            "policy": engine.spec.policy if engine.spec.method else None},
             "requests_in_server": aeng.num_in_flight, "requests_in_engine": snap.requests,
             "waiting": snap.waiting, "running": snap.running, "kv_blocks": snap.kv,
         }
