@@ -78,3 +78,19 @@ def test_bench_open_loop_and_errors(target_dir, tmp_path, capsys):
     assert main(["bench", "--configs", "draft:k=x", "--model", str(target_dir)]) == 2
     assert main(["bench", "--workload", "nope", "--model", str(target_dir)]) == 2
     assert "unknown workload" in capsys.readouterr().err
+
+
+def test_configs_with_a_policy_and_output_len():
+    from draftwise.lab.runner import BenchPlan, parse_configs
+    from draftwise.lab.workload import Request
+
+    cfgs = parse_configs("draft:k=4,draft:k=4:policy=goodput,ngram:k=3:policy=adaptive", profile="p.json")
+    assert [c.label for c in cfgs] == ["none", "draft:k=4", "draft:k=4:policy=goodput", "ngram:k=3:policy=adaptive"]
+    assert [c.spec.policy for c in cfgs[1:]] == ["fixed", "goodput", "adaptive"]
+    assert cfgs[2].spec.profile == "p.json"
+    for bad in ("draft:k=4:policy=nope", "draft:policy=", "draft:x=1"):
+        with pytest.raises(ValueError):
+            parse_configs(bad)
+    req = Request("r", "x", 32, 0.0)
+    assert BenchPlan([], [], [], max_tokens=16).tokens_for(req) == 16
+    assert BenchPlan([], [], [], max_tokens=16, output_len=200).tokens_for(req) == 200

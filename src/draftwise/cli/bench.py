@@ -35,6 +35,9 @@ def add_parser(sub):
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of open-loop gaps (1 = Poisson)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: the whole workload)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="every request generates exactly this many tokens (e.g. 128-256: long outputs, where "
+                        "decoding rather than prefill dominates; prompts keep their tails to fit the context)")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
                                                "(keys: ttft, tpot, itl, e2e)")
     p.add_argument("--dollars-per-hour", type=float, default=None, help="machine price, for cost per million tokens")
@@ -89,6 +92,8 @@ def run(args) -> int:
     max_tokens = args.max_tokens or q.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if args.output_len is not None and args.output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
     if args.dollars_per_hour is not None and args.dollars_per_hour < 0:
         raise ValueError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
     if args.model and not resolve_model(args.model).is_dir():  # a name under models/ counts
@@ -99,7 +104,7 @@ def run(args) -> int:
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
         slo=_option("--slo", parse_slo, args.slo),
-        dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, seed=args.seed,
+        dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
     if not args.url:
@@ -109,7 +114,7 @@ def run(args) -> int:
     results = run_bench(plan, console)
     settings = {
         "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
-        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens,
+        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
         "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device, "seed": args.seed, "quick": args.quick,

@@ -88,6 +88,13 @@ class BenchPlan:
     slo: dict = field(default_factory=dict)
     dollars_per_hour: float | None = None
     max_tokens: int | None = None  # cap per request (--quick)
+    output_len: int | None = None  # every request generates exactly this many tokens (--output-len)
+
+    def tokens_for(self, req) -> int:
+        """The request's output length in this run."""
+        if self.output_len:
+            return self.output_len
+        return min(req.max_tokens, self.max_tokens or req.max_tokens)
     seed: int = 0
     warmup_requests: int = 2
     dist_prompts: int = 3
@@ -137,7 +144,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     if draft is not None:
         max_len = min(max_len, draft.config.max_position_embeddings)
     max_k = max(c.k for c in plan.configs)
-    mts = [min(r.max_tokens, plan.max_tokens or r.max_tokens) for r in reqs]
+    mts = [plan.tokens_for(r) for r in reqs]
     params = [sampling_params(r, plan.seed + i, mt) for i, (r, mt) in enumerate(zip(reqs, mts))]
     full = [target.tokenizer.encode(r.prompt).ids for r in reqs]
     # keep each prompt's tail so that prompt + max_tokens + lookahead fits the context
@@ -228,7 +235,7 @@ def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target
 def _run_http(plan: BenchPlan, wl: Workload, console: Console) -> dict:
     backend = HTTPBackend(plan.url, plan.served_model)
     reqs = wl.requests
-    params = [sampling_params(r, plan.seed + i, min(r.max_tokens, plan.max_tokens or r.max_tokens)) for i, r in enumerate(reqs)]
+    params = [sampling_params(r, plan.seed + i, plan.tokens_for(r)) for i, r in enumerate(reqs)]
     runs = []
     with _progress(console) as progress:
         task = progress.add_task(wl.name, total=len(plan.levels) * len(reqs))
