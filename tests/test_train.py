@@ -167,3 +167,15 @@ def test_warm_start_copies_weights_and_rejects_another_shape(tmp_path):
     other = build_model(llama_config(dict(PRESETS["tiny"], hidden_size=48, head_dim=24), 64, 0))
     with pytest.raises(ValueError, match="do not match the draft shape"):
         _warm_start(other, tmp_path / "src")
+
+
+def test_random_draft_has_the_targets_vocabulary_and_tokenizer(target_dir, tmp_path):
+    from draftwise.cli.main import main as cli
+    from draftwise.model.config import ModelConfig
+
+    out = tmp_path / "useless"
+    assert cli(["train", "random-draft", "--target", str(target_dir), "--out", str(out), "--shape", "tiny"]) == 0
+    cfg, tcfg = ModelConfig.from_dir(out), ModelConfig.from_dir(target_dir)
+    assert cfg.vocab_size == tcfg.vocab_size and cfg.hidden_size == PRESETS["tiny"]["hidden_size"]
+    assert (out / "tokenizer.json").read_bytes() == (target_dir / "tokenizer.json").read_bytes()
+    assert cli(["train", "random-draft", "--target", str(tmp_path / "nope"), "--out", str(out)]) == 2

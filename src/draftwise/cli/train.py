@@ -4,6 +4,7 @@
     draftwise train target --out DIR [--tokenizer DIR] [--minutes N | --tokens N] [--resume]
     draftwise train draft --target DIR --out DIR [--minutes N | --tokens N] [--ce-only] [--resume]
     draftwise train all --out models [--target-minutes N] [--draft-minutes N]
+    draftwise train random-draft --target DIR --out DIR [--shape draft] [--seed N]   (a useless drafter)
 
 Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` continues from them.
 """
@@ -19,7 +20,7 @@ from .main import UserError
 def add_parser(subparsers):
     p = subparsers.add_parser("train", help="train the tokenizer / target / draft on the stdlib corpus",
                               description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tokenizer", "target", "draft", "all"])
+    p.add_argument("what", choices=["tokenizer", "target", "draft", "all", "random-draft"])
     p.add_argument("--out", required=True, help="output directory (HF format)")
     p.add_argument("--tokenizer", help="tokenizer directory (target; default: train one into --out)")
     p.add_argument("--target", help="target model directory (draft)")
@@ -60,6 +61,10 @@ def run(args) -> int:
         pipeline.train_target(args.out, tokenizer_dir=args.tokenizer, minutes=args.minutes, tokens=args.tokens,
                               ckpt_dir=args.ckpt_dir or "checkpoints/target", resume=args.resume,
                               overrides=_overrides(args))
+    elif args.what == "random-draft":
+        if not args.target or not Path(args.target, "config.json").is_file():
+            raise UserError("train random-draft needs --target DIR (a model directory: its tokenizer and vocabulary)")
+        pipeline.random_draft(args.out, args.target, shape=args.shape or "draft", seed=args.seed)
     elif args.what == "draft":
         if not args.target:
             raise UserError("train draft needs --target DIR (the model to distil from)")

@@ -74,3 +74,18 @@ def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_
                     ckpt_dir="checkpoints/draft_ce_long", overrides=hp2, init=ce_dir)
     write_model_card(out, ce_draft_dir=ce_dir, total_wall_s=time.time() - t0)
     return {"wall_seconds": round(time.time() - t0, 1)}
+
+
+def random_draft(out, target_dir, shape: str = "draft", seed: int = 0) -> dict:
+    """A randomly initialised draft with the target's tokenizer and vocabulary: a useless drafter
+    (its proposals are almost never accepted), to measure what speculation costs when it fails."""
+    from ..model.config import ModelConfig
+
+    tcfg = ModelConfig.from_dir(target_dir)
+    eos = tcfg.eos_token_id[0] if tcfg.eos_token_id else 0
+    cfg = llama_config(PRESETS[shape], tcfg.vocab_size, eos, tcfg.bos_token_id,
+                       max_position_embeddings=tcfg.max_position_embeddings)
+    model = build_model(cfg, seed=seed)
+    export_model(model, out, target_dir, {"random_init": True, "seed": seed, "shape": shape,
+                                          "parameters": count_params(model)})
+    return {"out": str(out), "parameters": count_params(model)}
