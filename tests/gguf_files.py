@@ -105,7 +105,8 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: str | Path, arch: str = "llama", qtype: str = "F32", seed: int = 0, tie: bool = False,
-               chat_template: str | None = CHATML, pre: str | None = None, **dims) -> dict[str, np.ndarray]:
+               chat_template: str | None = CHATML, pre: str | None = None, extra: dict | None = None,
+               **dims) -> dict[str, np.ndarray]:
     """Write the file; returns the Hugging Face weights it was made from (before quantisation)."""
     import gguf
 
@@ -155,6 +156,8 @@ def write_gguf(path: str | Path, arch: str = "llama", qtype: str = "F32", seed: 
             w.add_tensor(gguf_name(name), data, raw_dtype=qt)
         else:
             w.add_tensor(gguf_name(name), t)
+    for name, t in (extra or {}).items():  # e.g. rope_freqs.weight
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -144,6 +144,31 @@ def test_pre_tokenizer_table(tmp_path):
     assert pieces["gpt2"] == ["x", "Ġ12345", "Ġy"]
 
 
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    """llama.cpp stores Llama 3.1's rope scaling as per-frequency divisors (`rope_freqs`); the
+    import recovers the `llama3` parameters, so draftwise's frequencies are the file's."""
+    import math
+
+    from draftwise.model import ModelConfig
+    from draftwise.model.llama import rope_inv_freq
+
+    d, factor, old = 16, 8.0, 8192
+    freqs = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)
+    divisors = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        smooth = min(1.0, max(0.0, (old / wavelen - 1.0) / 3.0))
+        divisors.append(1.0 if wavelen < old / 4 else factor if wavelen > old else 1 / ((1 - smooth) / factor + smooth))
+    write_gguf(tmp_path / "l3.gguf", "llama", "F32", layers=1,
+               extra={"rope_freqs.weight": np.array(divisors, np.float32)})
+    cfg = json.loads((import_gguf(tmp_path / "l3.gguf", tmp_path / "l3") / "config.json").read_text())
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    inv = rope_inv_freq(ModelConfig.from_dict(cfg)).double()
+    assert torch.allclose(inv, torch.from_numpy(freqs / np.array(divisors, np.float32)), rtol=1e-5)
+    assert 1.0 < min(x for x in divisors if x > 1.0) < max(divisors)  # some frequencies interpolated
+
+
 def test_configs_written(imported):
     _, d, _ = imported["qwen2", "Q4_1"]
     cfg = json.loads((d / "config.json").read_text())
