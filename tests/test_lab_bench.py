@@ -94,3 +94,30 @@ def test_configs_with_a_policy_and_output_len():
     req = Request("r", "x", 32, 0.0)
     assert BenchPlan([], [], [], max_tokens=16).tokens_for(req) == 16
     assert BenchPlan([], [], [], max_tokens=16, output_len=200).tokens_for(req) == 200
+
+
+def test_find_capacity_search_and_report(target_dir, tmp_path):
+    from draftwise.lab.capacity import find_capacity, slo_holds
+
+    # a server that holds the SLO up to 3.3 requests/s: doubling, then bisection to within 10%
+    def measure(rate):
+        lat = 40.0 if rate <= 3.3 else 80.0
+        return {"num_requests": 8, "completed": 8, "requests_per_s": rate, "tpot_ms": {"p90": lat}}
+
+    res = find_capacity(measure, {"tpot": 50.0}, start_rate=1.0)
+    assert 3.0 <= res["requests_per_s"] <= 3.3 and res["converged"]
+    assert [p["held"] for p in res["probes"]][:3] == [True, True, False]  # 1, 2 held; 4 broke
+    assert not slo_holds({"num_requests": 8, "completed": 7, "tpot_ms": {"p90": 1.0}}, {"tpot": 50.0})
+    with pytest.raises(ValueError):
+        find_capacity(measure, {})
+    out = tmp_path / "cap"
+    rc = main(["bench", "--model", str(target_dir), "--configs", "ngram:k=2", "--workload", "grounded",
+               "--num-requests", "3", "--max-tokens", "6", "--find-capacity", "--slo", "e2e=60000",
+               "--capacity-start-rate", "50", "--out", str(out)])
+    assert rc == 0
+    wl = json.loads((out / "results.json").read_text())["workloads"][0]
+    assert set(wl["capacity"]) == {"none", "ngram:k=2"} and not wl["runs"]
+    for c in wl["capacity"].values():
+        assert c["requests_per_s"] >= 50 and c["probes"][0]["held"]
+    assert "requests/s at the latency limit" in (out / "report.md").read_text()
+    assert main(["bench", "--model", str(target_dir), "--find-capacity", "--out", str(out)]) == 2  # no --slo

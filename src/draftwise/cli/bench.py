@@ -40,6 +40,10 @@ def add_parser(sub):
                         "decoding rather than prefill dominates; prompts keep their tails to fit the context)")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
                                                "(keys: ttft, tpot, itl, e2e)")
+    p.add_argument("--find-capacity", action="store_true",
+                   help="search, per config, the highest Poisson request rate at which --slo holds at p90 "
+                        "(doubling then bisection; reported as requests/s at the latency limit)")
+    p.add_argument("--capacity-start-rate", type=float, default=1.0, help="first rate of the capacity search (req/s)")
     p.add_argument("--dollars-per-hour", type=float, default=None, help="machine price, for cost per million tokens")
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--quick", action="store_true",
@@ -82,13 +86,17 @@ def run(args) -> int:
     if args.url:
         configs = []
     conc = args.concurrency
-    if conc is None and args.request_rate is None:
+    if conc is None and args.request_rate is None and not args.find_capacity:
         conc = q.get("concurrency", "1,2,4,8,16,32")
     _option("--concurrency", parse_levels, conc, None, args.burstiness)
     _option("--request-rate", parse_levels, None, args.request_rate, args.burstiness)
     levels = parse_levels(conc, args.request_rate, args.burstiness)
-    if not levels:
+    if not levels and not args.find_capacity:
         raise ValueError("give --concurrency and/or --request-rate")
+    if args.find_capacity and args.url:
+        raise ValueError("--find-capacity runs the in-process engine; it does not combine with --url")
+    if not args.capacity_start_rate > 0:
+        raise ValueError(f"--capacity-start-rate must be > 0, got {args.capacity_start_rate}")
     max_tokens = args.max_tokens or q.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -103,10 +111,13 @@ def run(args) -> int:
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-        slo=_option("--slo", parse_slo, args.slo),
+        slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
+        capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
+    if plan.find_capacity and not plan.slo:
+        raise ValueError("--find-capacity needs --slo (e.g. --slo tpot=50 or --slo ttft=1000,tpot=50)")
     if not args.url:
         warn_tokenizer_mismatch(args, "bench", [c.method for c in configs])
     console = Console(stderr=True)

@@ -113,6 +113,24 @@ def acceptance_table(wl: dict) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def capacity_table(wl: dict) -> str:
+    cap = wl.get("capacity") or {}
+    if not cap:
+        return ""
+    first = next(iter(cap.values()))
+    slo = ", ".join(f"{k} p90 <= {v:g} ms" for k, v in first["slo_ms"].items())
+    base = (cap.get("none") or {}).get("requests_per_s")
+    rows = [f"Capacity (`--find-capacity`): the highest Poisson request rate at which every request completes "
+            f"and {slo}.", "", "| config | requests/s at the latency limit | vs none | first failing rate | probes |",
+            "|---|---|---|---|---|"]
+    for label, c in cap.items():
+        ratio = c["requests_per_s"] / base if base else None
+        probes = " ".join(f"{p['rate']:.3g}{'✓' if p['held'] else '✗'}" for p in c["probes"])
+        rows.append(f"| {label} | {c['requests_per_s']:.3g} | {_f(ratio, '{:.2f}x')} "
+                    f"| {_f(c['first_failing_rate'], '{:.3g}')} | {probes} |")
+    return "\n".join(rows)
+
+
 def distribution_table(wl: dict) -> str:
     if not wl.get("distribution"):
         return ""
@@ -206,6 +224,9 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
         dist = distribution_table(wl)
         if dist:
             lines += [dist, ""]
+        cap = capacity_table(wl)
+        if cap:
+            lines += [cap, ""]
         plots = wl.get("plots", [])
         lines += [f"![{Path(p).stem}]({image_prefix}{p})" for p in plots] + ([""] if plots else [])
     return "\n".join(lines)
@@ -220,6 +241,17 @@ def plot_workload(wl: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = []
+    cap = wl.get("capacity") or {}
+    if cap:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(list(cap), [c["requests_per_s"] for c in cap.values()])
+        ax.set_ylabel("requests/s at the latency limit")
+        ax.set_title(f"{wl['name']}: capacity at the SLO")
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        names.append(_save(fig, out, f"{wl['name']}-capacity.png"))
+    if not wl["runs"]:
+        return names
     configs = list(dict.fromkeys(r["config"] for r in wl["runs"]))
     closed = [r for r in wl["runs"] if r["level"]["kind"] == "concurrency"]
     if closed:

@@ -20,6 +20,7 @@ from ..engine import EngineConfig, LLMEngine, SpecConfig
 from . import correctness, memory
 from .arrivals import LoadLevel
 from .backends import EngineBackend, HTTPBackend, sampling_params
+from .capacity import find_capacity
 from .metrics import speculation_figures, summarize
 from .workload import Workload
 
@@ -89,18 +90,21 @@ class BenchPlan:
     dollars_per_hour: float | None = None
     max_tokens: int | None = None  # cap per request (--quick)
     output_len: int | None = None  # every request generates exactly this many tokens (--output-len)
-
-    def tokens_for(self, req) -> int:
-        """The request's output length in this run."""
-        if self.output_len:
-            return self.output_len
-        return min(req.max_tokens, self.max_tokens or req.max_tokens)
     seed: int = 0
     warmup_requests: int = 2
     dist_prompts: int = 3
     dist_samples: int = 200
     dist_horizon: int = 4
     dist_prompt_tokens: int = 32
+    find_capacity: bool = False  # search the highest open-loop rate meeting `slo` per config
+    capacity_start_rate: float = 1.0
+    burstiness: float = 1.0
+
+    def tokens_for(self, req) -> int:
+        """The request's output length in this run."""
+        if self.output_len:
+            return self.output_len
+        return min(req.max_tokens, self.max_tokens or req.max_tokens)
 
 
 def _progress(console: Console) -> Progress:
@@ -180,6 +184,11 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                              "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
                              "memory": memory.peak_memory()})
                 outputs[(cfg.label, level.label)] = out.records
+        capacity = {}
+        if plan.find_capacity:
+            for cfg in plan.configs:
+                progress.update(task, description=f"{wl.name} {cfg.label} capacity search")
+                capacity[cfg.label] = _capacity(plan, backends[cfg.label], reqs, prompts, params)
         if wl.sampled:  # the distribution test, once per config; `none` (the reference) comes first
             for ci, cfg in enumerate(plan.configs):
                 progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
@@ -195,9 +204,18 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     runs.sort(key=lambda r: [c.label for c in plan.configs].index(r["config"]))
     _compare_to_none(runs, outputs, reqs, prompts, target)
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
-            "truncated_prompts": truncated, "runs": runs, "distribution": dist,
+            "truncated_prompts": truncated, "runs": runs, "distribution": dist, "capacity": capacity,
             "distribution_settings": {"prompts": len(dist_ids), "samples": plan.dist_samples,
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
+
+
+def _capacity(plan: BenchPlan, backend, reqs, prompts, params) -> dict:
+    """The highest Poisson request rate at which the SLO holds at p90 for this config."""
+    def measure(rate: float) -> dict:
+        out = backend.run(reqs, prompts, params, LoadLevel("rate", rate, plan.burstiness), seed=plan.seed)
+        return summarize(out.records, out.wall, plan.slo)
+
+    return find_capacity(measure, plan.slo, start_rate=plan.capacity_start_rate)
 
 
 def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target=None) -> None:

@@ -1,0 +1,64 @@
+"""Capacity mode: the highest open-loop request rate at which a latency SLO still holds.
+
+    draftwise bench --find-capacity --slo tpot=50,ttft=1000
+
+For each config the same requests are replayed at Poisson arrival rates chosen by a search:
+first doubling from a start rate until the SLO breaks (or the rate stops being reachable), then
+bisection between the last rate that held and the first that broke, until they are within
+`rel_tol` of each other or `max_probes` runs were made. The SLO holds at a rate when every
+request completed and the p90 of each limited metric (TTFT, TPOT, ITL, E2E) is within its limit.
+The answer, "requests/s at the latency limit", is the highest rate that held (0 if none did);
+every probe is kept (rate, held, the p90s) so the search can be read back.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_ms"}
+
+
+def slo_holds(summary: dict, slo: dict[str, float]) -> bool:
+    """Every request completed and each limited metric's p90 (ms) is within its limit."""
+    if summary["completed"] < summary["num_requests"]:
+        return False
+    for key, limit in slo.items():
+        p90 = (summary.get(SLO_METRICS[key]) or {}).get("p90")
+        if p90 is not None and p90 > limit:
+            return False
+    return True
+
+
+def find_capacity(
+    measure: Callable[[float], dict],  # rate (requests/s) -> a `summarize` dict of one run at it
+    slo: dict[str, float],
+    *,
+    start_rate: float = 1.0,
+    rel_tol: float = 0.1,
+    max_probes: int = 8,
+) -> dict:
+    if not slo:
+        raise ValueError("--find-capacity needs --slo (e.g. tpot=50 or ttft=1000,tpot=50)")
+    probes = []
+
+    def probe(rate: float) -> bool:
+        s = measure(rate)
+        ok = slo_holds(s, slo)
+        probes.append({"rate": rate, "held": ok, "achieved_requests_per_s": s["requests_per_s"],
+                       **{f"{k}_p90_ms": (s.get(SLO_METRICS[k]) or {}).get("p90") for k in slo}})
+        return ok
+
+    good, bad, rate = 0.0, None, start_rate
+    while len(probes) < max_probes:  # doubling until the SLO breaks
+        if probe(rate):
+            good, rate = rate, rate * 2
+        else:
+            bad = rate
+            break
+    while bad is not None and len(probes) < max_probes and bad - good > rel_tol * max(good, bad / 2):
+        mid = (good + bad) / 2 if good else bad / 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return {"requests_per_s": good, "first_failing_rate": bad, "probes": probes, "slo_ms": dict(slo),
+            "converged": bad is not None and bad - good <= rel_tol * max(good, bad / 2)}
