@@ -48,3 +48,32 @@ def test_bench_url_against_draftwise_serve(target_dir, tmp_path):
         assert sp["proposed_tokens"] > 0 and sp["acceptance_rate"] == 1.0
         assert sp["mean_accepted_length"] > 1 and r["tokens_per_delivery"] > 1
         assert sum(sp["committed_per_round"].values()) == sp["rounds"]
+
+
+def test_check_certifies_a_server_against_a_reference(target_dir, draft_dir, tmp_path, capsys, monkeypatch):
+    """A speculative server against a plain one: PASS; a lossy one (accepts every proposal): FAIL."""
+    import draftwise.engine.engine as engine_mod
+
+    plain = LLM(str(target_dir)).engine
+    spec = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3)).engine
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nclass Point:\nfor i in range(10):\nimport os\n")
+    args = ["check", "--max-tokens", "12", "--samples", "150", "--horizon", "2", "--prompts", str(prompts)]
+    with ServerThread(plain, "tiny") as ref, ServerThread(spec, "tiny") as srv:
+        assert main(args + ["--url", srv.url, "--reference-url", ref.url]) == 0
+        out = capsys.readouterr().out
+        assert "PASS greedy equality (servers)" in out and "PASS distribution (servers" in out
+        real = engine_mod.verify_proposals
+
+        def accept_everything(p_logits, meta, q, generators=None, draws=None):
+            res = real(p_logits, meta, q, generators, draws)
+            lossy = res.committed.clone()
+            for b, n in enumerate(meta.num_draft.tolist()):
+                lossy[b, :n] = meta.draft_token_ids[b, :n]
+                lossy[b, n] = res.committed[b, 0]
+            return type(res)(lossy, meta.num_draft.clone(), res.valid)
+
+        monkeypatch.setattr(engine_mod, "verify_proposals", accept_everything)
+        assert main(args + ["--url", srv.url, "--reference-url", ref.url]) == 1
+        assert "FAIL greedy equality (servers)" in capsys.readouterr().out
+    assert main(args + ["--url", "http://127.0.0.1:9"]) == 2  # --reference-url missing

@@ -20,6 +20,12 @@ def add_parser(sub):
     p.add_argument("--horizon", type=int, default=4, help="tokens per sample in the distribution test")
     p.add_argument("--alpha", type=float, default=0.01, help="significance level of the distribution test")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", default=None,
+                   help="certify a running OpenAI-compatible server (e.g. a speculative vLLM) against "
+                        "--reference-url (the same model served plainly): greedy equality and distribution")
+    p.add_argument("--reference-url", default=None, help="the reference server for --url")
+    p.add_argument("--served-model", default=None, help="model name on --url (default: its first /v1/models)")
+    p.add_argument("--reference-model", default=None, help="model name on --reference-url (default: its first)")
     return p
 
 
@@ -54,6 +60,8 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0 for the distribution test, got {args.temperature}")
+    if args.url or args.reference_url:
+        return _check_servers(args)
     spec = spec_from_args(args)
     if spec.method is None:
         raise ValueError("check needs a speculative method (--method draft or ngram)")
@@ -75,6 +83,31 @@ def run(args) -> int:
     console.print(f"draftwise check: target {target.path}, method {spec.method}, k={spec.k}"
                   + (f", draft {draft.path}" if draft is not None else "") + f", {len(prompts)} prompts")
     results = run_checks(setup, on_start=lambda name: console.print(f"  running {name} ...", style="dim"))
+    return _print_results(console, results)
+
+
+def _check_servers(args) -> int:
+    """`--url` against `--reference-url`: greedy equality and the distribution test over HTTP."""
+    import httpx
+    from rich.console import Console
+
+    from ..lab.certify import certify_servers
+
+    if not (args.url and args.reference_url):
+        raise ValueError("--url and --reference-url go together: the server to certify and a plain reference")
+    console = Console()
+    console.print(f"draftwise check: {args.url} against the reference {args.reference_url}")
+    try:
+        results = certify_servers(args.url, args.reference_url, load_prompts(args.prompts), max_tokens=args.max_tokens,
+                                  samples=args.samples, horizon=args.horizon, temperature=args.temperature,
+                                  alpha=args.alpha, seed=args.seed, model=args.served_model,
+                                  reference_model=args.reference_model)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach the servers: {type(e).__name__}: {e}") from None
+    return _print_results(console, results)
+
+
+def _print_results(console, results) -> int:
     for r in results:
         figs = ", ".join(f"{k}={v}" for k, v in r.figures.items() if v is not None)
         tag = "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]"

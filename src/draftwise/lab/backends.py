@@ -260,6 +260,7 @@ class HTTPBackend:
                     for ch in chunk.get("choices") or []:
                         text = ch.get("text") or ""
                         lp = ch.get("logprobs") or {}
+                        rec.token_texts += lp.get("tokens") or []
                         ntok = len(lp.get("tokens") or []) or (1 if text else 0)
                         if ntok:
                             rec.deliveries.append((t, ntok))

@@ -30,6 +30,7 @@ class RequestRecord:
     arrival: float
     deliveries: list[tuple[float, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # a server's tokens as strings (logprobs.tokens)
     text: str = ""
     prompt_tokens: int = 0
     finish_reason: str | None = None
