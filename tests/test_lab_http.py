@@ -77,3 +77,19 @@ def test_check_certifies_a_server_against_a_reference(target_dir, draft_dir, tmp
         assert main(args + ["--url", srv.url, "--reference-url", ref.url]) == 1
         assert "FAIL greedy equality (servers)" in capsys.readouterr().out
     assert main(args + ["--url", "http://127.0.0.1:9"]) == 2  # --reference-url missing
+
+
+def test_bench_url_with_a_reference_server(target_dir, draft_dir, tmp_path):
+    wl = tmp_path / "short.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 10}) + "\n"
+                          for i, p in enumerate(["def add(a, b):", "class Point:\n", "for i in"])))
+    plain = LLM(str(target_dir)).engine
+    spec = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3)).engine
+    with ServerThread(plain, "tiny") as ref, ServerThread(spec, "tiny") as srv:
+        rc = main(["bench", "--url", srv.url, "--reference-url", ref.url, "--workload", str(wl),
+                   "--concurrency", "2", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["workloads"][0]["runs"]
+    assert [r["config"] for r in runs] == ["server:tiny", "reference:tiny"]
+    assert runs[0]["correctness"]["compared"] == 3 and runs[0]["correctness"]["mismatching_requests"] == 0
+    assert main(["bench", "--reference-url", ref.url, "--workload", str(wl)]) == 2  # needs --url

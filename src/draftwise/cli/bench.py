@@ -52,6 +52,9 @@ def add_parser(sub):
     p.add_argument("--draft", help="draft model directory (default: the embedded draft when --model is not given)")
     p.add_argument("--url", default=None, help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000)")
     p.add_argument("--served-model", default=None, help="model name for --url (default: the first of /v1/models)")
+    p.add_argument("--reference-url", default=None,
+                   help="with --url: a plain server of the same model; both are benchmarked level by level and "
+                        "the greedy outputs of --url are compared token by token with the reference's")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
@@ -93,6 +96,8 @@ def run(args) -> int:
     levels = parse_levels(conc, args.request_rate, args.burstiness)
     if not levels and not args.find_capacity:
         raise ValueError("give --concurrency and/or --request-rate")
+    if args.reference_url and not args.url:
+        raise ValueError("--reference-url goes with --url (the server to compare against the reference)")
     if args.find_capacity and args.url:
         raise ValueError("--find-capacity runs the in-process engine; it does not combine with --url")
     if not args.capacity_start_rate > 0:
@@ -110,6 +115,7 @@ def run(args) -> int:
         raise ValueError(f"--draft: not a directory: {args.draft}")
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
+        reference_url=args.reference_url,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,

@@ -82,6 +82,7 @@ class BenchPlan:
     model: str | None = None
     draft: str | None = None
     url: str | None = None
+    reference_url: str | None = None  # with url: a plain server to compare greedy outputs against
     served_model: str | None = None
     dtype: str = "float32"
     draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on CPU)
@@ -251,23 +252,39 @@ def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target
 
 
 def _run_http(plan: BenchPlan, wl: Workload, console: Console) -> dict:
-    backend = HTTPBackend(plan.url, plan.served_model)
+    servers = [("server", HTTPBackend(plan.url, plan.served_model))]
+    if plan.reference_url:
+        servers.append(("reference", HTTPBackend(plan.reference_url)))
     reqs = wl.requests
     params = [sampling_params(r, plan.seed + i, plan.tokens_for(r)) for i, r in enumerate(reqs)]
-    runs = []
+    runs, outputs = [], {}
     with _progress(console) as progress:
-        task = progress.add_task(wl.name, total=len(plan.levels) * len(reqs))
+        task = progress.add_task(wl.name, total=len(plan.levels) * len(reqs) * len(servers))
         n_w = min(plan.warmup_requests, len(reqs))
         progress.update(task, description=f"{wl.name} warm-up")
-        backend.run(reqs[:n_w], [[]] * n_w, [sampling_params(r, 0, 8) for r in reqs[:n_w]], LoadLevel("concurrency", max(1, n_w)))
+        for _, backend in servers:
+            backend.run(reqs[:n_w], [[]] * n_w, [sampling_params(r, 0, 8) for r in reqs[:n_w]],
+                        LoadLevel("concurrency", max(1, n_w)))
         for level in plan.levels:
-            progress.update(task, description=f"{wl.name} server {level.label}")
-            t0 = time.perf_counter()
-            out = backend.run(reqs, [[]] * len(reqs), params, level, seed=plan.seed, on_done=lambda: progress.advance(task))
-            summary = summarize(out.records, out.wall or time.perf_counter() - t0, plan.slo, plan.dollars_per_hour)
-            runs.append({"config": f"server:{backend.model}", "method": "server", "k": 0, "level": level.to_dict(),
-                         "level_label": level.label, **summary,
-                         "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]) if out.engine_stats else None,
-                         "memory": None, "correctness": None})
+            for role, backend in servers:
+                progress.update(task, description=f"{wl.name} {role} {level.label}")
+                t0 = time.perf_counter()
+                out = backend.run(reqs, [[]] * len(reqs), params, level, seed=plan.seed,
+                                  on_done=lambda: progress.advance(task))
+                summary = summarize(out.records, out.wall or time.perf_counter() - t0, plan.slo, plan.dollars_per_hour)
+                runs.append({"config": f"{role}:{backend.model}", "method": role, "k": 0, "level": level.to_dict(),
+                             "level_label": level.label, **summary,
+                             "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]) if out.engine_stats else None,
+                             "memory": None, "correctness": None})
+                outputs[(role, level.label)] = out.records
+    if plan.reference_url:  # greedy token equality of the server against the reference, level by level
+        greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
+        for run in runs:
+            mine, ref = outputs[(run["method"], run["level_label"])], outputs[("reference", run["level_label"])]
+            if run["method"] == "server" and greedy:
+                run["correctness"] = correctness.greedy_comparison(
+                    [reqs[i].id for i in greedy], [ref[i].token_texts for i in greedy],
+                    [mine[i].token_texts for i in greedy])
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "truncated_prompts": 0,
-            "runs": runs, "distribution": {}, "distribution_settings": None, "backend": plan.url}
+            "runs": runs, "distribution": {}, "distribution_settings": None, "backend": plan.url,
+            "reference": plan.reference_url}
