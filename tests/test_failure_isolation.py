@@ -75,3 +75,9 @@ def test_exception_in_a_batched_phase_is_isolated(llm, monkeypatch):
     for s in eng_seqs:
         eng.release(s.request_id)
     assert eng.occupancy()["kv"]["target"]["used"] == 0
+
+
+def test_llm_generate_reports_the_failed_request(llm):
+    outs = llm.generate(PROMPTS[:3] + [[9, 3, 4]], [greedy()] * 3 + [poisoned_temperature()])
+    assert [o.finish_reason for o in outs] == ["length"] * 3 + ["error"]
+    assert outs[3].error and all(o.error is None for o in outs[:3])

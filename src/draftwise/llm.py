@@ -27,10 +27,12 @@ class Output:
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None
     extra: dict = field(default_factory=dict)
+    error: str | None = None  # finish_reason "error": what failed (the other requests are untouched)
 
     @staticmethod
     def from_seq(seq: Sequence) -> "Output":
-        return Output(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason, seq.stats, seq.logprobs)
+        return Output(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason, seq.stats,
+                      seq.logprobs, error=seq.error)
 
     def to_dict(self) -> dict:
         return {
