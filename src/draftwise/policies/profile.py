@@ -249,8 +249,8 @@ def measure_profile(
     The K/V cache holds zeros (timing does not depend on its values); each sequence's blocks are
     consecutive, as a lone sequence's are in the engine (batch 1 takes the consecutive-slot path).
     The budget covers everything after the models are loaded: the two ends of the grid are probed
-    first, and the points whose estimated runs would overrun it are skipped (`skipped`). contexts: None = DEFAULT_CONTEXTS,
-    each cut to the models' positions."""
+    first, and the points whose estimated runs would overrun it are skipped (`skipped`).
+    contexts: None = DEFAULT_CONTEXTS, each cut to the models' positions."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if not 1 <= k <= 63:
@@ -289,7 +289,7 @@ def measure_profile(
 
     def estimate(model: str, b: int, t: int) -> float:
         if model == "draft":
-            return t_small  # a draft step costs at most a target step of the same shape
+            t = 1  # a draft step costs at most a target step of the same shape
         return t_small + (t_big - t_small) * (b * t - 1) / max(n_big - 1, 1)
 
     # plan: points in priority order while their estimated runs (one untimed + repeats) fit
