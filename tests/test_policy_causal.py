@@ -248,6 +248,13 @@ def test_online_cost_learns_what_the_profile_misses():
     for b, t in ((1, 1), (8, 40), (16, 80)):
         want = COST.target_seconds(b, t, 50.0) + 0.001 + 0.0002 * b + 0.00005 * t
         assert model.step_seconds(b, t, 50.0) == pytest.approx(want, rel=0.02)
+    # steps that never varied (batch 1, never drafting) teach a per-step cost, not a per-token one
+    flat = OnlineCost(COST)
+    for _ in range(100):
+        flat.observe(1, 1, 50.0, [], COST.target_seconds(1, 1, 50.0) + 0.05)
+    assert flat.step_seconds(1, 1, 50.0) == pytest.approx(COST.target_seconds(1, 1, 50.0) + 0.05, rel=1e-3)
+    assert flat.step_seconds(1, 5, 50.0) - flat.step_seconds(1, 1, 50.0) == pytest.approx(
+        COST.target_seconds(1, 5, 50.0) - COST.target_seconds(1, 1, 50.0), rel=1e-3)
 
 
 # --------------------------------------------------------------------------- (d) engine: greedy equality

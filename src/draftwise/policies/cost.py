@@ -46,20 +46,25 @@ class OnlineCost:
 
     A whole engine step also pays for work outside the two forwards (scheduling, processing the
     logits, verification, postprocess: Python work that grows with the rows B and the tokens T),
-    and the machine's speed drifts. The residual (measured step - profile's prediction) of every
+    and the machine's speed drifts. The residual r = measured step - profile's prediction of every
     step without prefill is fitted as e0 + e1 * B + e2 * T by exponentially weighted least
-    squares (a small ridge keeps it near 0 until steps have been seen); `step_seconds` is the
-    profile's prediction plus that residual. The goodput policy optimises against it.
+    squares on centred features: the slopes come only from how B and T varied among the steps
+    seen (a slope the data cannot tell is 0, so a run that never drafted does not learn that a
+    verified token costs the whole residual), and the intercept takes the mean. `step_seconds` is
+    the profile's prediction plus that residual; the goodput policy optimises against it.
     """
 
     DECAY = 0.98  # per observed step: the fit follows the last ~50 steps
-    RIDGE = 1e-3
+    RIDGE = 1e-3  # in units of B^2 and T^2 per unit of weight: slopes need real variation
 
     def __init__(self, cost: CostModel):
         self.cost = cost
-        self._a = [[0.0] * 3 for _ in range(3)]  # decayed X^T X
-        self._y = [0.0] * 3  # decayed X^T r
-        self._w = [0.0, 0.0, 0.0]
+        self._w = 0.0  # decayed weight
+        self._sx = [0.0, 0.0]  # sums of B, T
+        self._sy = 0.0  # sum of r
+        self._sxx = [[0.0, 0.0], [0.0, 0.0]]
+        self._sxy = [0.0, 0.0]
+        self._coef = (0.0, 0.0, 0.0)  # e0, e1, e2
 
     @staticmethod
     def draft_lengths_seconds(cost: CostModel, lengths, context: float) -> float:
@@ -68,7 +73,7 @@ class OnlineCost:
         return sum(cost.draft_seconds(sum(n > j for n in lengths), context) for j in range(max(lengths, default=0)))
 
     def residual(self, num_seqs: int, num_tokens: int) -> float:
-        e0, e1, e2 = self._w
+        e0, e1, e2 = self._coef
         return e0 + e1 * num_seqs + e2 * num_tokens
 
     def profile_seconds(self, num_seqs: int, num_tokens: int, context: float, draft_lengths=()) -> float:
@@ -80,28 +85,22 @@ class OnlineCost:
 
     def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float) -> None:
         r = measured - self.profile_seconds(num_seqs, num_tokens, context, draft_lengths)
-        x = (1.0, float(num_seqs), float(num_tokens))
-        for i in range(3):
-            self._y[i] = self._y[i] * self.DECAY + x[i] * r
-            for j in range(3):
-                self._a[i][j] = self._a[i][j] * self.DECAY + x[i] * x[j]
-        self._w = _solve3([[self._a[i][j] + (self.RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)],
-                          self._y)
-
-
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting on a 3x3 system (no numpy in the hot path)."""
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(3):
-        p = max(range(c, 3), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-18:
-            return [0.0, 0.0, 0.0]
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, 3):
-            f = m[r][c] / m[c][c]
-            for k in range(c, 4):
-                m[r][k] -= f * m[c][k]
-    out = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        out[r] = (m[r][3] - sum(m[r][k] * out[k] for k in range(r + 1, 3))) / m[r][r]
-    return out
+        x = (float(num_seqs), float(num_tokens))
+        d = self.DECAY
+        self._w = self._w * d + 1.0
+        self._sy = self._sy * d + r
+        for i in range(2):
+            self._sx[i] = self._sx[i] * d + x[i]
+            self._sxy[i] = self._sxy[i] * d + x[i] * r
+            for j in range(2):
+                self._sxx[i][j] = self._sxx[i][j] * d + x[i] * x[j]
+        w = self._w
+        mx = [self._sx[0] / w, self._sx[1] / w]
+        my = self._sy / w
+        cxx = [[self._sxx[i][j] / w - mx[i] * mx[j] + (self.RIDGE if i == j else 0.0) for j in range(2)]
+               for i in range(2)]
+        cxy = [self._sxy[i] / w - mx[i] * my for i in range(2)]
+        det = cxx[0][0] * cxx[1][1] - cxx[0][1] * cxx[1][0]
+        e1 = (cxx[1][1] * cxy[0] - cxx[0][1] * cxy[1]) / det
+        e2 = (cxx[0][0] * cxy[1] - cxx[1][0] * cxy[0]) / det
+        self._coef = (my - e1 * mx[0] - e2 * mx[1], e1, e2)
