@@ -12,7 +12,9 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   acceptance rate (`choose_lengths`); the drafting time is part of the objective (one drafter
   step per position, over the rows that draft that far), so a loaded step or a useless drafter
   drafts little or nothing. A row that has not verified for `probe_every` steps drafts and
-  verifies one proposal (a probe: its estimate can recover). The optimum's value, lambda
+  verifies one proposal (a probe: its estimate can recover); so does one row of the batch when
+  no row has verified for `probe_every` steps (the engine-wide estimate, which new requests start
+  from, can recover too). The optimum's value, lambda
   (expected committed tokens per second of the planned step), is kept for `admit`.
 - `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
   the confidences of q_1..q_j, pays for its marginal verification time at the planned rate:
@@ -85,6 +87,7 @@ class GoodputPolicy:
         self.calibration = Calibration()
         self._probes: set[int] = set()  # seq_ids probing this step
         self._rate = 0.0  # the planned step's expected committed tokens per second
+        self._idle_steps = 0  # steps since any row verified a proposal
 
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
@@ -98,6 +101,10 @@ class GoodputPolicy:
             gains.append([a ** (j + 1) for j in range(m)])
             r = cal.requests.get(s.seq_id)
             probes.append(1 if m and r is not None and r.steps_without_verifying >= self.probe_every else 0)
+        if self._idle_steps >= self.probe_every and not any(probes):  # engine-wide probe: one row
+            i = next((i for i, m in enumerate(max_draft) if m), None)
+            if i is not None:
+                probes[i] = 1
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
         draft = (lambda n: self.cost.draft_seconds(n, ctx)) if self.has_draft_model else None
         lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
@@ -130,6 +137,7 @@ class GoodputPolicy:
         self.calibration.forget(seq_id)
 
     def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
+        self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         predicted = self.model.step_seconds(num_seqs, num_tokens, context,
                                             draft_lengths if self.has_draft_model else ())
         self.model.observe(num_seqs, num_tokens, context, draft_lengths if self.has_draft_model else (), seconds)
