@@ -40,6 +40,9 @@ def add_parser(sub):
                         "decoding rather than prefill dominates; prompts keep their tails to fit the context)")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
                                                "(keys: ttft, tpot, itl, e2e)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="engines do not share cached prompt blocks (each config's engine has its own cache; "
+                        "replaying a workload hits it from the second level on)")
     p.add_argument("--find-capacity", action="store_true",
                    help="search, per config, the highest Poisson request rate at which --slo holds at p90 "
                         "(doubling then bisection; reported as requests/s at the latency limit)")
@@ -115,7 +118,7 @@ def run(args) -> int:
         raise ValueError(f"--draft: not a directory: {args.draft}")
     plan = BenchPlan(
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
-        reference_url=args.reference_url,
+        reference_url=args.reference_url, prefix_caching=args.prefix_caching,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
@@ -131,7 +134,7 @@ def run(args) -> int:
     results = run_bench(plan, console)
     settings = {
         "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
-        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len,
+        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
         "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device, "seed": args.seed, "quick": args.quick,

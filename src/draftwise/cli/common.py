@@ -66,6 +66,8 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(1 GiB, the weights' "
                         "size), at most half the free memory)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share cached blocks of committed prompt tokens between requests")
     p.add_argument("--policy", default="fixed",
                    help="verification policy: fixed (verify every proposal), adaptive (per-request k from "
                         "acceptance) or goodput (per-step lengths from draft confidence and the hardware "
@@ -93,4 +95,5 @@ def build_llm(args):
     spec = spec_from_args(args)
     warn_tokenizer_mismatch(args, args.command, [spec.method])
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
-               draft_dtype=args.draft_dtype, kv_cache_memory=args.kv_cache_memory)
+               draft_dtype=args.draft_dtype, kv_cache_memory=args.kv_cache_memory,
+               enable_prefix_caching=args.prefix_caching)

@@ -45,6 +45,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_cache_max_tokens: int = 131072  # cap of the default pool size
+    enable_prefix_caching: bool = True  # share full blocks of committed tokens between requests
     kv_cache_memory: int | str | None = None  # bytes or "2GiB" for the K/V pools; None: default budget
 
     def __post_init__(self):

@@ -100,7 +100,7 @@ class LLMEngine:
             max_len = min(max_len, cfg.max_model_len)
         self.max_model_len = max_len
         num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
-        self.runner = ModelRunner(target, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(target, num_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching)
         self.proposer = None
         if cls is not None:
             self.proposer = cls(
@@ -234,6 +234,9 @@ class LLMEngine:
         st.verify_seconds += t3 - t2
         st.other_seconds += (t1 - t0) + (t4 - t3)
         st.preemptions = self.scheduler.num_preemptions
+        pc = self.runner.kv.prefix_cache
+        if pc is not None:
+            st.prefix_cache_queried_tokens, st.prefix_cache_hit_tokens = pc.queried_tokens, pc.hit_tokens
         return outputs
 
     def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
@@ -318,6 +321,7 @@ class LLMEngine:
             b = ver.rows.get(seq.seq_id)
             if b is None:  # a prefill chunk that does not reach the end yet
                 seq.num_computed += s.num_new_tokens
+                self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
                 continue
             try:
                 if not bool(ver.result.valid[b]):
@@ -350,6 +354,7 @@ class LLMEngine:
         else:
             seq.num_computed = seq.num_tokens - 1
             self.runner.kv.truncate(seq.seq_id, seq.num_computed)
+            self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
         return StepOutput(seq, new_ids, seq.is_finished)
 
     def _commit(self, seq: Sequence, toks: list[int], rows: torch.Tensor) -> tuple[list[int], str | None, bool]:

@@ -130,8 +130,12 @@ class Scheduler:
         limit = self.max_num_seqs if self.admission_limit is None else min(self.max_num_seqs, self.admission_limit)
         while self.waiting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
+            if seq.num_computed == 0:  # a cached prefix needs no prefill (prefix caching)
+                seq.num_computed = self.target_kv.match_prefix(seq.seq_id, seq.all_ids)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve_ok(seq, seq.num_computed + n, 0):
+                self.target_kv.free(seq.seq_id)  # the shared blocks go back; matched again next time
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -29,6 +29,9 @@ class EngineStats:
     predicted_seconds: float = 0.0
     measured_seconds: float = 0.0
     step_time_ratio: dict[int, int] = field(default_factory=dict)  # round(50 * measured / predicted) -> steps
+    # prefix caching: prompt (and recompute) tokens looked up at admission, and those found cached
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     def snapshot(self) -> dict:
         return {
@@ -54,6 +57,8 @@ class EngineStats:
             "predicted_seconds": self.predicted_seconds,
             "measured_seconds": self.measured_seconds,
             "step_time_ratio": dict(self.step_time_ratio),
+            "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
         }
 
     def record_prediction(self, predicted: float, measured: float) -> None:

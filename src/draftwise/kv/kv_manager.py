@@ -6,19 +6,43 @@ Capacity grows by `reserve` before a forward (the lookahead slots for K proposal
 shrinks by `truncate` after verification, which frees only blocks that became empty. Rolling
 back rejected proposals is therefore bookkeeping: the stale K/V stays in place, is never attended
 (positions beyond the committed length are masked) and is overwritten later.
+
+With `prefix_caching`, `match_prefix` starts a new sequence's table with the cached blocks of its
+longest cached prefix and `cache_committed` registers its completed committed blocks
+(prefix_cache.py); freeing a shared block only drops a reference.
 """
 from __future__ import annotations
 
 import torch
 
 from .block_pool import BlockPool
+from .prefix_cache import PrefixCache
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
+        self.prefix_cache = PrefixCache(self.pool) if prefix_caching else None
+
+    def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
+        """A new sequence (no table yet): share the cached blocks of its longest cached prefix.
+        Returns the positions whose K/V are thereby valid (0 without prefix caching)."""
+        if self.prefix_cache is None or seq_id in self.tables:
+            return 0
+        blocks = self.prefix_cache.match(seq_id, tokens)
+        if blocks:
+            self.tables[seq_id] = blocks
+        return len(blocks) * self.block_size
+
+    def cache_committed(self, seq_id: int, tokens, num_computed: int) -> None:
+        """Register the sequence's blocks wholly within its first num_computed (committed)
+        positions; `tokens` is a callable giving its token ids, called only when a block is new."""
+        table = self.tables.get(seq_id)
+        pc = self.prefix_cache
+        if pc is not None and table and num_computed // self.block_size > pc.num_registered(seq_id):
+            pc.register(seq_id, table, tokens(), num_computed)
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         have = len(self.tables.get(seq_id, ()))
@@ -47,6 +71,8 @@ class KVManager:
         table = self.tables.pop(seq_id, None)
         if table:
             self.pool.free(table)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq_id)
 
     def contiguous_start(self, seq_id: int, length: int) -> int | None:
         """First slot of `seq_id` if its positions 0..length-1 lie on consecutive slots, else None."""

@@ -157,6 +157,8 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
         "verified_per_round": dict(sorted(vhist.items())),
         "rounds_speculating": (rounds - vhist.get(0, 0)) / rounds if rounds and vhist else None,
         "steps_speculating": stats.get("speculative_steps", 0) / decode_steps if decode_steps else None,
+        "prefix_cache_hit_rate": (stats.get("prefix_cache_hit_tokens", 0) / stats["prefix_cache_queried_tokens"]
+                                  if stats.get("prefix_cache_queried_tokens") else None),
         # the cost model's predicted step time against the clock (goodput policy): median and total ratio
         "step_time_measured_over_predicted": {
             "median": median_ratio(stats.get("step_time_ratio", {})),

@@ -69,7 +69,7 @@ def _f(x, fmt="{:.1f}") -> str:
 def workload_table(wl: dict) -> str:
     head = ("| config | level | out tok/s | req/s | goodput/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
             "TPOT p50 / p99 ms | E2E p50 / p99 ms | accepted len | ms/token draft+verify+other | "
-            "peak RSS MiB | $/Mtok | speedup | goodput ratio | greedy mismatches |")
+            "peak RSS MiB | prefix cache hits | $/Mtok | speedup | goodput ratio | greedy mismatches |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in wl["runs"]:
         sp = r.get("speculation") or {}
@@ -90,6 +90,7 @@ def workload_table(wl: dict) -> str:
             f"| {_f(r['tpot_ms']['p50'])} / {_f(r['tpot_ms']['p99'])} "
             f"| {_f(r['e2e_ms']['p50'], '{:.0f}')} / {_f(r['e2e_ms']['p99'], '{:.0f}')} "
             f"| {_f(sp.get('mean_accepted_length'), '{:.2f}')} | {split} | {_f(mem, '{:.0f}')} "
+            f"| {_f(sp.get('prefix_cache_hit_rate'), '{:.0%}')} "
             f"| {_f(r.get('cost_per_million_output_tokens'), '{:.2f}')} "
             f"| {_f(vs.get('speedup'), '{:.2f}x')} | {_f(vs.get('goodput_ratio'), '{:.2f}x')} | {mism} |")
     return "\n".join(rows)

@@ -97,6 +97,7 @@ class BenchPlan:
     dist_samples: int = 200
     dist_horizon: int = 4
     dist_prompt_tokens: int = 32
+    prefix_caching: bool = True  # the engines share cached prompt blocks (--no-prefix-caching: off)
     find_capacity: bool = False  # search the highest open-loop rate meeting `slo` per config
     capacity_start_rate: float = 1.0
     burstiness: float = 1.0
@@ -135,7 +136,8 @@ def _needs_draft(method: str) -> bool:
 
 def _engine(plan: BenchPlan, cfg: BenchConfig, target, draft, max_seqs: int, max_len_needed: int) -> LLMEngine:
     ecfg = EngineConfig(dtype=plan.dtype, device=plan.device, max_num_seqs=max_seqs,
-                        kv_cache_max_tokens=max_seqs * (max_len_needed + 2 * cfg.k + 16))
+                        kv_cache_max_tokens=max_seqs * (max_len_needed + 2 * cfg.k + 16),
+                        enable_prefix_caching=plan.prefix_caching)
     return LLMEngine(target, draft if _uses_draft(cfg) else None, cfg.spec, ecfg)
 
 

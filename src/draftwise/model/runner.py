@@ -16,13 +16,13 @@ from .loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, prefix_caching: bool = False):
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        self.kv = KVManager(num_blocks, block_size)
+        self.kv = KVManager(num_blocks, block_size, prefix_caching)
         cfg = self.cfg
         self.cache = torch.zeros(
             cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
