@@ -8,6 +8,8 @@
   drafter and the target disagree (sampled at temperature 1).
 - `grounded`: a function shown in full, then asked for again unchanged ("refactor" edits that
   keep most lines): the continuation repeats prompt text, where n-gram lookup shines (greedy).
+- `shared-prefix`: the code-easy requests behind one long shared preamble (the first lines of a
+  held-out file, like a system prompt or a shared document): what prefix caching saves (greedy).
 
 Deterministic: candidates are collected in path/line order and picked evenly spaced. Prompts
 stay short (a few hundred tokens) so that prompt + max_tokens fits a 1024-token context.
@@ -23,6 +25,7 @@ from .workload import WORKLOADS_DIR, Request, write_jsonl
 
 MAX_CONTEXT_CHARS = 900  # preceding file text kept before the function
 MAX_GROUNDED_CHARS = 1100  # the function shown in a grounded prompt
+SHARED_PREFIX_CHARS = 1800  # the preamble every shared-prefix request starts with
 
 
 def _functions(tree: ast.AST):
@@ -102,11 +105,30 @@ def pick(items: list, n: int) -> list:
     return [items[int(i * step)] for i in range(n)]
 
 
-def build(out: Path = WORKLOADS_DIR, n: int = 24) -> dict[str, int]:
+def shared_prefix(files: list[tuple[str, str]], easy: list[tuple[str, str, int, float]]) -> list[tuple]:
+    """The code-easy candidates behind one preamble: whole first lines of the first held-out file
+    (in path order) longer than twice the preamble."""
+    rel, text = next((r, t) for r, t in files if len(t) > 2 * SHARED_PREFIX_CHARS)
+    lines = text.splitlines(keepends=True)
+    preamble, n = "", 0
+    for line in lines:
+        if n + len(line) > SHARED_PREFIX_CHARS:
+            break
+        preamble += line
+        n += len(line)
+    head = f"# {rel}\n{preamble}\n\n"
+    return [(fid, head + prompt, 32, 0.0) for fid, prompt, _, _ in easy]
+
+
+def build(out: Path = WORKLOADS_DIR, n: int = 24, only: set[str] | None = None) -> dict[str, int]:
     files = split().texts("held_out")
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for name, items in candidates(files).items():
+    cands = candidates(files)
+    cands["shared-prefix"] = shared_prefix(files, pick(cands["code-easy"], n))
+    for name, items in cands.items():
+        if only and name not in only:
+            continue
         chosen = pick(items, n)
         reqs = [Request(f"{name}-{i:02d}:{fid}", prompt, mt, temp, name) for i, (fid, prompt, mt, temp) in enumerate(chosen)]
         write_jsonl(out / f"{name}.jsonl", reqs)
@@ -118,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=WORKLOADS_DIR)
     ap.add_argument("--n", type=int, default=24, help="requests per workload")
+    ap.add_argument("--only", default=None, help="comma-separated workload names to write (default: all)")
     args = ap.parse_args(argv)
-    for name, c in build(args.out, args.n).items():
+    only = set(args.only.split(",")) if args.only else None
+    for name, c in build(args.out, args.n, only).items():
         print(f"{args.out / name}.jsonl: {c} requests")
 
 
