@@ -64,6 +64,7 @@ def test_default_budget(target_dir, monkeypatch):
     monkeypatch.setattr(kv_sizing, "available_memory", lambda: 64 * GIB)
     llm = LLM(target_dir, max_num_seqs=4)
     assert llm.engine.runner.kv.pool.num_blocks == -(-4 * 257 // 16)
+    assert kv_sizing.default_kv_memory([llm.engine.target]) == 512 * MIB  # small weights: the floor
     # little free memory: half of it
     monkeypatch.setattr(kv_sizing, "available_memory", lambda: 2 * MIB)
     assert LLM(target_dir).engine.runner.kv.pool.num_blocks == MIB // (512 * 16)

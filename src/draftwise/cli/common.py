@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     if not engine:
         return
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(1 GiB, the weights' "
+                   help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(512 MiB, the weights' "
                         "size), at most half the free memory)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share cached blocks of committed prompt tokens between requests")
