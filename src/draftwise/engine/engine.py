@@ -37,6 +37,7 @@ from ..model.runner import ModelRunner
 from ..policies import policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
+from ..sampling.grammar import GrammarState, grammar_bitmask
 from ..sampling.verify import VerifyMetadata, VerifyResult, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
@@ -171,7 +172,9 @@ class LLMEngine:
         self.check_request(ids, params)
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        grammar = GrammarState.create(self.tokenizer, self.vocab_size, self.eos_ids, params.structured_output)
         seq = Sequence(request_id, ids, params, self.spec.max_draft)
+        seq.grammar = grammar
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
@@ -264,7 +267,7 @@ class LLMEngine:
         lengths = [len(blk.token_ids) for blk in drafted.values()]
         predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds)
         if predicted is not None:
-            self.stats.record_prediction(predicted, seconds)
+            self.stats.record_prediction(*predicted, seconds)
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
@@ -280,8 +283,10 @@ class LLMEngine:
                 params.append(s.seq.params)
                 prompts.append(s.seq.prompt_ids)
                 hists.append(s.seq.output_ids + blk.token_ids[:j])
-        p_logits = process_logits(logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params))  # [N, V]
         ids = [b.token_ids for b in drafts]
+        bitmask = grammar_bitmask([s.seq.grammar for s in sampling], ids, self.vocab_size)  # [N, W] or None
+        p_logits = process_logits(logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params),
+                                  token_bitmask=bitmask)  # [N, V]
         meta = VerifyMetadata.build(ids, [s.seq.params.is_greedy for s in sampling])
         q = flat_draft_probs(ids, [b.probs for b in drafts], self.vocab_size)  # [sum(num_draft), V] or None
         result = verify_proposals(p_logits, meta, q, [s.seq.generator for s in sampling])
@@ -367,6 +372,8 @@ class LLMEngine:
             if seq.logprobs is not None:
                 seq.logprobs.append(self._logprob(rows[j], tok, seq.params.logprobs))
             reason = self._check_stop(seq, tok)
+            if seq.grammar is not None and seq.grammar.accept(tok):  # the grammar has ended
+                reason = "stop"
             if seq.params.stop:
                 added = self.detok.step(seq)
                 cut = find_stop(seq.text, len(added), seq.params.stop) if added else -1

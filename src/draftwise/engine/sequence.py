@@ -99,6 +99,7 @@ class Sequence:
         self.prefix_offset = 0
         self.read_offset = 0
         self.error: str | None = None  # set when the engine failed this sequence (finish_reason 'error')
+        self.grammar = None  # GrammarState of a structured-output request: follows the committed tokens
 
     @property
     def all_ids(self) -> list[int]:

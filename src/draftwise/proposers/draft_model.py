@@ -8,6 +8,12 @@ a causal verification policy may read). At every proposed position q is
 produced by the same `process_logits` as the target's p, with the proposed tokens before that
 position in the history (greedy rows need only its argmax and carry no probs). The drafter never reads the target's K/V. After verification its cache
 length is set back to the committed path (`postprocess`), by bookkeeping only.
+
+Structured output: a constrained sequence drafts under the same grammar mask as p (a fork of its
+matcher walks the proposals; `process_logits` gets the bitmask), so q never puts mass where p
+cannot. Where the grammar forces a continuation (jump-forward), those tokens are appended as
+proposals with q a point mass and confidence 1, without a draft forward of their own (they are fed
+with the next one); they are verified like any proposal.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 
 from ..model.runner import ModelRunner
 from ..sampling import process_logits
+from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
 
 
@@ -34,6 +41,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(draft, num_blocks, block_size)
         self.kv = self.runner.kv
         self.eos_ids = list(eos_ids or [])
+        self._fed: dict[int, int] = {}  # seq_id -> proposals the last round fed to the draft cache
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft):
@@ -42,6 +50,7 @@ class DraftModelProposer:
         active = [i for i, n in enumerate(num_draft) if n > 0]
         feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
         starts = {i: seqs[i].draft_computed for i in active}
+        cursors = {i: seqs[i].grammar.cursor() for i in active if getattr(seqs[i], "grammar", None) is not None}
         while active:
             logits = self.runner.run(
                 [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active)
@@ -52,6 +61,7 @@ class DraftModelProposer:
                 [seqs[i].prompt_ids for i in active],
                 [seqs[i].output_ids + blocks[i].token_ids for i in active],
                 eos_ids=[self.eos_ids] * len(active),
+                token_bitmask=self._bitmask(active, cursors, logits.shape[1]),
             )
             # greedy rows need only the argmax (their verification ignores q); others need q
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
@@ -74,10 +84,15 @@ class DraftModelProposer:
                 blocks[i].confidence.append(conf[r])
                 starts[i] += len(feeds[i])
                 feeds[i] = [tok]
+                if i in cursors:
+                    cursors[i].accept(tok)
+                    self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], num_draft[i], seq, logits.shape[1])
                 if len(blocks[i].token_ids) < num_draft[i]:
                     nxt.append(i)
             active = nxt
         for i, b in enumerate(blocks):
+            if b.token_ids:  # proposals fed to the draft cache: all but the unfed tail
+                self._fed[seqs[i].seq_id] = len(b.token_ids) - len(feeds[i])
             if probs[i]:
                 b.probs = torch.stack(probs[i])  # [k_b, V]
         return blocks
@@ -86,6 +101,28 @@ class DraftModelProposer:
         n = len(block.token_ids)
         if n == 0:
             return
-        # the drafter fed the committed tokens and proposals d_1..d_{n-1}; keep the accepted ones
-        seq.draft_computed = num_tokens_before + min(num_accepted, n - 1)
+        # the drafter fed the committed tokens and proposals d_1..d_{n-1} (fewer when forced tokens
+        # ended the block); keep the accepted ones
+        seq.draft_computed = num_tokens_before + min(num_accepted, self._fed.pop(seq.seq_id, n - 1))
         self.kv.truncate(seq.seq_id, seq.draft_computed)
+
+    @staticmethod
+    def _bitmask(active, cursors, vocab: int) -> torch.Tensor | None:  # [A, W] int32 or None
+        if not any(i in cursors for i in active):
+            return None
+        out = torch.full((len(active), bitmask_width(vocab)), -1, dtype=torch.int32)
+        for r, i in enumerate(active):
+            if i in cursors:
+                cursors[i].fill(out[r])
+        return out
+
+    @staticmethod
+    def _add_forced(cursor, block, probs, feed, num_draft: int, seq, vocab: int) -> None:
+        """Append the tokens the grammar forces next (q = point mass), to be fed with the next step."""
+        for tok in cursor.forced_tokens()[: num_draft - len(block.token_ids)]:
+            cursor.accept(tok)
+            block.token_ids.append(tok)
+            block.confidence.append(1.0)
+            feed.append(tok)
+            if not seq.params.is_greedy:
+                probs.append(torch.nn.functional.one_hot(torch.tensor(tok), vocab).to(torch.float32))

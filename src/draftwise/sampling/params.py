@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .grammar import normalize_structured_output
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) sample greedily (vLLM's _SAMPLING_EPS)
@@ -72,6 +74,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
     n: int = 1
+    # one of {"json_schema": dict|str}, {"json_object": True}, {"regex": str}, {"grammar": str},
+    # {"choice": [str]}; normalised to {kind: text} (sampling/grammar.py)
+    structured_output: dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -165,6 +170,8 @@ class SamplingParams:
         _integer("n", self.n, ">= 1")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+
+        self.structured_output = normalize_structured_output(self.structured_output)
 
     @property
     def is_greedy(self) -> bool:

@@ -3,6 +3,8 @@
 `process_logits` applies a request's `SamplingParams` to one row of logits per position, in the
 order vLLM uses:
 
+0. the structured-output mask (`token_bitmask`, computed by the caller from the sequence's grammar
+   state and the proposals before the row: sampling/grammar.py): disallowed tokens -> -inf;
 1. `logit_bias` (added);
 2. `min_tokens`: while the row's output is shorter than `min_tokens`, its `stop_token_ids` and
    (unless `ignore_eos`) its EOS ids are masked;
@@ -33,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from .grammar import allowed_from_bitmask
 from .params import SamplingParams
 
 
@@ -42,6 +45,7 @@ def process_logits(
     prompt_ids: Sequence[Sequence[int]],  # [N] token ids of each row's prompt
     output_ids: Sequence[Sequence[int]],  # [N] output so far (committed + proposed before this position)
     eos_ids: Sequence[Sequence[int]] | None = None,  # [N] EOS ids per row, masked by min_tokens
+    token_bitmask: torch.Tensor | None = None,  # [N, ceil(V/32)] int32, bit set = allowed (-1 = all)
 ) -> torch.Tensor:  # [N, V] float32, -inf = masked
     n, vocab = logits.shape
     if not (len(params) == len(prompt_ids) == len(output_ids) == n):
@@ -54,6 +58,8 @@ def process_logits(
     device = logits.device
     out = logits.to(torch.float32, copy=True)  # [N, V]; never modify the caller's tensor
 
+    if token_bitmask is not None:
+        _apply_token_bitmask(out, token_bitmask)
     _apply_logit_bias(out, params)
     _apply_min_tokens(out, params, output_ids, eos_ids)
     _apply_penalties(out, params, prompt_ids, output_ids)
@@ -76,6 +82,16 @@ def process_logits(
 
 def probs_from_logits(processed: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V]
     return torch.softmax(processed.to(torch.float32), dim=-1)
+
+
+def _apply_token_bitmask(out: torch.Tensor, bitmask: torch.Tensor) -> None:
+    if bitmask.shape[0] != out.shape[0]:
+        raise ValueError(f"process_logits: {out.shape[0]} logit rows but {bitmask.shape[0]} bitmask rows")
+    rows = torch.nonzero((bitmask != -1).any(dim=-1)).squeeze(1)  # [M] constrained rows
+    if len(rows) == 0:
+        return
+    allowed = allowed_from_bitmask(bitmask[rows], out.shape[1]).to(out.device)  # [M, V]
+    out[rows] = out[rows].masked_fill(~allowed, -torch.inf)
 
 
 def _apply_logit_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:

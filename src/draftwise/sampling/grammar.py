@@ -1,0 +1,216 @@
+"""Structured output: constraints compiled by xgrammar, one matcher per sequence that follows the
+committed tokens only, and the token bitmasks at proposed positions.
+
+A constraint is `SamplingParams.structured_output`, one of
+`{"json_schema": dict | str}`, `{"json_object": True}`, `{"regex": str}`, `{"grammar": str}` (EBNF,
+xgrammar's dialect of GBNF) or `{"choice": [str, ...]}`; `normalize_structured_output` checks it
+(a `ValueError` naming the field) and `compile_constraint` compiles it for a tokenizer (compiled
+grammars cached per tokenizer).
+
+Exactness under speculation. `GrammarState` owns a sequence's `GrammarMatcher`, advanced only by
+`accept` with committed tokens (the engine's postprocess). The bitmask at proposed position j is
+taken from a *fork* of that matcher fed the proposals x_1..x_{j-1} (`verify_bitmask`; the drafter
+walks its own fork with `cursor`), so a proposal, accepted or rejected, never touches the committed
+matcher. The same masks go into `process_logits` for p and for q. Rows after a proposal the grammar
+forbids (p gives it 0 mass: it is rejected) or after the grammar has ended are left unconstrained:
+verification never commits from them, but every row must stay a usable distribution.
+EOS (the stop ids) is allowed exactly where the grammar can end; accepting it terminates the matcher.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from functools import lru_cache
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+_CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+
+
+def normalize_structured_output(spec) -> dict | None:
+    """Check a constraint; return it normalised (a schema as a JSON string, a choice as a list,
+    json_object as True; idempotent), or None."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ValueError(f"structured_output must be a dict with exactly one of {', '.join(KINDS)}, got {spec!r}")
+    (kind, value), = spec.items()
+    if kind not in KINDS:
+        raise ValueError(f"structured_output: unknown kind {kind!r} (one of {', '.join(KINDS)})")
+    text = _text(kind, value)
+    try:
+        _grammar(kind, text)
+    except Exception as e:  # xgrammar raises RuntimeError with a C++ location prefix
+        raise ValueError(f"structured_output.{kind} is invalid: {_clean(e)}") from None
+    return {kind: text if kind in ("json_schema", "regex", "grammar") else list(value) if kind == "choice" else True}
+
+
+def _text(kind: str, value) -> str:
+    if kind == "json_schema":
+        if isinstance(value, dict):
+            return json.dumps(value)
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"structured_output.json_schema must be a JSON object or a string, got {value!r}")
+    if kind == "json_object":
+        if value not in (True, "", {}):
+            raise ValueError(f"structured_output.json_object must be true, got {value!r}")
+        return ""
+    if kind == "choice":
+        if (not isinstance(value, (list, tuple)) or not value
+                or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_output.choice must be a non-empty list of non-empty strings, got {value!r}")
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"structured_output.{kind} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _clean(e: Exception) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
+
+
+@lru_cache(maxsize=_CACHE_SIZE)
+def _grammar(kind: str, text: str):
+    import xgrammar as xgr
+
+    if kind == "json_schema":
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    return xgr.Grammar.from_ebnf(text)  # grammar, choice
+
+
+class _Compiler:
+    """An xgrammar GrammarCompiler for one tokenizer + an LRU of its compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.tokenizer = tokenizer  # keeps the id() key alive
+        self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    def compile(self, kind: str, text: str):
+        key = (kind, text)
+        if key in self.compiled:
+            self.compiled.move_to_end(key)
+            return self.compiled[key]
+        out = self.compiler.compile_grammar(_grammar(kind, text))
+        self.compiled[key] = out
+        if len(self.compiled) > _CACHE_SIZE:
+            self.compiled.popitem(last=False)
+        return out
+
+
+_COMPILERS: dict[tuple, _Compiler] = {}
+
+
+def compile_constraint(tokenizer, vocab_size: int, eos_ids: list[int], spec: dict):
+    """The xgrammar CompiledGrammar of a normalized constraint, cached per tokenizer."""
+    if tokenizer is None:
+        raise ValueError("structured_output needs the model's tokenizer (tokenizer.json)")
+    key = (id(tokenizer), vocab_size, tuple(eos_ids))
+    if key not in _COMPILERS:
+        _COMPILERS[key] = _Compiler(tokenizer, vocab_size, eos_ids)
+    (kind, value), = spec.items()
+    return _COMPILERS[key].compile(kind, _text(kind, value))
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarState:
+    """One sequence's matcher, advanced only by committed tokens."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def create(tokenizer, vocab_size: int, eos_ids: list[int], spec: dict | None) -> "GrammarState | None":
+        if spec is None:
+            return None
+        return GrammarState(compile_constraint(tokenizer, vocab_size, eos_ids, spec), vocab_size)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one committed token; True when the grammar has ended (EOS accepted)."""
+        if not self.matcher.accept_token(int(token_id)):
+            raise ValueError(f"structured output: committed token {token_id} is not allowed by the grammar")
+        return self.matcher.is_terminated()
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def cursor(self) -> "GrammarCursor":
+        """A fork of the committed state, for walking proposals (the committed matcher is untouched)."""
+        return GrammarCursor(self.matcher.fork())
+
+    def verify_bitmask(self, proposals: list[int]) -> torch.Tensor:  # [n+1, W] int32
+        """Bitmasks at positions 0..n of a block: row j follows the committed tokens + x_1..x_{j-1}."""
+        out = torch.full((len(proposals) + 1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        cur = self.cursor()
+        for j in range(len(proposals) + 1):
+            if not cur.fill(out[j]) or j == len(proposals) or not cur.accept(proposals[j]):
+                break  # later rows: never committed from, left unconstrained
+        return out
+
+
+class GrammarCursor:
+    """A forked matcher that walks proposed tokens (drafting or verification)."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.alive = True  # False after a forbidden token or the grammar's end
+
+    def fill(self, row: torch.Tensor) -> bool:  # row [W] int32
+        """Write the allowed tokens into row; leave it unconstrained (False) when dead."""
+        if not self.alive or self.matcher.is_terminated():
+            row.fill_(-1)
+            return False
+        self.matcher.fill_next_token_bitmask(row[None, :], 0)
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        if self.alive and not self.matcher.is_terminated():
+            self.alive = self.matcher.accept_token(int(token_id))
+        else:
+            self.alive = False
+        return self.alive
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens of the continuation the grammar forces from here (jump-forward), maybe []."""
+        if not self.alive or self.matcher.is_terminated():
+            return []
+        return list(self.matcher.find_jump_forward_tokens())
+
+
+def grammar_bitmask(states: list[GrammarState | None], proposals: list[list[int]],
+                    vocab_size: int) -> torch.Tensor | None:  # [sum(1 + n_b), W] int32 or None
+    """The verification bitmask of a batch (rows as p's: 1 + len(proposals[b]) per sequence);
+    None when no sequence is constrained."""
+    if all(s is None for s in states):
+        return None
+    parts = [
+        s.verify_bitmask(d) if s is not None
+        else torch.full((len(d) + 1, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        for s, d in zip(states, proposals)
+    ]
+    return torch.cat(parts)
+
+
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, W] -> [N, V] bool
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
