@@ -29,6 +29,7 @@ class EngineStats:
     predicted_seconds: float = 0.0
     measured_seconds: float = 0.0
     step_time_ratio: dict[int, int] = field(default_factory=dict)  # round(50 * measured / predicted) -> steps
+    step_time_ratio_profile: dict[int, int] = field(default_factory=dict)  # ... predicted by the profile alone
     # prefix caching: prompt (and recompute) tokens looked up at admission, and those found cached
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -57,15 +58,19 @@ class EngineStats:
             "predicted_seconds": self.predicted_seconds,
             "measured_seconds": self.measured_seconds,
             "step_time_ratio": dict(self.step_time_ratio),
+            "step_time_ratio_profile": dict(self.step_time_ratio_profile),
             "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
         }
 
-    def record_prediction(self, predicted: float, measured: float) -> None:
+    def record_prediction(self, predicted: float, profile_only: float, measured: float) -> None:
+        """A decode step's time: the policy's prediction (profile + online residual), the hardware
+        profile's alone, and the clock."""
         self.predicted_seconds += predicted
         self.measured_seconds += measured
-        key = round(50 * measured / predicted) if predicted > 0 else 0
-        self.step_time_ratio[key] = self.step_time_ratio.get(key, 0) + 1
+        for hist, pred in ((self.step_time_ratio, predicted), (self.step_time_ratio_profile, profile_only)):
+            key = round(50 * measured / pred) if pred > 0 else 0
+            hist[key] = hist.get(key, 0) + 1
 
 
 def median_ratio(hist: dict) -> float | None:

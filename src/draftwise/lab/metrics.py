@@ -162,6 +162,7 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
         # the cost model's predicted step time against the clock (goodput policy): median and total ratio
         "step_time_measured_over_predicted": {
             "median": median_ratio(stats.get("step_time_ratio", {})),
+            "median_profile_only": median_ratio(stats.get("step_time_ratio_profile", {})),
             "total": measured / predicted if predicted else None,
         },
         # fraction of rounds whose j-th proposal was accepted

@@ -98,7 +98,8 @@ def workload_table(wl: dict) -> str:
 
 def acceptance_table(wl: dict) -> str:
     rows = ["| config | level | rounds | acceptance rate | acceptance by position | committed per round (tokens: rounds) "
-            "| verified per round (proposals: rounds) | rounds / steps speculating | step time measured / predicted |",
+            "| verified per round (proposals: rounds) | rounds / steps speculating "
+            "| step time measured / predicted, median (profile alone) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in wl["runs"]:
         sp = r.get("speculation") or {}
@@ -108,9 +109,10 @@ def acceptance_table(wl: dict) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in sp["committed_per_round"].items())
         vhist = " ".join(f"{k}:{v}" for k, v in (sp.get("verified_per_round") or {}).items())
         share = f"{_f(sp.get('rounds_speculating'), '{:.0%}')} / {_f(sp.get('steps_speculating'), '{:.0%}')}"
-        ratio = (sp.get("step_time_measured_over_predicted") or {}).get("median")
+        pred = sp.get("step_time_measured_over_predicted") or {}
         rows.append(f"| {r['config']} | {r['level_label']} | {sp['rounds']} | {_f(sp['acceptance_rate'], '{:.2f}')} "
-                    f"| {pos} | {hist} | {vhist} | {share} | {_f(ratio, '{:.2f}')} |")
+                    f"| {pos} | {hist} | {vhist} | {share} | {_f(pred.get('median'), '{:.2f}')} "
+                    f"({_f(pred.get('median_profile_only'), '{:.2f}')}) |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

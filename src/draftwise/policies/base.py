@@ -51,9 +51,10 @@ class Policy(Protocol):
         """The request finished: drop its state."""
 
     def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
-                     seconds: float) -> float | None:
+                     seconds: float) -> tuple[float, float] | None:
         """A step without prefill took `seconds` (B rows, T tokens fed, mean context, tokens drafted
-        per row). Returns what the policy's cost model predicted for it (None: it has none)."""
+        per row). Returns what the policy's cost model predicted for it, and what the hardware
+        profile alone predicted (None: it has no cost model)."""
 
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
@@ -103,7 +104,7 @@ class _Stateless:
     def forget(self, seq_id: int) -> None:
         pass
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds) -> float | None:
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds) -> tuple[float, float] | None:
         return None
 
 

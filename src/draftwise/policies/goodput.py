@@ -138,7 +138,8 @@ class GoodputPolicy:
 
     def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
-        predicted = self.model.step_seconds(num_seqs, num_tokens, context,
-                                            draft_lengths if self.has_draft_model else ())
-        self.model.observe(num_seqs, num_tokens, context, draft_lengths if self.has_draft_model else (), seconds)
-        return predicted
+        lengths = draft_lengths if self.has_draft_model else ()
+        predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
+        profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
+        self.model.observe(num_seqs, num_tokens, context, lengths, seconds)
+        return predicted, profile_only
