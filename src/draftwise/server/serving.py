@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -120,9 +121,10 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     def check_text(self, req) -> None:
+        """400 for a string that is not valid Unicode; param: the top-level field ("messages")."""
         bad = invalid_text(req)
         if bad:
-            raise APIError(400, bad, bad.split(".")[0].split("[")[0].split(" ")[0].rstrip(":"), "invalid_text")
+            raise APIError(400, bad, re.match(r"\w+", bad).group(0), "invalid_text")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str, param_name: str):
         """Validate against the model and the queue, then add prompt x n engine requests sharing one queue."""
