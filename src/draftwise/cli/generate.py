@@ -20,7 +20,27 @@ def add_parser(sub):
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    c = p.add_mutually_exclusive_group()  # structured output (xgrammar)
+    c.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON matching this JSON Schema")
+    c.add_argument("--regex", metavar="R", help="constrain the output to match this regular expression")
+    c.add_argument("--choice", metavar="A,B,C", help="constrain the output to one of these comma-separated strings")
+    c.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF (GBNF) grammar")
     return p
+
+
+def structured_output(args) -> tuple[str | None, dict | None]:
+    """(the option, SamplingParams.structured_output) from --json-schema/--regex/--choice/--grammar."""
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            return "--json-schema", {"json_schema": f.read()}
+    if args.grammar:
+        with open(args.grammar, encoding="utf-8") as f:
+            return "--grammar", {"grammar": f.read()}
+    if args.regex is not None:
+        return "--regex", {"regex": check_text(args.regex, "--regex")}
+    if args.choice is not None:
+        return "--choice", {"choice": check_text(args.choice, "--choice").split(",")}
+    return None, None
 
 
 def run(args) -> int:
@@ -28,10 +48,14 @@ def run(args) -> int:
         check_text(prompt, f"PROMPT {i}")
     for s in args.stop or []:
         check_text(s, "--stop")
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-    )
+    option, constraint = structured_output(args)
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, structured_output=constraint,
+        )
+    except ValueError as e:
+        raise ValueError(f"{option}: {e}" if option and str(e).startswith("structured_output") else str(e)) from None
     llm = build_llm(args)
     outs = llm.generate(list(args.prompts), params)
     for prompt, o in zip(args.prompts, outs):

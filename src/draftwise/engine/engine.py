@@ -37,7 +37,7 @@ from ..model.runner import ModelRunner
 from ..policies import policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
-from ..sampling.grammar import GrammarState, grammar_bitmask
+from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
 from ..sampling.verify import VerifyMetadata, VerifyResult, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
@@ -154,6 +154,8 @@ class LLMEngine:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What needs the model: vocabulary and context length (values: `SamplingParams`)."""
         params.validate_vocab(self.vocab_size)
+        if params.structured_output is not None:  # compiled once per tokenizer and constraint (cached)
+            compile_constraint(self.tokenizer, self.vocab_size, self.eos_ids, params.structured_output)
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -98,8 +99,13 @@ class _Compiler:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.tokenizer = tokenizer  # keeps the id() key alive
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.lock = threading.Lock()  # the server validates in its loop, the engine thread compiles
 
     def compile(self, kind: str, text: str):
+        with self.lock:
+            return self._compile(kind, text)
+
+    def _compile(self, kind: str, text: str):
         key = (kind, text)
         if key in self.compiled:
             self.compiled.move_to_end(key)
@@ -112,6 +118,7 @@ class _Compiler:
 
 
 _COMPILERS: dict[tuple, _Compiler] = {}
+_COMPILERS_LOCK = threading.Lock()
 
 
 def compile_constraint(tokenizer, vocab_size: int, eos_ids: list[int], spec: dict):
@@ -119,8 +126,9 @@ def compile_constraint(tokenizer, vocab_size: int, eos_ids: list[int], spec: dic
     if tokenizer is None:
         raise ValueError("structured_output needs the model's tokenizer (tokenizer.json)")
     key = (id(tokenizer), vocab_size, tuple(eos_ids))
-    if key not in _COMPILERS:
-        _COMPILERS[key] = _Compiler(tokenizer, vocab_size, eos_ids)
+    with _COMPILERS_LOCK:
+        if key not in _COMPILERS:
+            _COMPILERS[key] = _Compiler(tokenizer, vocab_size, eos_ids)
     (kind, value), = spec.items()
     return _COMPILERS[key].compile(kind, _text(kind, value))
 

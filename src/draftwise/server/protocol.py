@@ -2,6 +2,10 @@
 
 Fields the OpenAI API lacks are accepted as extra body fields, as vLLM does: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`. Unknown fields are ignored.
+Structured output: OpenAI `response_format` (`json_object`, `json_schema`), vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` (json, regex, choice,
+grammar, json_object): at most one of them, mapped to `SamplingParams.structured_output`; an
+invalid one is a 400 naming the field the request used.
 A body pydantic cannot parse (wrong types, missing `prompt`) is a 422; values of the right type
 but out of range are checked by `SamplingParams` and answered 400 naming the parameter.
 `invalid_text` finds a string that is not valid Unicode text (a lone surrogate such as the JSON
@@ -66,6 +70,13 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # structured output (OpenAI and vLLM-style)
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -81,6 +92,15 @@ class _Common(BaseModel):
                     bias[int(k)] = v
                 except ValueError:
                     raise ValueError(f"logit_bias: token id must be an integer >= 0, got {k!r}") from None
+        field, constraint = self.structured_output()
+        try:
+            return self._sampling_params(max_tokens, logprobs, bias, constraint)
+        except ValueError as e:
+            if field and str(e).startswith("structured_output"):
+                raise ValueError(f"{field}: {e}") from None
+            raise
+
+    def _sampling_params(self, max_tokens, logprobs, bias, constraint) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -88,8 +108,51 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=bias, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, n=self.n,
+            logprobs=logprobs, n=self.n, structured_output=constraint,
         )
+
+    def structured_output(self) -> tuple[str | None, dict | None]:
+        """(the request's field, `SamplingParams.structured_output`); ValueError naming the field."""
+        given = {name: v for name in _CONSTRAINT_FIELDS if (v := getattr(self, name)) is not None}
+        if self.response_format is not None and self.response_format.get("type", "text") == "text":
+            given.pop("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: give at most one structured-output constraint")
+        if not given:
+            return None, None
+        (name, v), = given.items()
+        if name == "response_format":
+            return name, _response_format(v)
+        if name == "structured_outputs":
+            return name, _structured_outputs(v)
+        return name, {_GUIDED[name]: v}
+
+
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "structured_outputs")
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                       "json_object": "json_object"}
+
+
+def _response_format(rf: dict) -> dict:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise ValueError("response_format.json_schema must be an object with a \"schema\"")
+        return {"json_schema": js["schema"]}
+    raise ValueError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r}")
+
+
+def _structured_outputs(so: dict) -> dict:
+    given = {k: v for k, v in so.items() if k in _STRUCTURED_OUTPUTS and v not in (None, False)}
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_OUTPUTS)}")
+    (k, v), = given.items()
+    return {_STRUCTURED_OUTPUTS[k]: v}
 
 
 class CompletionRequest(_Common):
