@@ -1,5 +1,6 @@
 """Lab correctness helpers: first difference, chi-square against scipy, workloads."""
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -40,12 +41,16 @@ def test_total_variation():
 
 
 def test_shipped_workloads_valid():
-    assert shipped_workloads() == ["code-easy", "code-hard", "grounded"]
+    assert shipped_workloads() == ["code-easy", "code-hard", "grounded", "shared-prefix"]
     for name in shipped_workloads():
         wl = load_workload(name)
         assert 16 <= len(wl.requests) <= 32
-        assert all(64 <= r.max_tokens <= 128 and len(r.prompt) < 3000 for r in wl.requests)
+        low = 32 if name == "shared-prefix" else 64
+        assert all(low <= r.max_tokens <= 128 and len(r.prompt) < 3000 for r in wl.requests)
         assert wl.sampled == (name == "code-hard")
+    shared = [r.prompt for r in load_workload("shared-prefix").requests]
+    common = len(os.path.commonprefix(shared))
+    assert common >= 1500 and all(len(p) > common for p in shared)  # one long preamble, then distinct
     g = load_workload("grounded").requests[0]
     head = g.prompt.splitlines()[-1]
     assert g.prompt.count(head) == 2  # the function is shown, then asked for again
