@@ -230,10 +230,11 @@ def test_rejected_proposals_never_advance_the_matcher(pair, method):
         assert eng.stats.proposed_tokens > 0 and eng.stats.accepted_tokens == 0
 
 
-def test_forced_tokens_are_proposed_and_accepted(llms):
-    """JSON punctuation and the schema's fixed keys are forced: proposed without a draft forward,
-    and the target (under the same mask) accepts them."""
-    llm = llms["draft"]
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_forced_tokens_are_proposed_and_accepted(llms, method):
+    """JSON punctuation and the schema's fixed keys are forced: proposed without a draft forward
+    (n-gram: whatever the history holds), and the target (under the same mask) accepts them."""
+    llm = llms[method]
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40,
                                                   structured_output={"json_schema": SCHEMA}))[0]
     assert matches("json_schema", out.text)

@@ -3,6 +3,10 @@
 Find the most recent earlier occurrence of the last n tokens of prompt + output (n from
 `max_n` down to `min_n`) and propose the tokens that followed it. The proposal depends only on
 committed history, so it cannot bias the output; q is a point mass (`probs=None`).
+
+A structured-output sequence is proposed token by token through a fork of its grammar matcher:
+where the grammar forces a continuation (jump-forward) that is proposed, otherwise the n-gram's
+next token; the block ends at the first token the grammar forbids (verification would reject it).
 """
 from __future__ import annotations
 
@@ -40,7 +44,20 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, seqs, num_draft):
-        return [DraftBlock(ngram_lookup(s.all_ids, n, self.max_n, self.min_n), None) for s, n in zip(seqs, num_draft)]
+        return [DraftBlock(self._lookup(s, n), None) for s, n in zip(seqs, num_draft)]
+
+    def _lookup(self, seq, n: int) -> list[int]:
+        grammar = getattr(seq, "grammar", None)
+        if grammar is None or n <= 0:
+            return ngram_lookup(seq.all_ids, n, self.max_n, self.min_n)
+        cursor, history, block = grammar.cursor(), seq.all_ids, []
+        while len(block) < n:
+            forced = cursor.forced_tokens()
+            nxt = forced[:1] or ngram_lookup(history + block, 1, self.max_n, self.min_n)
+            if not nxt or not cursor.accept(nxt[0]):
+                break
+            block.append(nxt[0])
+        return block
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass
