@@ -238,7 +238,8 @@ def test_forced_tokens_are_proposed_and_accepted(llms, method):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40,
                                                   structured_output={"json_schema": SCHEMA}))[0]
     assert matches("json_schema", out.text)
-    assert out.stats.mean_accepted_length > 2.0  # '{"ok": ', ', "kind": "' are forced
+    # '{"ok": ', ', "kind": "' are forced (the n-gram alone accepts ~1.06 per round here)
+    assert out.stats.mean_accepted_length > (2.0 if method == "draft" else 1.5)
 
 
 def test_compiled_grammars_are_cached(llms):
