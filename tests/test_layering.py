@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "draftwise"
 
 LAYERS = {
-    "model": 0, "kv": 0, "sampling": 0, "paths": 0, "corpus": 0,
+    "model": 0, "kv": 0, "sampling": 0, "paths": 0, "corpus": 0, "registry": 0,
     "proposers": 1, "policies": 1,
     "engine": 2,
     "llm": 3, "server": 3, "lab": 3, "train": 3,

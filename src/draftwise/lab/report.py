@@ -13,21 +13,15 @@ import platform
 import subprocess
 from pathlib import Path
 
+from ..policies.profile import machine_info
+
 SCHEMA = "draftwise.bench/1"
 
 
 def environment() -> dict:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = machine_info()["cpu"]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     commit = None
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable, Protocol, Sequence
 
 from ..proposers.base import DraftBlock, History
+from ..registry import Registry
 from .cost import CostModel
 
 
@@ -57,26 +58,10 @@ class Policy(Protocol):
         profile alone predicted (None: it has no cost model)."""
 
 
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
-def register_policy(name: str):
-    def deco(cls):
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
-
-
-def available_policies() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def policy_class(name: str):
-    if name not in _REGISTRY:
-        raise ValueError(f"policy must be one of {', '.join(sorted(_REGISTRY))}, got {name!r}")
-    return _REGISTRY[name]
+POLICIES = Registry("policy")
+register_policy = POLICIES.register
+available_policies = POLICIES.names
+policy_class = POLICIES.get
 
 
 def causal_lengths(blocks: Sequence[DraftBlock], keep: Callable[[int, int, float | None], bool]) -> list[int]:

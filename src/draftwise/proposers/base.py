@@ -12,11 +12,12 @@ engine's `Sequence` satisfies) and never import engine/.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from ..kv import KVManager
+from ..registry import Registry
 from ..sampling import SamplingParams
 
 
@@ -66,23 +67,7 @@ class Proposer(Protocol):
         """After verification: roll the drafter's own state back to the committed path."""
 
 
-_REGISTRY: dict[str, Callable[..., Proposer]] = {}
-
-
-def register_proposer(name: str):
-    def deco(cls):
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
-
-
-def available_methods() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def proposer_class(method: str):
-    if method not in _REGISTRY:
-        raise ValueError(f"speculative method must be one of {', '.join(sorted(_REGISTRY))} or none, got {method!r}")
-    return _REGISTRY[method]
+METHODS = Registry("speculative method", " or none")
+register_proposer = METHODS.register
+available_methods = METHODS.names
+proposer_class = METHODS.get
