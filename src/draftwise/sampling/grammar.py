@@ -219,6 +219,9 @@ def grammar_bitmask(states: list[GrammarState | None], proposals: list[list[int]
     return torch.cat(parts)
 
 
+_BITS = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)], dtype=torch.int32)  # [32]
+
+
 def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, W] -> [N, V] bool
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    """Token j is allowed when bit j % 32 of word j // 32 is set (xgrammar's layout)."""
+    return ((bitmask[:, :, None] & _BITS) != 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]

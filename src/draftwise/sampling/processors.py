@@ -87,11 +87,8 @@ def probs_from_logits(processed: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N,
 def _apply_token_bitmask(out: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.shape[0] != out.shape[0]:
         raise ValueError(f"process_logits: {out.shape[0]} logit rows but {bitmask.shape[0]} bitmask rows")
-    rows = torch.nonzero((bitmask != -1).any(dim=-1)).squeeze(1)  # [M] constrained rows
-    if len(rows) == 0:
-        return
-    allowed = allowed_from_bitmask(bitmask[rows], out.shape[1]).to(out.device)  # [M, V]
-    out[rows] = out[rows].masked_fill(~allowed, -torch.inf)
+    allowed = allowed_from_bitmask(bitmask, out.shape[1]).to(out.device)  # [N, V]; -1 rows: all True
+    out.masked_fill_(~allowed, -torch.inf)
 
 
 def _apply_logit_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:
