@@ -210,6 +210,19 @@ def test_cli_errors(capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_out_must_be_a_model_directory_to_be_replaced(imported, tmp_path):
+    f, d, _ = imported["llama", "F32"]
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(GGUFImportError, match="exists and is not a model directory"):
+        import_gguf(f, other)
+    assert (other / "keep.txt").read_text() == "mine"
+    again = import_gguf(f, tmp_path / "m")
+    (again / "stale.bin").write_text("x")
+    assert not (import_gguf(f, again) / "stale.bin").exists()  # a model directory is replaced whole
+
+
 def test_unsupported_tensor_type(tmp_path, monkeypatch):
     import gguf
 

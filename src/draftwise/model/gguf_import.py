@@ -201,7 +201,8 @@ def generation_config(meta: dict) -> dict:
 
 
 def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path:
-    """Write the Hugging Face directory `out` (replaced atomically: a failed import leaves nothing)."""
+    """Write the Hugging Face directory `out`, built aside and then moved in place (a failed import
+    leaves nothing); an existing `out` is replaced only when empty or a model directory."""
     from safetensors.torch import save_file
 
     from .loader import resolve_dtype
@@ -209,6 +210,9 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> Pa
     if dtype not in ("float32", "bfloat16", "float16"):
         raise GGUFImportError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     source = str(path)
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())):
+        raise GGUFImportError(f"{out}: exists and is not a model directory (it would be replaced); choose another --out")
     reader, meta = read_gguf(path)
     names = {t.name for t in reader.tensors}
     if "token_embd.weight" not in names:
@@ -223,7 +227,6 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> Pa
     weights = convert_weights(reader, cfg, arch, resolve_dtype(dtype), source)
     cfg["torch_dtype"] = dtype
 
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
