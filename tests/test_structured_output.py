@@ -114,6 +114,27 @@ def test_outputs_match_constraint_greedy_and_sampled(llms, method, kind):
         assert outs[-1].finish_reason in ("length", "stop")
 
 
+def test_sixteen_in_flight_with_penalties_logprobs_stops_and_a_policy(pair):
+    """Concurrency 16 (constrained and unconstrained rows), repetition/presence penalties,
+    logprobs, a stop string and the adaptive policy, all together with the constraint."""
+    target, draft = pair
+    llm = LLM(target, draft=draft, spec=SpecConfig(method="draft", k=4, policy="adaptive"))
+    sp = SamplingParams(temperature=1.0, max_tokens=48, seed=5, repetition_penalty=1.3, presence_penalty=0.5,
+                        logprobs=2, structured_output={"json_schema": SCHEMA})
+    stop = SamplingParams(temperature=0.0, max_tokens=48, stop=["kind"], structured_output={"json_schema": SCHEMA})
+    free = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+    params = [sp] * 10 + [stop] * 3 + [free] * 3
+    outs = llm.generate([PROMPTS[i % 4] for i in range(16)], params)
+    for o in outs[:10]:
+        assert o.finish_reason == "stop" and matches("json_schema", o.text), o.text
+        assert len(o.logprobs) == len(o.token_ids)
+        for lp in o.logprobs:  # log-probabilities of the masked p: the committed token is allowed
+            assert lp.logprob > float("-inf") and lp.top[0][1] >= lp.logprob
+    for o in outs[10:13]:
+        assert o.finish_reason == "stop" and o.text.startswith('{"ok": ') and "kind" not in o.text
+    assert all(o.finish_reason == "length" for o in outs[13:])
+
+
 def test_max_tokens_leaves_a_valid_prefix(llms, pair):
     llm = llms["draft"]
     outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=5, seed=1,
@@ -259,9 +280,12 @@ def test_server_structured_output(pair):
             model="tiny", messages=[{"role": "user", "content": "describe add"}], max_tokens=48, temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA}})
         assert r.choices[0].finish_reason == "stop" and matches("json_schema", r.choices[0].message.content)
-        r = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=3,
+        r = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=1.0, seed=3, n=3,
                                  extra_body={"guided_choice": CHOICE})
-        assert r.choices[0].text in CHOICE
+        assert len(r.choices) == 3 and all(ch.text in CHOICE for ch in r.choices)
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=64,
+                                      temperature=0, response_format={"type": "json_object"})
+        assert r.choices[0].message.content.startswith("{")
         r = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0,
                                  extra_body={"structured_outputs": {"regex": REGEX}})
         assert re.fullmatch(REGEX, r.choices[0].text)
