@@ -50,10 +50,13 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from ..paths import resolve_model
     from ..train import pipeline
 
     if args.minutes is not None and args.tokens is not None:
         raise UserError("give --minutes or --tokens, not both")
+    if args.target:  # a bare name is a directory under models/ (paths.resolve_model)
+        args.target = str(resolve_model(args.target))
     t0 = time.time()
     if args.what == "tokenizer":
         pipeline.train_tokenizer_dir(args.out)
