@@ -211,13 +211,15 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
+        self._prefill_seconds = 0.0
         self.isolation.before_step()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
         t1 = time.perf_counter()
+        decoding = [s for s in sched.scheduled if not s.seq.is_prefilling]
         try:
-            drafted, blocks = self.propose([s for s in sched.scheduled if s.num_draft > 0])
+            drafted, blocks = self.propose([s for s in decoding if s.num_draft > 0])
             t2 = time.perf_counter()
             ver = self.verify(sched.scheduled, blocks)
         except Exception as e:  # a batched phase: nothing committed yet
@@ -232,8 +234,8 @@ class LLMEngine:
         if drafted:
             st.decode_steps += 1
             st.speculative_steps += any(b.token_ids for b in blocks.values())
-            if not any(s.seq.is_prefilling for s in sched.scheduled):  # the cost model describes decode steps
-                self._observe_step(sched.scheduled, drafted, blocks, t4 - t0)
+            # the step's decode part: its time without the prefill chunks' forward
+            self._observe_step(decoding, drafted, blocks, t4 - t0 - self._prefill_seconds)
         st.steps += 1
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2
@@ -310,7 +312,10 @@ class LLMEngine:
                 feeds.append(seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
                 starts.append(seq.num_computed)
                 nlog.append(1 + len(d) if s.samples else 1)
+            t0 = time.perf_counter()
             logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog)
+            if group is groups[1]:  # the decode-step cost model leaves prefill chunks out
+                self._prefill_seconds = time.perf_counter() - t0
             off = 0
             for s, n in zip(group, nlog):
                 if s.samples:

@@ -23,12 +23,21 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   their confidences) and plan-time figures, never x_j nor anything drafted after it (a rule that
   picked the best prefix from all the row's confidences would read q_{j+1}, a function of x_j).
 
+A measured check on top (`_choose_mode`): per batch size (powers of two), the policy keeps
+decayed committed-tokens-per-second figures of the steps it ran as planned ("spec") and of steps
+it ran without verifying ("plain"), and runs the better of the two, trying the other on 1 step in
+16 (the choice uses its own random numbers and the history only: causal). A profile that is off
+(measured on a loaded machine, or missing the step's Python work) then costs at most the
+exploration, not the operating point.
+
 `choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
 for a cost linear in tokens, and it accounts for the jump of a new drafter step.
 """
 from __future__ import annotations
 
+import math
+import random
 from typing import Callable, Sequence
 
 from .base import causal_lengths, register_policy
@@ -76,6 +85,8 @@ def choose_lengths(
 class GoodputPolicy:
     needs_cost_model = True
     probe_every = 32
+    explore = 1 / 16  # share of steps run with the arm that measures worse
+    arm_decay = 0.95  # per step of that arm: the figures follow the last ~20 of its steps
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
         if cost is None:
@@ -88,6 +99,11 @@ class GoodputPolicy:
         self._probes: set[int] = set()  # seq_ids probing this step
         self._rate = 0.0  # the planned step's expected committed tokens per second
         self._idle_steps = 0  # steps since any row verified a proposal
+        self._arms: dict[int, dict[str, list[float]]] = {}  # batch bucket -> arm -> [tokens, seconds, steps]
+        self._mode = "spec"  # this step's arm
+        self._bucket = 0
+        self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
+        self._rng = random.Random(0)  # exploration only: independent of every proposal
 
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
@@ -108,7 +124,23 @@ class GoodputPolicy:
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
         draft = (lambda n: self.cost.draft_seconds(n, ctx)) if self.has_draft_model else None
         lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
+        self._bucket = b.bit_length()
+        self._mode = self._choose_mode(self._bucket) if any(n > p for n, p in zip(lengths, probes)) else "plain"
+        if self._mode == "plain":  # only the probes verify
+            self._rate = math.inf
+            lengths = [min(n, p) for n, p in zip(lengths, probes)]
         return lengths
+
+    def _choose_mode(self, bucket: int) -> str:
+        arms = self._arms.setdefault(bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})
+        for arm in ("spec", "plain"):
+            if arms[arm][2] < 2:  # each arm measured a couple of times first
+                return arm
+        rate = {a: v[0] / max(v[1], 1e-12) for a, v in arms.items()}
+        best = "spec" if rate["spec"] >= rate["plain"] else "plain"
+        if self._rng.random() < self.explore:
+            return "plain" if best == "spec" else "spec"
+        return best
 
     def admit(self, seqs, blocks, draft_seconds):
         b, ctx = len(seqs), self._context(seqs)
@@ -125,6 +157,8 @@ class GoodputPolicy:
         return causal_lengths(blocks, keep)
 
     def observe(self, seq, block, num_verified, num_accepted):
+        self._committed[0] += num_accepted + 1
+        self._committed[1] += 1
         r = self.calibration.requests.setdefault(seq.seq_id, RequestEstimate())
         if num_verified:
             r.steps_without_verifying = 0
@@ -138,6 +172,11 @@ class GoodputPolicy:
 
     def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
+        committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
+        self._committed = [0, 0]
+        arm = self._arms.setdefault(self._bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})[self._mode]
+        d = self.arm_decay
+        arm[0], arm[1], arm[2] = arm[0] * d + committed, arm[1] * d + seconds, arm[2] * d + 1.0
         lengths = draft_lengths if self.has_draft_model else ()
         predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
