@@ -41,7 +41,7 @@ def test_total_variation():
 
 
 def test_shipped_workloads_valid():
-    assert shipped_workloads() == ["code-easy", "code-hard", "grounded", "shared-prefix"]
+    assert shipped_workloads() == ["code-easy", "code-hard", "grounded", "json", "shared-prefix"]
     for name in shipped_workloads():
         wl = load_workload(name)
         assert 16 <= len(wl.requests) <= 32
@@ -54,6 +54,7 @@ def test_shipped_workloads_valid():
     g = load_workload("grounded").requests[0]
     head = g.prompt.splitlines()[-1]
     assert g.prompt.count(head) == 2  # the function is shown, then asked for again
+    assert all(r.structured_output and "json_schema" in r.structured_output for r in load_workload("json").requests)
 
 
 def test_workload_file_errors(tmp_path):

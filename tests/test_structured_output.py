@@ -417,3 +417,17 @@ def test_masked_speculation_reproduces_the_masked_target_exactly():
     assert all(y[1] == 1 for y in want if y[0] == 0)  # "a" forces "b": the mask follows the history
     tv = 0.5 * sum(abs(full.get(y, 0.0) - want.get(y, 0.0)) for y in set(full) | set(want))
     assert tv <= 1e-9, tv
+
+
+def test_workload_lines_carry_constraints(tmp_path):
+    from draftwise.lab.backends import sampling_params
+    from draftwise.lab.workload import load_workload
+
+    p = tmp_path / "w.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": "x", "max_tokens": 8, "structured_output": {"choice": CHOICE}}) + "\n")
+    wl = load_workload(str(p)).head(2)
+    assert [r.structured_output for r in wl.requests] == [{"choice": CHOICE}] * 2
+    assert sampling_params(wl.requests[1], seed=0).structured_output == {"choice": CHOICE}
+    p.write_text(json.dumps({"id": "a", "prompt": "x", "max_tokens": 8, "structured_output": {"regex": "(a"}}) + "\n")
+    with pytest.raises(ValueError, match=r"w.jsonl:1: structured_output.regex is invalid"):
+        load_workload(str(p))

@@ -35,7 +35,8 @@ class RunOutput:
 def sampling_params(req: Request, seed: int, max_tokens: int | None = None) -> SamplingParams:
     """The same params for every config: fixed length (EOS ignored), a per-request seed."""
     return SamplingParams(temperature=req.temperature, max_tokens=max_tokens or req.max_tokens,
-                          seed=seed if req.temperature > 0 else None, ignore_eos=True)
+                          seed=seed if req.temperature > 0 else None, ignore_eos=True,
+                          structured_output=req.structured_output)
 
 
 class EngineBackend:
@@ -241,6 +242,9 @@ class HTTPBackend:
                 "logprobs": 0}  # the chunk's token list gives tokens per delivery
         if p.seed is not None:
             body["seed"] = p.seed
+        if p.structured_output:  # vLLM's structured_outputs names a JSON schema "json"
+            (kind, value), = p.structured_output.items()
+            body["structured_outputs"] = {"json" if kind == "json_schema" else kind: value}
         usage_tokens = None
         try:
             async with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:

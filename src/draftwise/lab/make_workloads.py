@@ -10,6 +10,8 @@
   keep most lines): the continuation repeats prompt text, where n-gram lookup shines (greedy).
 - `shared-prefix`: the code-easy requests behind one long shared preamble (the first lines of a
   held-out file, like a system prompt or a shared document): what prefix caching saves (greedy).
+- `json`: a function shown in full, then asked for as JSON matching `FUNCTION_SCHEMA` (structured
+  output: name, arguments, returns a value, has a docstring; greedy).
 
 Deterministic: candidates are collected in path/line order and picked evenly spaced. Prompts
 stay short (a few hundred tokens) so that prompt + max_tokens fits a 1024-token context.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 from pathlib import Path
 
 from ..corpus import split
@@ -26,6 +29,17 @@ from .workload import WORKLOADS_DIR, Request, write_jsonl
 MAX_CONTEXT_CHARS = 900  # preceding file text kept before the function
 MAX_GROUNDED_CHARS = 1100  # the function shown in a grounded prompt
 SHARED_PREFIX_CHARS = 1800  # the preamble every shared-prefix request starts with
+FUNCTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "arguments": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 8},
+        "returns_value": {"type": "boolean"},
+        "has_docstring": {"type": "boolean"},
+    },
+    "required": ["name", "arguments", "returns_value", "has_docstring"],
+    "additionalProperties": False,
+}
 
 
 def _functions(tree: ast.AST):
@@ -54,7 +68,7 @@ def _docstring_node(fn) -> ast.Constant | None:
 
 def candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, str, int, float]]]:
     """(id, prompt, max_tokens, temperature) candidates per workload, in path/line order."""
-    easy, hard, grounded = [], [], []
+    easy, hard, grounded, as_json = [], [], [], []
     for rel, text in files:
         try:
             tree = ast.parse(text)
@@ -89,13 +103,15 @@ def candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, str, i
                 prompt = (f"# {rel}\n{src}\n\n# The same function, reformatted only "
                           f"(identical behaviour and names):\n{header}")
                 grounded.append((fid, prompt, 128, 0.0))
+                as_json.append((fid, f"# {rel}\n{src}\n\n# The function above as JSON (name, arguments, whether it "
+                                     "returns a value, whether it has a docstring):\n", 96, 0.0))
         # code-hard, second kind: block comments inside code
         for i, line in enumerate(lines):
             s = line.lstrip()
             if s.startswith("# ") and len(s) > 40 and i > 5 and not lines[i - 1].lstrip().startswith("#"):
                 prompt = _context(lines, i, MAX_CONTEXT_CHARS) + line[: len(line) - len(s)] + "# "
                 hard.append((f"{stem}:{i + 1}:comment", prompt, 64, 1.0))
-    return {"code-easy": easy, "code-hard": hard, "grounded": grounded}
+    return {"code-easy": easy, "code-hard": hard, "grounded": grounded, "json": as_json}
 
 
 def pick(items: list, n: int) -> list:
@@ -130,7 +146,9 @@ def build(out: Path = WORKLOADS_DIR, n: int = 24, only: set[str] | None = None) 
         if only and name not in only:
             continue
         chosen = pick(items, n)
-        reqs = [Request(f"{name}-{i:02d}:{fid}", prompt, mt, temp, name) for i, (fid, prompt, mt, temp) in enumerate(chosen)]
+        constraint = {"json_schema": json.dumps(FUNCTION_SCHEMA)} if name == "json" else None
+        reqs = [Request(f"{name}-{i:02d}:{fid}", prompt, mt, temp, name, constraint)
+                for i, (fid, prompt, mt, temp) in enumerate(chosen)]
         write_jsonl(out / f"{name}.jsonl", reqs)
         counts[name] = len(reqs)
     return counts

@@ -1,5 +1,6 @@
 """Workloads: JSONL files of requests, one a line: `id`, `prompt`, `max_tokens`, optional
-`temperature` (default 0 = greedy) and `category`.
+`temperature` (default 0 = greedy), `category` and `structured_output` (a constraint, as
+`SamplingParams.structured_output`: {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}, ...).
 
 Shipped workloads live in `draftwise/workloads/NAME.jsonl` (built by `make_workloads`);
 `load_workload` takes a shipped name or a path and raises `ValueError` naming the file, line and
@@ -10,7 +11,7 @@ max_tokens, as it does for every request).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..sampling import SamplingParams
@@ -25,6 +26,7 @@ class Request:
     max_tokens: int
     temperature: float = 0.0
     category: str = ""
+    structured_output: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,8 +47,8 @@ class Workload:
             return self
         reqs = [self.requests[i % len(self.requests)] for i in range(n)]
         if n > len(self.requests):  # repeated requests get distinct ids
-            reqs = [Request(f"{r.id}#{i // len(self.requests)}" if i >= len(self.requests) else r.id,
-                            r.prompt, r.max_tokens, r.temperature, r.category) for i, r in enumerate(reqs)]
+            reqs = [replace(r, id=f"{r.id}#{i // len(self.requests)}") if i >= len(self.requests) else r
+                    for i, r in enumerate(reqs)]
         return Workload(self.name, reqs)
 
 
@@ -60,7 +62,7 @@ def parse_request(obj, where: str) -> Request:
     for key in ("id", "prompt", "max_tokens"):
         if key not in obj:
             raise ValueError(f"{where}: missing field {key!r}")
-    unknown = set(obj) - {"id", "prompt", "max_tokens", "temperature", "category"}
+    unknown = set(obj) - {"id", "prompt", "max_tokens", "temperature", "category", "structured_output"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     rid, prompt, mt = obj["id"], obj["prompt"], obj["max_tokens"]
@@ -78,11 +80,11 @@ def parse_request(obj, where: str) -> Request:
             raise ValueError(f"{where}: '{key}' is not valid text (lone surrogate \\u{ord(text[e.start]):04x} "
                              f"at character {e.start})") from None
     try:
-        params = SamplingParams(temperature=temp, max_tokens=mt)
+        params = SamplingParams(temperature=temp, max_tokens=mt, structured_output=obj.get("structured_output"))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     temp = 0.0 if params.is_greedy else params.temperature  # below 1e-5: greedy (SamplingParams)
-    return Request(str(rid), prompt, mt, float(temp), cat)
+    return Request(str(rid), prompt, mt, float(temp), cat, params.structured_output)
 
 
 def read_jsonl(path: Path) -> list[Request]:
@@ -120,6 +122,8 @@ def write_jsonl(path: Path, requests: list[Request]) -> None:
             d = r.to_dict()
             if not d["category"]:
                 del d["category"]
+            if d["structured_output"] is None:
+                del d["structured_output"]
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
 
 
