@@ -26,7 +26,8 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
 A measured check on top (`_choose_mode`): per batch size (powers of two), the policy keeps
 decayed committed-tokens-per-second figures of the steps it ran as planned ("spec") and of steps
 it ran without verifying ("plain"), and runs the better of the two, trying the other on 1 step in
-16 (the choice uses its own random numbers and the history only: causal). A profile that is off
+16 to 64 (more often when the two are close; the choice uses its own random numbers and the
+history only: causal). A profile that is off
 (measured on a loaded machine, or missing the step's Python work) then costs at most the
 exploration, not the operating point.
 
@@ -85,8 +86,7 @@ def choose_lengths(
 class GoodputPolicy:
     needs_cost_model = True
     probe_every = 32
-    explore = 1 / 16  # share of steps run with the arm that measures worse
-    arm_decay = 0.95  # per step of that arm: the figures follow the last ~20 of its steps
+    arm_decay = 0.8  # per step of that arm: the figures follow the last ~5 of its steps
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
         if cost is None:
@@ -134,13 +134,13 @@ class GoodputPolicy:
     def _choose_mode(self, bucket: int) -> str:
         arms = self._arms.setdefault(bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})
         for arm in ("spec", "plain"):
-            if arms[arm][2] < 2:  # each arm measured a couple of times first
+            if arms[arm][2] < 3:  # each arm measured a few times first
                 return arm
         rate = {a: v[0] / max(v[1], 1e-12) for a, v in arms.items()}
-        best = "spec" if rate["spec"] >= rate["plain"] else "plain"
-        if self._rng.random() < self.explore:
-            return "plain" if best == "spec" else "spec"
-        return best
+        best, other = ("spec", "plain") if rate["spec"] >= rate["plain"] else ("plain", "spec")
+        margin = rate[best] / max(rate[other], 1e-12)
+        explore = 1 / 16 if margin < 1.2 else 1 / 32 if margin < 1.5 else 1 / 64  # close arms: look more often
+        return other if self._rng.random() < explore else best
 
     def admit(self, seqs, blocks, draft_seconds):
         b, ctx = len(seqs), self._context(seqs)
