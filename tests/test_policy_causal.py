@@ -314,3 +314,24 @@ def test_check_passes_goodput_and_fails_a_peeking_policy(target_dir, draft_dir, 
     assert main(["check", "--model", str(peaked), "--draft", str(peaked)] + common[5:] + ["--policy", "peek-test"]) == 1
     out = capsys.readouterr().out
     assert "FAIL distribution" in out and "PASS greedy equality" in out  # greedy rows may peek
+
+
+@pytest.mark.parametrize("spec_pays", [True, False])
+def test_goodput_measured_check_follows_the_clock(spec_pays):
+    """Whatever the cost model says, the measured check settles on the arm the clock favours."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)  # COST says: speculate
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(4)]
+    modes = []
+    for step in range(400):
+        lengths = policy.plan(seqs, [4] * 4)
+        blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+        admitted = policy.admit(seqs, blocks, 0.0)
+        tokens = 4 + sum(admitted)
+        for s, blk, n in zip(seqs, blocks, admitted):
+            policy.observe(s, blk, n, min(n, 2))  # two of the verified proposals accepted
+        # the clock: verification costs 1 ms per token when speculation pays, 10 ms when it does not
+        seconds = 0.005 + (0.001 if spec_pays else 0.010) * (tokens - 4)
+        policy.observe_step(4, tokens, 50.0, list(lengths), seconds)
+        modes.append(policy._mode)
+    spec_share = modes[100:].count("spec") / 300
+    assert spec_share > 0.85 if spec_pays else spec_share < 0.15
