@@ -431,3 +431,16 @@ def test_workload_lines_carry_constraints(tmp_path):
     p.write_text(json.dumps({"id": "a", "prompt": "x", "max_tokens": 8, "structured_output": {"regex": "(a"}}) + "\n")
     with pytest.raises(ValueError, match=r"w.jsonl:1: structured_output.regex is invalid"):
         load_workload(str(p))
+
+
+def test_forced_tokens_are_the_single_legal_ones():
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo(EXACT_VOCAB, stop_token_ids=[4])
+    g = GrammarState(xgr.GrammarCompiler(info).compile_regex("ab[cd]|ba"), len(EXACT_VOCAB))
+    cur = g.cursor()
+    assert cur.forced_tokens(8) == []  # "a" or "b"
+    assert cur.accept(0) and cur.forced_tokens(8) == [1]  # "a" -> "b", then "c" or "d"
+    assert cur.accept(1) and cur.accept(2) and cur.forced_tokens(8) == [4]  # only EOS is left
+    fresh = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex("ab[cd]|ba"))
+    assert not g.matcher.is_terminated() and g.matcher.accept_token(1) and fresh.accept_token(1)  # g untouched

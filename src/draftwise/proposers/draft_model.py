@@ -11,9 +11,9 @@ length is set back to the committed path (`postprocess`), by bookkeeping only.
 
 Structured output: a constrained sequence drafts under the same grammar mask as p (a fork of its
 matcher walks the proposals; `process_logits` gets the bitmask), so q never puts mass where p
-cannot. Where the grammar forces a continuation (jump-forward), those tokens are appended as
-proposals with q a point mass and confidence 1, without a draft forward of their own (they are fed
-with the next one); they are verified like any proposal.
+cannot. Where the grammar allows exactly one token, one position after another, those tokens are
+appended as proposals with q a point mass and confidence 1, without a draft forward of their own
+(they are fed with the next one); they are verified like any proposal (and always accepted).
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class DraftModelProposer:
     @staticmethod
     def _add_forced(cursor, block, probs, feed, num_draft: int, seq, vocab: int) -> None:
         """Append the tokens the grammar forces next (q = point mass), to be fed with the next step."""
-        for tok in cursor.forced_tokens()[: num_draft - len(block.token_ids)]:
+        for tok in cursor.forced_tokens(num_draft - len(block.token_ids)):
             cursor.accept(tok)
             block.token_ids.append(tok)
             block.confidence.append(1.0)

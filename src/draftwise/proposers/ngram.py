@@ -5,7 +5,7 @@ Find the most recent earlier occurrence of the last n tokens of prompt + output 
 committed history, so it cannot bias the output; q is a point mass (`probs=None`).
 
 A structured-output sequence is proposed token by token through a fork of its grammar matcher:
-where the grammar forces a continuation (jump-forward) that is proposed, otherwise the n-gram's
+where the grammar allows exactly one token that token is proposed, otherwise the n-gram's
 next token; the block ends at the first token the grammar forbids (verification would reject it).
 """
 from __future__ import annotations
@@ -52,8 +52,7 @@ class NgramProposer:
             return ngram_lookup(seq.all_ids, n, self.max_n, self.min_n)
         cursor, history, block = grammar.cursor(), seq.all_ids, []
         while len(block) < n:
-            forced = cursor.forced_tokens()
-            nxt = forced[:1] or ngram_lookup(history + block, 1, self.max_n, self.min_n)
+            nxt = cursor.forced_tokens(1) or ngram_lookup(history + block, 1, self.max_n, self.min_n)
             if not nxt or not cursor.accept(nxt[0]):
                 break
             block.append(nxt[0])

@@ -164,7 +164,7 @@ class GrammarState:
 
     def cursor(self) -> "GrammarCursor":
         """A fork of the committed state, for walking proposals (the committed matcher is untouched)."""
-        return GrammarCursor(self.matcher.fork())
+        return GrammarCursor(self.matcher.fork(), self.vocab_size)
 
     def verify_bitmask(self, proposals: list[int]) -> torch.Tensor:  # [n+1, W] int32
         """Bitmasks at positions 0..n of a block: row j follows the committed tokens + x_1..x_{j-1}."""
@@ -179,8 +179,9 @@ class GrammarState:
 class GrammarCursor:
     """A forked matcher that walks proposed tokens (drafting or verification)."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
+        self.vocab_size = vocab_size
         self.alive = True  # False after a forbidden token or the grammar's end
 
     def fill(self, row: torch.Tensor) -> bool:  # row [W] int32
@@ -198,11 +199,33 @@ class GrammarCursor:
             self.alive = False
         return self.alive
 
-    def forced_tokens(self) -> list[int]:
-        """Tokens of the continuation the grammar forces from here (jump-forward), maybe []."""
-        if not self.alive or self.matcher.is_terminated():
-            return []
-        return list(self.matcher.find_jump_forward_tokens())
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that are, one after another, the only token the grammar allows
+        (EOS included), maybe []. p and the masked q are point masses there: always accepted.
+        (xgrammar's jump-forward tokens were tried too: its tokenization of the forced string is
+        not the model's, and the masked target rejected them often.)"""
+        out = []
+        if not self.alive or self.matcher.is_terminated() or limit <= 0:
+            return out
+        fork = self.matcher.fork()
+        row = torch.empty(1, bitmask_width(self.vocab_size), dtype=torch.int32)  # [1, W]
+        while len(out) < limit and not fork.is_terminated():
+            fork.fill_next_token_bitmask(row, 0)
+            tok = _single_token(row[0])
+            if tok is None or tok >= self.vocab_size or not fork.accept_token(tok):
+                break
+            out.append(tok)
+        return out
+
+
+def _single_token(row: torch.Tensor) -> int | None:  # row [W] int32
+    """The token id when exactly one bit of the bitmask row is set, else None."""
+    nz = torch.nonzero(row)
+    if len(nz) != 1:
+        return None
+    i = int(nz[0, 0])
+    w = int(row[i]) & 0xFFFFFFFF
+    return i * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
 
 
 def grammar_bitmask(states: list[GrammarState | None], proposals: list[list[int]],
