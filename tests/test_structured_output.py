@@ -444,3 +444,20 @@ def test_forced_tokens_are_the_single_legal_ones():
     assert cur.accept(1) and cur.accept(2) and cur.forced_tokens(8) == [4]  # only EOS is left
     fresh = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex("ab[cd]|ba"))
     assert not g.matcher.is_terminated() and g.matcher.accept_token(1) and fresh.accept_token(1)  # g untouched
+
+
+def test_lab_counts_valid_constrained_outputs(llms):
+    from draftwise.lab.correctness import constraint_validity
+    from draftwise.lab.metrics import RequestRecord
+    from draftwise.lab.workload import Request
+
+    eng = llms["plain"].engine
+    spec = {"choice": CHOICE}
+    reqs = [Request(str(i), "x", 8, structured_output=spec) for i in range(3)] + [Request("free", "x", 8)]
+    yes = eng.encode("yes")
+    recs = [RequestRecord("0", 0.0, token_ids=yes + eng.eos_ids[:1], finish_reason="stop"),
+            RequestRecord("1", 0.0, token_ids=eng.encode("may"), finish_reason="length"),
+            RequestRecord("2", 0.0, token_ids=eng.encode("yess"), finish_reason="stop"),
+            RequestRecord("free", 0.0, token_ids=[5], finish_reason="length")]
+    assert constraint_validity(eng, reqs, recs) == {"complete": 1, "valid_prefix": 1, "invalid": 1}
+    assert constraint_validity(eng, reqs[3:], recs[3:]) is None

@@ -7,6 +7,9 @@
   token frequencies at each position with a two-sample chi-square test of homogeneity (rare
   tokens pooled into one cell). Positions are combined with a Bonferroni correction; the observed
   total variation between the two empirical distributions is reported alongside.
+- Structured output: every constrained request's tokens are fed to a fresh grammar matcher
+  (`constraint_validity`): complete (the grammar ended), a valid prefix (stopped by max_tokens),
+  or invalid.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from collections import Counter
 import torch
 
 from ..sampling import SamplingParams
+from ..sampling.grammar import GrammarState
 
 MIN_CELL = 10  # tokens seen fewer times (both runs together) are pooled into one cell
 
@@ -133,3 +137,20 @@ def near_tie(model, ids: list[int], pos: int, gap: float = 1e-5) -> bool:
     top2 = torch.topk(logits, 2).values
     return float(top2[0] - top2[1]) < gap
 
+
+
+def constraint_validity(engine, reqs, records) -> dict | None:
+    """Counts of constrained outputs that are complete, a valid prefix (max_tokens), or invalid;
+    None when no request is constrained."""
+    counts = {"complete": 0, "valid_prefix": 0, "invalid": 0}
+    for req, rec in zip(reqs, records):
+        if not req.structured_output:
+            continue
+        g = GrammarState.create(engine.tokenizer, engine.vocab_size, engine.eos_ids, req.structured_output)
+        try:
+            ended = any([g.accept(t) for t in rec.token_ids])
+        except ValueError:
+            counts["invalid"] += 1
+            continue
+        counts["complete" if ended else "valid_prefix" if rec.finish_reason == "length" else "invalid"] += 1
+    return counts if sum(counts.values()) else None

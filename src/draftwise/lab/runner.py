@@ -185,7 +185,9 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                 runs.append({"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
                              "level": level.to_dict(), "level_label": level.label, **summary,
                              "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
-                             "memory": memory.peak_memory()})
+                             "memory": memory.peak_memory(),
+                             "structured_output": correctness.constraint_validity(
+                                 backends[cfg.label].engine, reqs, out.records)})
                 outputs[(cfg.label, level.label)] = out.records
         capacity = {}
         if plan.find_capacity:
