@@ -44,6 +44,7 @@ class History(Protocol):
     params: SamplingParams
     generator: torch.Generator | None  # the request's seeded generator, if any
     draft_computed: int  # positions of the drafter's own cache that are valid (owned by the proposer)
+    grammar: object | None  # a structured-output request's GrammarState (propose under its mask), or None
 
     @property
     def all_ids(self) -> list[int]: ...
