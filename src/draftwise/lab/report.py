@@ -142,6 +142,18 @@ def distribution_table(wl: dict) -> str:
     return "\n".join(rows)
 
 
+def structured_output_table(wl: dict) -> str:
+    runs = [r for r in wl["runs"] if r.get("structured_output")]
+    if not runs:
+        return ""
+    rows = ["Structured output (each constrained request's tokens fed to a fresh grammar matcher):", "",
+            "| config | level | complete | valid prefix (max_tokens) | invalid |", "|---|---|---|---|---|"]
+    for r in runs:
+        c = r["structured_output"]
+        rows.append(f"| {r['config']} | {r['level_label']} | {c['complete']} | {c['valid_prefix']} | {c['invalid']} |")
+    return "\n".join(rows)
+
+
 def speedup_matrix(wl: dict) -> str:
     """Rows = speculative configs, columns = levels: output tok/s speedup over `none`."""
     levels = list(dict.fromkeys(r["level_label"] for r in wl["runs"]))
@@ -221,6 +233,9 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
         dist = distribution_table(wl)
         if dist:
             lines += [dist, ""]
+        so = structured_output_table(wl)
+        if so:
+            lines += [so, ""]
         cap = capacity_table(wl)
         if cap:
             lines += [cap, ""]
