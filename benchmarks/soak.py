@@ -20,11 +20,13 @@ K/V blocks once idle (/health), the server's RSS growth after warm-up below `--m
 (5%); prints a summary (and `--json PATH`) and exits 1 if a check failed. Loopback only; not a
 test (it takes minutes).
 
-Warm-up: the server's RSS grows while it meets new batch shapes (native memory that glibc keeps
-after torch frees it); Python's own heap stays flat (tracemalloc: a few KiB over 4 minutes). One
-in-process run (server and this client in one process, MALLOC_ARENA_MAX=2, 2 cores): 1069 MB idle,
-1406 at 20 s, 1530 at 82 s, 1548 at 163 s (+1.2% over the last 80 s). The default warm-up is
-therefore a fifth of the run, at least a minute; the summary lists RSS every 30 s.
+Warm-up: the server's RSS grows while it meets new batch shapes; Python's own heap stays flat
+(tracemalloc: a few KiB over 4 minutes). The growth is oneDNN's primitive cache (one compiled
+primitive per new product shape, up to ONEDNN_PRIMITIVE_CACHE_CAPACITY = 1024 by default): two
+in-process runs side by side (server and this client in one process, 3 minutes, 2 cores), RSS at
+61 / 163 s: 1452 / 1592 MB by default, 1321 / 1363 MB with ONEDNN_PRIMITIVE_CACHE_CAPACITY=8.
+The default warm-up is a fifth of the run, at least a minute; the summary lists RSS every 30 s.
+The server inherits this process's environment (e.g. ONEDNN_PRIMITIVE_CACHE_CAPACITY).
 """
 from __future__ import annotations
 
