@@ -305,6 +305,16 @@ def test_server_structured_output(pair):
             resp = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
             assert resp.status_code == 400, (extra, resp.text)
             assert resp.json()["error"]["param"] == param, resp.json()
+        # the lab's --url backend sends a workload line's constraint as `structured_outputs`
+        from draftwise.lab.arrivals import LoadLevel
+        from draftwise.lab.backends import HTTPBackend, sampling_params
+        from draftwise.lab.workload import Request
+
+        reqs = [Request("a", PROMPTS[0], 48, structured_output={"json_schema": json.dumps(SCHEMA)}),
+                Request("b", PROMPTS[1], 16, structured_output={"choice": CHOICE})]
+        out = HTTPBackend(srv.url).run(reqs, [[]] * 2, [sampling_params(r, 0) for r in reqs], LoadLevel("concurrency", 2))
+        assert all(r.error is None for r in out.records), [r.error for r in out.records]
+        assert matches("json_schema", out.records[0].text) and out.records[1].text in CHOICE
 
 
 def test_cli_constraint_options(pair, tmp_path, capsys):
