@@ -471,3 +471,14 @@ def test_lab_counts_valid_constrained_outputs(llms):
             RequestRecord("free", 0.0, token_ids=[5], finish_reason="length")]
     assert constraint_validity(eng, reqs, recs) == {"complete": 1, "valid_prefix": 1, "invalid": 1}
     assert constraint_validity(eng, reqs[3:], recs[3:]) is None
+
+
+def test_grammar_time_is_counted(pair):
+    target, draft = pair
+    llm = LLM(target, draft=draft, spec=SpecConfig(method="draft", k=4))
+    llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    assert llm.engine.stats.grammar_seconds == 0.0
+    llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=48, structured_output={"json_schema": SCHEMA}))
+    st = llm.engine.stats
+    assert 0.0 < st.grammar_seconds < st.propose_seconds + st.verify_seconds
+    assert st.snapshot()["grammar_seconds"] == st.grammar_seconds

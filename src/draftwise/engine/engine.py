@@ -240,6 +240,7 @@ class LLMEngine:
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2
         st.other_seconds += (t1 - t0) + (t4 - t3)
+        st.grammar_seconds += sum(s.seq.grammar.take_seconds() for s in sched.scheduled if s.seq.grammar is not None)
         st.preemptions = self.scheduler.num_preemptions
         pc = self.runner.kv.prefix_cache
         if pc is not None:

@@ -10,6 +10,7 @@ class EngineStats:
     propose_seconds: float = 0.0
     verify_seconds: float = 0.0
     other_seconds: float = 0.0  # scheduling, bookkeeping, detokenization
+    grammar_seconds: float = 0.0  # structured output's grammar work (inside propose and verify)
     rounds: int = 0  # verification rounds of decoding sequences (prefill excluded)
     proposed_tokens: int = 0  # tokens the drafter proposed (snapshot key: draft_tokens, kept for old readers)
     verified_tokens: int = 0  # proposals sent to the target (the policy admits a prefix of each block)
@@ -40,6 +41,7 @@ class EngineStats:
             "propose_seconds": self.propose_seconds,
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
+            "grammar_seconds": self.grammar_seconds,
             "rounds": self.rounds,
             "draft_tokens": self.proposed_tokens,
             "proposed_tokens": self.proposed_tokens,

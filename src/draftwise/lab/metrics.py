@@ -173,6 +173,7 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
             "verification": 1000.0 * verify_s / n,
             "scheduling_state": 1000.0 * other_s / n,
             "total": 1000.0 * (draft_s + verify_s + other_s) / n,
+            "grammar": 1000.0 * stats.get("grammar_seconds", 0.0) / n,  # part of drafting + verification
         },
     }
 

@@ -75,7 +75,7 @@ def workload_table(wl: dict) -> str:
             if cor["mismatching_requests"] else "")
         mem = (r.get("memory") or {}).get("peak_rss_mib")
         split = ("–" if not ms else f"{ms['drafting']:.2f}+{ms['verification']:.2f}+{ms['scheduling_state']:.2f}"
-                 f" = {ms['total']:.2f}")
+                 f" = {ms['total']:.2f}" + (f" (grammar {ms['grammar']:.2f})" if ms.get("grammar") else ""))
         rows.append(
             f"| {r['config']} | {r['level_label']} | {_f(r['output_tokens_per_s'])} | {_f(r['requests_per_s'], '{:.2f}')} "
             f"| {_f(r['goodput_requests_per_s'], '{:.2f}')} "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -145,6 +146,7 @@ class GrammarState:
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.seconds = 0.0  # time in grammar work (masks, forks, matcher updates), drained by the engine
 
     @staticmethod
     def create(tokenizer, vocab_size: int, eos_ids: list[int], spec: dict | None) -> "GrammarState | None":
@@ -154,9 +156,17 @@ class GrammarState:
 
     def accept(self, token_id: int) -> bool:
         """Advance by one committed token; True when the grammar has ended (EOS accepted)."""
-        if not self.matcher.accept_token(int(token_id)):
+        t0 = time.perf_counter()
+        ok = self.matcher.accept_token(int(token_id))
+        self.seconds += time.perf_counter() - t0
+        if not ok:
             raise ValueError(f"structured output: committed token {token_id} is not allowed by the grammar")
         return self.matcher.is_terminated()
+
+    def take_seconds(self) -> float:
+        """The grammar work's time since the last call."""
+        s, self.seconds = self.seconds, 0.0
+        return s
 
     @property
     def is_terminated(self) -> bool:
@@ -164,47 +174,59 @@ class GrammarState:
 
     def cursor(self) -> "GrammarCursor":
         """A fork of the committed state, for walking proposals (the committed matcher is untouched)."""
-        return GrammarCursor(self.matcher.fork(), self.vocab_size)
+        return GrammarCursor(self.matcher.fork(), self.vocab_size, self)
 
     def verify_bitmask(self, proposals: list[int]) -> torch.Tensor:  # [n+1, W] int32
         """Bitmasks at positions 0..n of a block: row j follows the committed tokens + x_1..x_{j-1}."""
+        t0 = time.perf_counter()
         out = torch.full((len(proposals) + 1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
-        cur = self.cursor()
+        cur = GrammarCursor(self.matcher.fork(), self.vocab_size)  # timed here as a whole
         for j in range(len(proposals) + 1):
             if not cur.fill(out[j]) or j == len(proposals) or not cur.accept(proposals[j]):
                 break  # later rows: never committed from, left unconstrained
+        self.seconds += time.perf_counter() - t0
         return out
 
 
 class GrammarCursor:
     """A forked matcher that walks proposed tokens (drafting or verification)."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, owner: GrammarState | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.owner = owner  # the GrammarState whose `seconds` counts this cursor's work
         self.alive = True  # False after a forbidden token or the grammar's end
 
     def fill(self, row: torch.Tensor) -> bool:  # row [W] int32
         """Write the allowed tokens into row; leave it unconstrained (False) when dead."""
-        if not self.alive or self.matcher.is_terminated():
+        t0 = time.perf_counter()
+        live = self.alive and not self.matcher.is_terminated()
+        if live:
+            self.matcher.fill_next_token_bitmask(row[None, :], 0)
+        else:
             row.fill_(-1)
-            return False
-        self.matcher.fill_next_token_bitmask(row[None, :], 0)
-        return True
+        self._count(t0)
+        return live
 
     def accept(self, token_id: int) -> bool:
+        t0 = time.perf_counter()
         if self.alive and not self.matcher.is_terminated():
             self.alive = self.matcher.accept_token(int(token_id))
         else:
             self.alive = False
+        self._count(t0)
         return self.alive
+
+    def _count(self, t0: float) -> None:
+        if self.owner is not None:
+            self.owner.seconds += time.perf_counter() - t0
 
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to `limit` tokens that are, one after another, the only token the grammar allows
         (EOS included), maybe []. p and the masked q are point masses there: always accepted.
         (xgrammar's jump-forward tokens were tried too: its tokenization of the forced string is
         not the model's, and the masked target rejected them often.)"""
-        out = []
+        out, t0 = [], time.perf_counter()
         if not self.alive or self.matcher.is_terminated() or limit <= 0:
             return out
         fork = self.matcher.fork()
@@ -215,6 +237,7 @@ class GrammarCursor:
             if tok is None or tok >= self.vocab_size or not fork.accept_token(tok):
                 break
             out.append(tok)
+        self._count(t0)
         return out
 
 
