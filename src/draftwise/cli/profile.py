@@ -80,7 +80,7 @@ def run(args) -> int:
                               draft_dtype=args.draft_dtype, device=args.device, method=spec.method or "draft")
     console = Console(stderr=True)
     console.print(f"draftwise profile: target {target.path}" + (f", draft {draft.path}" if draft else ", no draft")
-                  + f", {torch.get_num_threads()} threads, budget {args.budget:g} s")
+                  + f", threads {torch.get_num_threads()}, budget {args.budget:g} s")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > (os.cpu_count() or 1) - 0.5:
         console.print(f"[yellow]warning: load average {load:.1f} on {os.cpu_count()} CPUs: other processes compete, "

@@ -62,7 +62,7 @@ def plot_profile(profile: HardwareProfile | str | Path, out: str | Path) -> Path
     for ax in axes:
         ax.set_xticks(ks)
     target = Path(prof.models["target"]["path"]).name
-    fig.suptitle(f"hardware profile: {target}, {prof.dtype}, {prof.device}, {prof.threads} threads "
+    fig.suptitle(f"hardware profile: {target}, {prof.dtype}, {prof.device}, {prof.threads} thread{'s' if prof.threads != 1 else ''} "
                  f"({prof.machine.get('cpu', '?')})", fontsize=10)
     fig.tight_layout()
     out = Path(out)
