@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +37,7 @@ from ..policies import policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
 from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
-from ..sampling.verify import VerifyMetadata, VerifyResult, flat_draft_probs
+from ..sampling.verify import VerifyMetadata, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
@@ -47,34 +46,10 @@ from .kv_sizing import num_kv_blocks
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprob
 from .stats import EngineStats
+from .step_output import StepOutput, Verification
 
 log = logging.getLogger("draftwise.engine")
 _NO_DRAFT = DraftBlock([], None)
-
-
-@dataclass
-class StepOutput:
-    """What one step did to one sequence (for streaming): new tokens, finished or not."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    finished: bool
-
-
-@dataclass
-class Verification:
-    """What verification decided for the sequences that commit tokens this step."""
-
-    rows: dict[int, int]  # seq_id -> row b of the batch
-    meta: VerifyMetadata | None
-    result: VerifyResult | None
-    p_logits: torch.Tensor | None  # [N, V] processed target logits (log-probabilities)
-
-    def committed(self, b: int) -> tuple[list[int], int, torch.Tensor]:
-        """Row b's committed tokens, number accepted, and p's logits rows at those positions."""
-        a = int(self.result.num_accepted[b])
-        start = int(self.meta.cu_num_logits[b])
-        return self.result.tokens(b), a, self.p_logits[start : start + a + 1]
 
 
 class LLMEngine:

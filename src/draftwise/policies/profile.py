@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
 from .cost import CostModel
+from .fit import fit_cost_model, fit_errors, predict_target  # noqa: F401 (re-exported)
 
 FORMAT = "draftwise.profile/1"
 DEFAULT_CONTEXTS = (64, 256)
@@ -345,57 +345,6 @@ def measure_profile(
         measured_seconds=round(time.perf_counter() - t_begin, 3),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-
-
-# ---- fit ----------------------------------------------------------------------------------------
-
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares on relative error (rows weighted by 1/y: a 3 ms step counts as much as a
-    300 ms one), with coefficients >= 0: the most negative coefficient is fixed at 0 and the
-    rest refitted, until none is negative."""
-    w = 1.0 / np.maximum(y, 1e-12)
-    xw, yw = x * w[:, None], y * w
-    free = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while free:
-        sol = np.linalg.lstsq(xw[:, free], yw, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[free] = sol
-            break
-        free.pop(int(np.argmin(sol)))
-    return coef
-
-
-def fit_cost_model(grid: list[GridPoint], draft_grid: list[DraftPoint]) -> CostModel:
-    """Fit `CostModel` to measured points: the target's (t0, t_seq, t_tok, t_ctx) on
-    [1, B, B*T, B*C] and the drafter's (d0, d_seq, d_ctx) on [1, B, B*C]; no draft points ->
-    draft coefficients 0 (no drafter, or one too cheap to have been measured)."""
-    if not grid:
-        raise ValueError("cannot fit a cost model to an empty grid")
-    x = np.array([[1.0, p.num_seqs, p.num_seqs * p.tokens_per_seq, p.num_seqs * p.context] for p in grid])
-    y = np.array([p.seconds for p in grid])
-    target = tuple(float(v) for v in _nonneg_lstsq(x, y))
-    draft = (0.0, 0.0, 0.0)
-    if draft_grid:
-        xd = np.array([[1.0, p.num_seqs, p.num_seqs * p.context] for p in draft_grid])
-        yd = np.array([p.seconds for p in draft_grid])
-        draft = tuple(float(v) for v in _nonneg_lstsq(xd, yd))
-    return CostModel(target, draft)
-
-
-def predict_target(cost: CostModel, p: GridPoint) -> float:
-    return cost.target_seconds(p.num_seqs, p.num_seqs * p.tokens_per_seq, p.context)
-
-
-def fit_errors(cost: CostModel, grid: list[GridPoint], draft_grid: list[DraftPoint]) -> dict:
-    """|predicted - measured| / measured over the grid: median and max, target and drafter."""
-    rel = [abs(predict_target(cost, p) - p.seconds) / p.seconds for p in grid]
-    out = {"points": len(grid), "median_rel_error": float(np.median(rel)), "max_rel_error": float(max(rel))}
-    if draft_grid:
-        rd = [abs(cost.draft_seconds(p.num_seqs, p.context) - p.seconds) / p.seconds for p in draft_grid]
-        out.update(draft_points=len(draft_grid), draft_median_rel_error=float(np.median(rd)),
-                   draft_max_rel_error=float(max(rd)))
-    return out
 
 
 # ---- the engine's entry point -------------------------------------------------------------------
