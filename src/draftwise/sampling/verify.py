@@ -105,49 +105,61 @@ def verify(
     vocab = p_logits.shape[-1]
     if p_logits.shape[0] != int(meta.cu_num_logits[-1]):
         raise ValueError(f"p_logits has {p_logits.shape[0]} rows, the metadata describes {int(meta.cu_num_logits[-1])}")
-    idx = meta.logits_index()  # [B, K+1]
-    # A row is usable if no logit is NaN and some token is not masked.
-    usable_rows = ~torch.isnan(p_logits).any(-1) & (p_logits > -torch.inf).any(-1)  # [N]
-    valid = usable_rows[idx].all(-1)  # [B]
-    committed = torch.full((b, k + 1), -1, dtype=torch.long)
-    num_accepted = torch.zeros(b, dtype=torch.long)
-    draft = meta.draft_token_ids
-    pos = torch.arange(k)[None, :]
-
-    greedy = torch.nonzero(meta.is_greedy & valid).squeeze(1)  # [G]
-    if greedy.numel():
-        argmax = p_logits.argmax(-1)[idx[greedy]]  # [G, K+1]
-        proposed = pos < meta.num_draft[greedy, None]  # [G, K]
-        passes = (draft[greedy] == argmax[:, :k]) & proposed
-        acc = passes.to(torch.long).cumprod(-1).sum(-1)  # [G]
-        row = torch.where(pos < acc[:, None], draft[greedy], -1)  # [G, K]
-        committed[greedy] = torch.cat([row, torch.full((len(greedy), 1), -1, dtype=torch.long)], 1)
-        committed[greedy, acc] = argmax.gather(1, acc[:, None]).squeeze(1)
-        num_accepted[greedy] = acc
-
-    rand = torch.nonzero(~meta.is_greedy & valid).squeeze(1)  # [R]
-    if rand.numel():
-        p = torch.softmax(p_logits[idx[rand]], dim=-1)  # [R, K+1, V]
-        q_rows = None
-        if q is not None and k and q.shape[0]:
-            q_rows = q[meta.draft_index()[rand]]  # [R, K, V]
-        if draws is not None:
-            c, a = rejection_sample_from_uniforms(draft[rand], q_rows, p, draws[0][rand], draws[1][rand],
-                                                  num_draft=meta.num_draft[rand])
-        else:
-            gens = generators
-            if generators is not None and not isinstance(generators, torch.Generator):
-                gens = [generators[i] for i in rand.tolist()]
-            c, a = rejection_sample(draft[rand], q_rows, p, gens, num_draft=meta.num_draft[rand])
-        committed[rand], num_accepted[rand] = c, a
-
+    # One pass over p's logits: each row's argmax (the greedy token) and its maximum, which is NaN
+    # when any logit is NaN (max propagates NaN) and -inf when every token is masked.
+    top, argmax = p_logits.max(dim=-1)  # [N], [N]
+    usable = (~torch.isnan(top) & (top > -torch.inf)).tolist()  # [N]
+    cu = meta.cu_num_logits.tolist()  # [B+1]
+    valid = [all(usable[cu[i] : cu[i + 1]]) for i in range(b)]  # [B]
+    greedy = meta.is_greedy.tolist()  # [B]
+    drafts = meta.draft_token_ids.tolist()  # [B][K]
+    num_draft = meta.num_draft.tolist()  # [B]
+    rows = [[-1] * (k + 1) for _ in range(b)]  # committed, -1 padded
+    accepted = [0] * b
+    if any(g and v for g, v in zip(greedy, valid)):  # greedy rows: on ints, no softmax
+        am = argmax.tolist()
+        for i in range(b):
+            if greedy[i] and valid[i]:
+                a, base = 0, cu[i]
+                while a < num_draft[i] and drafts[i][a] == am[base + a]:
+                    a += 1
+                rows[i][:a] = drafts[i][:a]
+                rows[i][a] = am[base + a]
+                accepted[i] = a
+    rand = [i for i in range(b) if not greedy[i] and valid[i]]  # [R]
+    if rand:
+        c, a = _sample_rows(p_logits, meta, q, generators, draws, torch.tensor(rand))
+        for r, i in enumerate(rand):
+            rows[i], accepted[i] = c[r], a[r]
     # the sampler must never emit an id outside the vocabulary: a row that would is failed alone
-    kept = torch.arange(k + 1)[None, :] <= num_accepted[:, None]  # [B, K+1]
-    out_of_vocab = (kept & ((committed < 0) | (committed >= vocab))).any(-1)  # [B]
-    valid = valid & ~out_of_vocab
-    committed[~valid] = -1
-    num_accepted[~valid] = 0
+    for i in range(b):
+        if valid[i] and any(not 0 <= t < vocab for t in rows[i][: accepted[i] + 1]):
+            valid[i] = False
+        if not valid[i]:
+            rows[i], accepted[i] = [-1] * (k + 1), 0
+    committed = torch.tensor(rows, dtype=torch.long).reshape(b, k + 1)
+    num_accepted = torch.tensor(accepted, dtype=torch.long)
+    valid = torch.tensor(valid, dtype=torch.bool)
     return VerifyResult(committed, num_accepted, valid)
+
+
+def _sample_rows(p_logits, meta: VerifyMetadata, q, generators, draws, rand: torch.Tensor):
+    """The rejection sampler over the random rows `rand` ([R]): (committed [R][K+1], accepted [R]) as lists."""
+    k = meta.max_k
+    draft = meta.draft_token_ids
+    p = torch.softmax(p_logits[meta.logits_index()[rand]], dim=-1)  # [R, K+1, V]
+    q_rows = None
+    if q is not None and k and q.shape[0]:
+        q_rows = q[meta.draft_index()[rand]]  # [R, K, V]
+    if draws is not None:
+        c, a = rejection_sample_from_uniforms(draft[rand], q_rows, p, draws[0][rand], draws[1][rand],
+                                              num_draft=meta.num_draft[rand])
+    else:
+        gens = generators
+        if generators is not None and not isinstance(generators, torch.Generator):
+            gens = [generators[i] for i in rand.tolist()]
+        c, a = rejection_sample(draft[rand], q_rows, p, gens, num_draft=meta.num_draft[rand])
+    return c.tolist(), a.tolist()
 
 
 def flat_draft_probs(
