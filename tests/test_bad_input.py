@@ -192,3 +192,16 @@ def test_tokenizer_mismatch_warning(tmp_path, target_dir, draft_dir, capsys):
     assert "warning: the draft's tokenizer" in err and f"maps 6 of {n} token ids" in err
     rc, err = run_cli(["generate", "def", "--model", target_dir, "--draft", draft_dir, "--max-tokens", "2"], capsys)
     assert rc == 0 and "warning" not in err
+
+
+def test_train_threads_and_check_prompts_errors_are_one_line(tmp_path, target_dir, capsys):
+    from draftwise.cli.main import main as cli
+
+    with pytest.raises(SystemExit) as e:  # argparse: one line, status 2
+        cli(["train", "target", "--out", str(tmp_path / "m"), "--threads", "-3"])
+    assert e.value.code == 2 and "argument --threads" in capsys.readouterr().err
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"def f():\n\xff\xfe\n")
+    assert cli(["check", "--model", str(target_dir), "--method", "ngram", "--prompts", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "UTF-8" in err and len(err.strip().splitlines()) == 1

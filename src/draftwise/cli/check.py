@@ -39,7 +39,11 @@ def load_prompts(path: str | None) -> list[str]:
         raise ValueError(f"--prompts: file not found: {path}")
     if p.suffix == ".jsonl":
         return [r.prompt for r in read_jsonl(p)]
-    lines = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts: {path}: not valid UTF-8 text (byte {e.start})") from None
+    lines = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"--prompts: no prompts in {path}")
     return lines

@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from .common import positive_int
 from .main import UserError
 
 
@@ -37,7 +38,7 @@ def add_parser(subparsers):
     p.add_argument("--ckpt-dir", help="checkpoint directory (default checkpoints/<what>)")
     p.add_argument("--init", help="draft: start from this model directory's weights (fresh optimizer and schedule)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (>= 1; default: all cores)")
     p.add_argument("--target-minutes", type=float, default=80.0, help="all: target budget")
     p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget")
     p.add_argument("--draft-continue-minutes", type=float, default=0.0,

@@ -1,7 +1,7 @@
 """The engine in a background thread; each request is an asyncio queue of outputs.
 
 `LLMEngine` is not thread-safe, so exactly one thread (the engine thread) touches it. The event
-loop validates a request (`check_request` only reads constants), then sends commands (add, abort)
+loop validates a request (the serving layer calls `check_request`, which only reads constants), then sends commands (add, abort)
 through a thread-safe queue and wakes the thread. The thread drains the commands, runs one
 `step()`, and hands every request's new output to its queue with one `call_soon_threadsafe` per
 step. After each step it publishes a `Snapshot` (counters, queue lengths, KV blocks) that
@@ -190,10 +190,10 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     sink: asyncio.Queue | None = None) -> RequestStream:
-        """Validate (raises ValueError) and enqueue one request; the caller checks the queue limit."""
+        """Enqueue one request the caller has validated (`LLMEngine.check_request`, done once per
+        prompt by the serving layer before any choice is added) and fitted to the queue limit."""
         if self._stopping:
             raise RuntimeError("the server is shutting down")
-        self.engine.check_request(prompt_ids, params)
         stream = RequestStream(request_id, sink)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, list(prompt_ids), params))
