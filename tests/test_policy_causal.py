@@ -335,3 +335,17 @@ def test_goodput_measured_check_follows_the_clock(spec_pays):
         modes.append(policy._mode)
     spec_share = modes[100:].count("spec") / 300
     assert spec_share > 0.85 if spec_pays else spec_share < 0.15
+
+
+def test_grid_cost_reads_the_measured_points():
+    from draftwise.policies.cost import GridCost
+
+    pts = [(b, t, 64, 0.004 + (0.0 if b == 1 else 0.0005 * b * t)) for b in (1, 4, 16) for t in (1, 3, 5)]
+    pts += [(1, 1, 256, 0.009)]  # another context: not in the table
+    g = GridCost(COST, pts)
+    for b, t, c, s in pts[:-1]:
+        assert g.target_seconds(b, b * t, 64) == pytest.approx(s)
+    assert g.target_seconds(1, 5, 64) == pytest.approx(g.target_seconds(1, 1, 64))  # free at batch 1
+    f4, f16 = 0.004 + 0.0005 * 4 * 2, 0.004 + 0.0005 * 16 * 2  # 2 tokens per sequence at B = 4 and 16
+    assert g.target_seconds(8, 16, 64) == pytest.approx(f4 + (f16 - f4) * (8 - 4) / (16 - 4))
+    assert g.target_seconds(4, 8, 100) == pytest.approx(g.target_seconds(4, 8, 64) + COST.target[3] * 4 * 36)

@@ -118,7 +118,7 @@ class LLMEngine:
             threads=torch.get_num_threads(), max_num_seqs=cfg.max_num_seqs, k=self.spec.k, path=self.spec.profile,
             log=lambda msg: print(msg, file=sys.stderr),
         )
-        return profile.cost
+        return profile.grid_cost()
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:

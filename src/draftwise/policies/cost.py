@@ -104,3 +104,44 @@ class OnlineCost:
         e1 = (cxx[1][1] * cxy[0] - cxx[0][1] * cxy[1]) / det
         e2 = (cxx[0][0] * cxy[1] - cxx[1][0] * cxy[0]) / det
         self._coef = (my - e1 * mx[0] - e2 * mx[1], e1, e2)
+
+
+class GridCost(CostModel):
+    """The target's cost read off the measured grid itself, the drafter's from the fit.
+
+    A straight line in tokens cannot be right at both ends: at one sequence, verifying four more
+    tokens costs almost nothing (the step reads the weights once either way), at 64 sequences
+    every token costs. So the target's time at (B sequences, T tokens) is interpolated in the
+    measured points of the profile's first context: linearly in tokens per sequence within each
+    measured B, then linearly in B between the two measured batch sizes around it (extrapolated
+    along the last segment outside the grid); the context term is the fit's t_ctx * B * (C - C0).
+    """
+
+    def __init__(self, fit: CostModel, points: list[tuple[int, int, int, float]]):
+        super().__init__(fit.target, fit.draft)
+        if not points:
+            raise ValueError("GridCost needs measured points")
+        self.context0 = min(c for _, _, c, _ in points)
+        table: dict[int, dict[int, float]] = {}
+        for b, t, c, s in points:
+            if c == self.context0:
+                table.setdefault(b, {})[t] = s
+        self._bs = sorted(table)
+        self._rows = {b: sorted(table[b].items()) for b in self._bs}
+
+    @staticmethod
+    def _lerp(xs: list[tuple[float, float]], x: float) -> float:
+        if len(xs) == 1:
+            return xs[0][1]
+        i = 1
+        while i < len(xs) - 1 and xs[i][0] < x:
+            i += 1
+        (x0, y0), (x1, y1) = xs[i - 1], xs[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def target_seconds(self, num_seqs: int, num_tokens: int, context: float = 0.0) -> float:
+        b = max(1, num_seqs)
+        per_seq = num_tokens / b
+        by_b = [(bb, self._lerp(self._rows[bb], per_seq)) for bb in self._bs]
+        base = max(0.0, self._lerp(by_b, b))
+        return base + self.target[3] * b * (context - self.context0)

@@ -37,7 +37,7 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
-from .cost import CostModel
+from .cost import CostModel, GridCost
 from .fit import fit_cost_model, fit_errors, predict_target  # noqa: F401 (re-exported)
 
 FORMAT = "draftwise.profile/1"
@@ -109,6 +109,13 @@ class HardwareProfile:
             fit=dict(d.get("fit", {})), skipped=list(d.get("skipped", [])),
             measured_seconds=float(d.get("measured_seconds", 0.0)), created=str(d.get("created", "")),
         )
+
+    def grid_cost(self) -> CostModel:
+        """The cost model the goodput policy uses: the measured grid (GridCost), or the fit alone
+        when the profile has no grid."""
+        if not self.grid:
+            return self.cost
+        return GridCost(self.cost, [(p.num_seqs, p.tokens_per_seq, p.context, p.seconds) for p in self.grid])
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON (atomically: a reader never sees half a file)."""
