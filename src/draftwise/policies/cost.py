@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class CostModel:
@@ -46,25 +48,26 @@ class OnlineCost:
 
     A whole engine step also pays for work outside the two forwards (scheduling, processing the
     logits, verification, postprocess: Python work that grows with the rows B and the tokens T),
-    and the machine's speed drifts. The residual r = measured step - profile's prediction of every
-    step without prefill is fitted as e0 + e1 * B + e2 * T by exponentially weighted least
-    squares on centred features: the slopes come only from how B and T varied among the steps
-    seen (a slope the data cannot tell is 0, so a run that never drafted does not learn that a
-    verified token costs the whole residual), and the intercept takes the mean. `step_seconds` is
-    the profile's prediction plus that residual; the goodput policy optimises against it.
+    a drafter step costs what the profile's isolated timing does not say, and the machine's speed
+    drifts. The residual r = measured step - profile's prediction of every decode step is fitted as
+    e0 + e1 * B + e2 * T + e3 * D (D = drafter steps) by exponentially weighted least squares on
+    centred features: the slopes come only from how B, T and D varied among the steps seen (a
+    slope the data cannot tell is 0, so a run that never drafted does not learn that a verified
+    token costs the whole residual), and the intercept takes the mean. `step_seconds` is the
+    profile's prediction plus that residual; the goodput policy optimises against it.
     """
 
     DECAY = 0.98  # per observed step: the fit follows the last ~50 steps
-    RIDGE = 1e-3  # in units of B^2 and T^2 per unit of weight: slopes need real variation
+    RIDGE = 1e-3  # in units of B^2, T^2, D^2 per unit of weight: slopes need real variation
 
     def __init__(self, cost: CostModel):
         self.cost = cost
         self._w = 0.0  # decayed weight
-        self._sx = [0.0, 0.0]  # sums of B, T
+        self._sx = np.zeros(3)  # sums of (B, T, D)
         self._sy = 0.0  # sum of r
-        self._sxx = [[0.0, 0.0], [0.0, 0.0]]
-        self._sxy = [0.0, 0.0]
-        self._coef = (0.0, 0.0, 0.0)  # e0, e1, e2
+        self._sxx = np.zeros((3, 3))
+        self._sxy = np.zeros(3)
+        self._coef = (0.0, 0.0, 0.0, 0.0)  # e0, e1 (per row), e2 (per token), e3 (per drafter step)
 
     @staticmethod
     def draft_lengths_seconds(cost: CostModel, lengths, context: float) -> float:
@@ -72,38 +75,39 @@ class OnlineCost:
         lengths = list(lengths)
         return sum(cost.draft_seconds(sum(n > j for n in lengths), context) for j in range(max(lengths, default=0)))
 
-    def residual(self, num_seqs: int, num_tokens: int) -> float:
-        e0, e1, e2 = self._coef
-        return e0 + e1 * num_seqs + e2 * num_tokens
+    def residual(self, num_seqs: int, num_tokens: int, drafter_steps: int = 0) -> float:
+        e0, e1, e2, e3 = self._coef
+        return e0 + e1 * num_seqs + e2 * num_tokens + e3 * drafter_steps
+
+    def draft_step_seconds(self, num_seqs: int, context: float) -> float:
+        """One drafter step over num_seqs rows: the profile's, plus the learned per-step residual."""
+        if num_seqs <= 0:
+            return 0.0
+        return max(0.0, self.cost.draft_seconds(num_seqs, context) + self._coef[3])
 
     def profile_seconds(self, num_seqs: int, num_tokens: int, context: float, draft_lengths=()) -> float:
         return (self.draft_lengths_seconds(self.cost, draft_lengths, context)
                 + self.cost.target_seconds(num_seqs, num_tokens, context))
 
     def step_seconds(self, num_seqs: int, num_tokens: int, context: float, draft_lengths=()) -> float:
-        return self.profile_seconds(num_seqs, num_tokens, context, draft_lengths) + self.residual(num_seqs, num_tokens)
+        steps = max(list(draft_lengths), default=0)
+        return (self.profile_seconds(num_seqs, num_tokens, context, draft_lengths)
+                + self.residual(num_seqs, num_tokens, steps))
 
     def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float) -> None:
         r = measured - self.profile_seconds(num_seqs, num_tokens, context, draft_lengths)
-        x = (float(num_seqs), float(num_tokens))
+        x = np.array([num_seqs, num_tokens, max(list(draft_lengths), default=0)], dtype=np.float64)
         d = self.DECAY
         self._w = self._w * d + 1.0
         self._sy = self._sy * d + r
-        for i in range(2):
-            self._sx[i] = self._sx[i] * d + x[i]
-            self._sxy[i] = self._sxy[i] * d + x[i] * r
-            for j in range(2):
-                self._sxx[i][j] = self._sxx[i][j] * d + x[i] * x[j]
-        w = self._w
-        mx = [self._sx[0] / w, self._sx[1] / w]
-        my = self._sy / w
-        cxx = [[self._sxx[i][j] / w - mx[i] * mx[j] + (self.RIDGE if i == j else 0.0) for j in range(2)]
-               for i in range(2)]
-        cxy = [self._sxy[i] / w - mx[i] * my for i in range(2)]
-        det = cxx[0][0] * cxx[1][1] - cxx[0][1] * cxx[1][0]
-        e1 = (cxx[1][1] * cxy[0] - cxx[0][1] * cxy[1]) / det
-        e2 = (cxx[0][0] * cxy[1] - cxx[1][0] * cxy[0]) / det
-        self._coef = (my - e1 * mx[0] - e2 * mx[1], e1, e2)
+        self._sx = self._sx * d + x
+        self._sxy = self._sxy * d + x * r
+        self._sxx = self._sxx * d + np.outer(x, x)
+        mx, my = self._sx / self._w, self._sy / self._w
+        cxx = self._sxx / self._w - np.outer(mx, mx) + self.RIDGE * np.eye(3)
+        cxy = self._sxy / self._w - mx * my
+        slopes = np.linalg.solve(cxx, cxy)
+        self._coef = (float(my - slopes @ mx), *(float(v) for v in slopes))
 
 
 class GridCost(CostModel):

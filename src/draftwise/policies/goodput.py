@@ -122,7 +122,7 @@ class GoodputPolicy:
             if i is not None:
                 probes[i] = 1
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
-        draft = (lambda n: self.cost.draft_seconds(n, ctx)) if self.has_draft_model else None
+        draft = (lambda n: self.model.draft_step_seconds(n, ctx)) if self.has_draft_model else None
         lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
         self._bucket = b.bit_length()
         self._mode = self._choose_mode(self._bucket) if any(n > p for n, p in zip(lengths, probes)) else "plain"
