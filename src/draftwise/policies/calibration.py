@@ -40,6 +40,7 @@ class Calibration:
         # [greedy?][bin] -> [accepted, observed]
         self.tables = [[[c * PRIOR_WEIGHT, PRIOR_WEIGHT] for c in centers] for _ in range(2)]
         self.total = [0.5 * PRIOR_WEIGHT, PRIOR_WEIGHT]  # engine-wide acceptance, all bins
+        self.by_position: list[list[float]] = []  # [position] -> [accepted, tested]: conditional acceptance
         self.requests: dict[int, RequestEstimate] = {}
 
     def engine_rate(self, greedy: bool, conf: float | None) -> float:
@@ -60,6 +61,20 @@ class Calibration:
             return g
         return (r.accepted + PRIOR_WEIGHT * g) / (r.observed + PRIOR_WEIGHT)
 
+    def position_rates(self, seq_id: int, n: int) -> list[float]:
+        """Before drafting: the acceptance of proposals 1..n given the earlier ones were accepted,
+        engine-wide by position (acceptance usually rises along a block: a draft that got the
+        first tokens right is on track), scaled by the request's recent rate against the
+        engine's."""
+        g = self.total[0] / self.total[1]
+        scale = self.prior_rate(seq_id) / g if g > 0 else 0.0
+        out = []
+        for j in range(n):
+            acc, tested = self.by_position[j] if j < len(self.by_position) else (0.0, 0.0)
+            rate = (acc + PRIOR_WEIGHT * g) / (tested + PRIOR_WEIGHT)
+            out.append(min(0.995, rate * scale))
+        return out
+
     def observe(self, seq_id: int, greedy: bool, confidences: list[float | None], num_accepted: int) -> None:
         """One round's tested proposals: confidences[:num_accepted] accepted, then one rejected
         (when len(confidences) > num_accepted)."""
@@ -76,6 +91,10 @@ class Calibration:
             cell[1] = cell[1] * ENGINE_DECAY + 1.0
             self.total[0] = self.total[0] * ENGINE_DECAY + ok
             self.total[1] = self.total[1] * ENGINE_DECAY + 1.0
+            while len(self.by_position) <= j:
+                self.by_position.append([0.0, 0.0])
+            pos = self.by_position[j]
+            pos[0], pos[1] = pos[0] * ENGINE_DECAY + ok, pos[1] * ENGINE_DECAY + 1.0
             r.observed += 1.0
             r.accepted += ok
 

@@ -8,8 +8,8 @@ a_{i,m}: the estimated acceptance of proposal m of row i given the earlier ones 
 (calibration.py: from the drafter's confidence at m, calibrated online, engine-wide and per
 request); cost(.) and t_draft: the measured hardware profile's cost model (cost.py).
 
-- `plan` (before drafting) solves the whole problem with a_{i,m} = the request's recent
-  acceptance rate (`choose_lengths`); the drafting time is part of the objective (one drafter
+- `plan` (before drafting) solves the whole problem with a_{i,m} = the engine's conditional
+  acceptance at position m scaled by the request's recent rate (`choose_lengths`); the drafting time is part of the objective (one drafter
   step per position, over the rows that draft that far), so a loaded step or a useless drafter
   drafts little or nothing. A row that has not verified for `probe_every` steps drafts and
   verifies one proposal (a probe: its estimate can recover); so does one row of the batch when
@@ -113,8 +113,11 @@ class GoodputPolicy:
         cal = self.calibration
         gains, probes = [], []
         for s, m in zip(seqs, max_draft):
-            a = cal.prior_rate(s.seq_id)
-            gains.append([a ** (j + 1) for j in range(m)])
+            row, g = [], 1.0
+            for a in cal.position_rates(s.seq_id, m):
+                g *= a
+                row.append(g)
+            gains.append(row)
             r = cal.requests.get(s.seq_id)
             probes.append(1 if m and r is not None and r.steps_without_verifying >= self.probe_every else 0)
         if self._idle_steps >= self.probe_every and not any(probes):  # engine-wide probe: one row
