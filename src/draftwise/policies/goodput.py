@@ -177,13 +177,13 @@ class GoodputPolicy:
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
-        if catchup <= 0:  # the arms compare steady states: a drafter catching up is the switch's cost
-            arm = self._arms.setdefault(self._bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})[self._mode]
-            d = self.arm_decay
-            arm[0], arm[1], arm[2] = arm[0] * d + committed, arm[1] * d + seconds, arm[2] * d + 1.0
+        # the arms count every step, a drafter's catch-up after plain steps included: it is what
+        # switching costs (leaving those steps out let a loaded batch never measure speculation)
+        arm = self._arms.setdefault(self._bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})[self._mode]
+        d = self.arm_decay
+        arm[0], arm[1], arm[2] = arm[0] * d + committed, arm[1] * d + seconds, arm[2] * d + 1.0
         lengths = draft_lengths if self.has_draft_model else ()
         predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
-        if catchup <= 0:  # a drafter catching up after plain steps is a switching cost, not the step's
-            self.model.observe(num_seqs, num_tokens, context, lengths, seconds)
+        self.model.observe(num_seqs, num_tokens, context, lengths, seconds)
         return predicted, profile_only
