@@ -84,6 +84,13 @@ class SamplingParams:
     def validate(self) -> None:
         """Check every value (raises ValueError naming the parameter); normalises `stop`,
         `stop_token_ids` and `logit_bias` in place."""
+        self._validate_distribution()
+        self._validate_logit_bias()
+        self._validate_lengths_and_stops()
+        self.structured_output = normalize_structured_output(self.structured_output)
+
+    def _validate_distribution(self) -> None:
+        """temperature, top_k, top_p, min_p and the penalties, in float32 terms."""
         t = _number("temperature", self.temperature, "a finite number >= 0")
         if not (0.0 <= t <= FLOAT32_MAX):
             note = f" (infinite in float32: at most {FLOAT32_MAX:.4g})" if t > FLOAT32_MAX else ""
@@ -112,6 +119,7 @@ class SamplingParams:
             if not (-2.0 <= v <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
 
+    def _validate_logit_bias(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(
@@ -128,6 +136,8 @@ class SamplingParams:
                 bias[tok] = v
             self.logit_bias = bias
 
+    def _validate_lengths_and_stops(self) -> None:
+        """seed, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n."""
         if self.seed is not None:
             _integer("seed", self.seed, "in [-2**63, 2**64)")
             if not (-(2**63) <= self.seed < 2**64):
@@ -170,8 +180,6 @@ class SamplingParams:
         _integer("n", self.n, ">= 1")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-
-        self.structured_output = normalize_structured_output(self.structured_output)
 
     @property
     def is_greedy(self) -> bool:

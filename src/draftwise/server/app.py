@@ -35,31 +35,8 @@ from .serving import OpenAIServing
 log = logging.getLogger("draftwise.server")
 
 
-def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
-              max_queue: int | None = None, thread: EngineThread | None = None,
-              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
-    """`api_key`: required as `Authorization: Bearer KEY` on /v1/* (None: open)."""
-    limits = limits or ServerLimits()
-    aeng = AsyncEngine(engine, max_queue=max_queue, thread=thread)
-    outcomes = Outcomes()
-    serving = OpenAIServing(aeng, model_name, aliases or set(), ChatTemplate(engine.target.tokenizer_config),
-                            limits, outcomes)
-    registry = make_registry(aeng, model_name, outcomes)
-    created = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        aeng.start()
-        yield
-        aeng.abort_all("shutdown")  # what the bounded drain left (nothing after a normal one)
-        await aeng.shutdown()
-        serving.close()
-
-    app = FastAPI(title="draftwise", lifespan=lifespan)
-    app.state.engine = aeng
-    app.state.serving = serving
-    app.state.outcomes = outcomes
-    app.add_middleware(RequestGuard, limits=limits, api_key=api_key, on_reject=lambda: outcomes.record("rejected"))
+def _add_error_handlers(app: FastAPI, outcomes: Outcomes) -> None:
+    """Every error answers with the OpenAI envelope and is counted once."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -94,6 +71,35 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
         if request.url.path.startswith("/v1/"):
             outcomes.record("rejected" if e.status_code < 500 else "error")
         return APIError(e.status_code, str(e.detail), None, None).response()
+
+
+def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
+              max_queue: int | None = None, thread: EngineThread | None = None,
+              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
+    """`api_key`: required as `Authorization: Bearer KEY` on /v1/* (None: open)."""
+    limits = limits or ServerLimits()
+    aeng = AsyncEngine(engine, max_queue=max_queue, thread=thread)
+    outcomes = Outcomes()
+    serving = OpenAIServing(aeng, model_name, aliases or set(), ChatTemplate(engine.target.tokenizer_config),
+                            limits, outcomes)
+    registry = make_registry(aeng, model_name, outcomes)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aeng.start()
+        yield
+        aeng.abort_all("shutdown")  # what the bounded drain left (nothing after a normal one)
+        await aeng.shutdown()
+        serving.close()
+
+    app = FastAPI(title="draftwise", lifespan=lifespan)
+    app.state.engine = aeng
+    app.state.serving = serving
+    app.state.outcomes = outcomes
+    app.add_middleware(RequestGuard, limits=limits, api_key=api_key, on_reject=lambda: outcomes.record("rejected"))
+
+    _add_error_handlers(app, outcomes)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

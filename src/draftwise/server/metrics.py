@@ -100,6 +100,11 @@ class EngineCollector:
             c.add_metric(v, st.get(key, 0))
             yield c
 
+        yield from self._speculation(st, m, v)
+
+    @staticmethod
+    def _speculation(st: dict, m: list[str], v: list[str]):
+        """Acceptance by position, tokens committed per round, step time by phase."""
         c = CounterMetricFamily("draftwise:spec_decode_num_accepted_tokens_per_pos",
                                 "Accepted proposals by position in the proposal (0 = first).",
                                 labels=m + ["position"])

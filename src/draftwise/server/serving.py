@@ -77,6 +77,18 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _split_prompt(p) -> tuple[list[str] | None, list[list[int]] | None]:
+    """A completions `prompt`: (texts, None) for a string or a list of them, (None, token id
+    lists) for a list of ids or a list of such lists."""
+    if isinstance(p, str):
+        return [p], None
+    if p and all(isinstance(x, str) for x in p):
+        return list(p), None
+    if p and all(isinstance(x, int) for x in p):
+        return None, [list(p)]
+    return None, [list(x) for x in p]
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, model_aliases: set[str], chat: ChatTemplate,
                  limits: ServerLimits | None = None, outcomes: Outcomes | None = None):
@@ -271,15 +283,7 @@ class OpenAIServing:
         if req.echo:
             raise APIError(400, "echo is not supported", "echo", "unsupported")
         p = req.prompt
-        texts, prompts = None, None
-        if isinstance(p, str):
-            texts = [p]
-        elif p and all(isinstance(x, str) for x in p):
-            texts = list(p)
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        else:
-            prompts = [list(x) for x in p]
+        texts, prompts = _split_prompt(p)
         num_prompts = len(texts if texts is not None else prompts)
         if not num_prompts:
             raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
