@@ -88,6 +88,8 @@ class LLMEngine:
             pcls = policy_class(self.spec.policy)
             cost = self._cost_model(draft) if pcls.needs_cost_model else None
             self.policy = pcls(k=self.spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
+            if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
+                self.proposer.confidence = getattr(self.policy, "needs_confidence", True)
         draft_kv = self.proposer.kv if self.proposer is not None else None
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens

@@ -38,6 +38,7 @@ class Policy(Protocol):
 
     name: str
     needs_cost_model: bool
+    needs_confidence: bool  # reads DraftBlock.confidence (the drafter computes it only then)
 
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         """Tokens to draft per sequence, each in [0, max_draft[i]]."""
@@ -83,6 +84,7 @@ class _Stateless:
     """Defaults for policies without per-request state."""
 
     needs_cost_model = False
+    needs_confidence = False
 
     def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
         pass

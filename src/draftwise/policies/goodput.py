@@ -85,6 +85,7 @@ def choose_lengths(
 @register_policy("goodput")
 class GoodputPolicy:
     needs_cost_model = True
+    needs_confidence = True
     probe_every = 32
     arm_decay = 0.8  # per step of that arm: the figures follow the last ~5 of its steps
 

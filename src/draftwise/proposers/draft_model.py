@@ -42,6 +42,7 @@ class DraftModelProposer:
         self.kv = self.runner.kv
         self.eos_ids = list(eos_ids or [])
         self._fed: dict[int, int] = {}  # seq_id -> proposals the last round fed to the draft cache
+        self.confidence = True  # compute max q_j per proposal (the engine turns it off when unused)
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft):
@@ -66,10 +67,12 @@ class DraftModelProposer:
             # greedy rows need only the argmax (their verification ignores q); others need q
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
             q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
-            argmax = q_logits.argmax(dim=-1).tolist() if len(sampled) < len(active) else None
-            # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn
-            top = q_logits.max(dim=-1, keepdim=True).values  # [A, 1]
-            conf = (1.0 / torch.exp(q_logits - top).sum(dim=-1)).tolist()  # [A]
+            top, am = q_logits.max(dim=-1)  # [A], [A]
+            argmax = am.tolist() if len(sampled) < len(active) else None
+            # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn (only
+            # when the verification policy reads it)
+            conf = ((1.0 / torch.exp(q_logits - top[:, None]).sum(dim=-1)).tolist() if self.confidence
+                    else [None] * len(active))  # [A]
             nxt = []
             row = 0
             for r, i in enumerate(active):
