@@ -189,7 +189,6 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         self._prefill_seconds = 0.0
-        self._catchup = 0
         self.isolation.before_step()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -232,10 +231,6 @@ class LLMEngine:
             return {}, {}
         seqs = [s.seq for s in decoding]
         plan = self.policy.plan(seqs, [s.num_draft for s in decoding])
-        # committed tokens a drafter with its own cache must feed before drafting (after steps
-        # without drafting): a switching cost the policy keeps out of its steady-state figures
-        self._catchup = 0 if self.proposer.kv is None else sum(
-            s.num_tokens - s.draft_computed - 1 for s, n in zip(seqs, plan) if n)
         t0 = time.perf_counter()
         if any(plan):
             drafted = self.proposer.propose(seqs, plan)
@@ -252,7 +247,7 @@ class LLMEngine:
         ctx = sum(s.seq.num_tokens for s in scheduled) / b
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
-        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catchup=self._catchup)
+        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds)
         if predicted is not None:
             self.stats.record_prediction(*predicted, seconds)
 

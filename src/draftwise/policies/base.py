@@ -53,11 +53,10 @@ class Policy(Protocol):
         """The request finished: drop its state."""
 
     def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
-                     seconds: float, catchup: int = 0) -> tuple[float, float] | None:
-        """A step without prefill took `seconds` (B rows, T tokens fed, mean context, tokens drafted
-        per row; `catchup`: committed tokens the drafter fed first, after steps without drafting).
-        Returns what the policy's cost model predicted for it, and what the hardware profile
-        alone predicted (None: it has no cost model)."""
+                     seconds: float) -> tuple[float, float] | None:
+        """A decode step took `seconds` (its prefill chunks' forward left out; B rows, T tokens fed,
+        mean context, tokens drafted per row). Returns what the policy's cost model predicted for
+        it, and what the hardware profile alone predicted (None: it has no cost model)."""
 
 
 POLICIES = Registry("policy")
@@ -92,7 +91,7 @@ class _Stateless:
     def forget(self, seq_id: int) -> None:
         pass
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds, catchup=0) -> tuple[float, float] | None:
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds) -> tuple[float, float] | None:
         return None
 
 

@@ -174,7 +174,7 @@ class GoodputPolicy:
     def forget(self, seq_id):
         self.calibration.forget(seq_id)
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds, catchup=0):
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
