@@ -25,6 +25,7 @@ class KVManager:
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
         self.prefix_cache = PrefixCache(self.pool) if prefix_caching else None
+        self.free_hooks: list = []  # called with the seq_id when a sequence's blocks are freed
 
     def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
         """A new sequence (no table yet): share the cached blocks of its longest cached prefix.
@@ -73,6 +74,8 @@ class KVManager:
             self.pool.free(table)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq_id)
+        for hook in self.free_hooks:  # e.g. a hybrid model's recurrent state slot
+            hook(seq_id)
 
     def contiguous_start(self, seq_id: int, length: int) -> int | None:
         """First slot of `seq_id` if its positions 0..length-1 lie on consecutive slots, else None."""

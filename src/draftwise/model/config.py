@@ -11,11 +11,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hybrid_config import HybridConfigError, HybridSpec
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3NextForCausalLM": "qwen3_next",  # hybrid: gated delta rule + attention (model/hybrid.py)
 }
 
 
@@ -44,6 +47,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    hybrid: HybridSpec | None = None  # Qwen3-Next: recurrent layers beside attention (hybrid_config.py)
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -87,8 +91,14 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         sliding = cfg.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3", "qwen3_next") and not cfg.get("use_sliding_window", False):
             sliding = None
+        hybrid = None
+        if arch == "qwen3_next":
+            try:
+                hybrid = HybridSpec.from_dict(cfg, int(need("num_hidden_layers")), head_dim, source)
+            except HybridConfigError as e:
+                raise ModelLoadError(str(e)) from None
         return cls(
             arch=arch,
             vocab_size=int(need("vocab_size")),
@@ -105,10 +115,11 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_next"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            hybrid=hybrid,
             raw=cfg,
         )
 

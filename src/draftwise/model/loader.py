@@ -17,7 +17,13 @@ from safetensors.torch import save_file
 
 from ..paths import models_dir, resolve_model
 from .config import ModelConfig, ModelLoadError
+from .hybrid import HybridModel
 from .llama import LlamaModel
+
+
+def model_class(cfg: ModelConfig):
+    """The module for a config: the hybrid decoder (Qwen3-Next) or the Llama-family one."""
+    return HybridModel if cfg.hybrid is not None else LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +40,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class LoadedModel:
     path: Path
     config: ModelConfig
-    model: LlamaModel
+    model: LlamaModel | HybridModel
     tokenizer: object | None  # tokenizers.Tokenizer
     tokenizer_config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
@@ -74,7 +80,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     cfg = ModelConfig.from_dir(path)
     dt = resolve_dtype(dtype)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = model_class(cfg)(cfg)
     expected = dict(model.state_dict())
     loaded: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
@@ -103,7 +109,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     missing = [n for n in expected if n not in loaded]
     if missing:
         raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}")
-    model = LlamaModel(cfg).to(dtype=dt)
+    model = model_class(cfg)(cfg).to(dtype=dt)
     model.load_state_dict(loaded, strict=False)
     model.inv_freq = model.inv_freq.float()
     model.to(device).eval().requires_grad_(False)

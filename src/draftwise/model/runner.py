@@ -5,6 +5,12 @@ positions `start .. start+T-1` (K/V capacity must already be reserved), runs one
 padded batch `[B, Tmax]`, and returns logits only for the last `num_logits[b]` positions of each
 sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
 chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`.
+
+A hybrid model (model/hybrid.py) has K/V for its attention layers only and a recurrent state per
+sequence (`self.state`, model/recurrent_state.py): rows passed as `provisional` (verification
+blocks) keep their state updates aside until `commit_state(seq_id, num_computed)`; the others
+advance it during the forward. Prefix caching is off for hybrid models (a cached block of K/V
+says nothing of the recurrent state at its end).
 """
 from __future__ import annotations
 
@@ -13,19 +19,29 @@ import torch
 from ..kv import KVManager
 from .attention import AttentionMetadata
 from .loader import LoadedModel
+from .recurrent_state import RecurrentStatePool
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, prefix_caching: bool = False):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, prefix_caching: bool = False,
+                 recurrent_rollback: str = "snapshot"):
         self.loaded = loaded
         self.model = loaded.model
-        self.cfg = loaded.config
+        self.cfg = cfg = loaded.config
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
+        self.state = None  # the recurrent state pool of a hybrid model
+        hs = cfg.hybrid
+        if hs is not None:
+            self.state = RecurrentStatePool(len(hs.recurrent_layers), hs.num_v_heads, hs.k_head_dim, hs.v_head_dim,
+                                            hs.conv_kernel, hs.conv_dim, self.dtype, self.device, recurrent_rollback)
+            prefix_caching = False
         self.kv = KVManager(num_blocks, block_size, prefix_caching)
-        cfg = self.cfg
+        if self.state is not None:  # the state slot goes with the sequence's blocks
+            self.kv.free_hooks.append(self.state.free)
+        num_kv_layers = len(hs.attention_layers) if hs is not None else cfg.num_hidden_layers
         self.cache = torch.zeros(
-            cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
+            num_kv_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )  # [layers, 2, num_slots, Hkv, D]
 
@@ -37,6 +53,7 @@ class ModelRunner:
         starts: list[int],
         num_logits: list[int],
         return_hidden: bool = False,
+        provisional: list[bool] | None = None,  # hybrid models: rows whose state waits for commit_state
     ):
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
@@ -65,7 +82,12 @@ class ModelRunner:
             meta = AttentionMetadata(*(None if t is None else t.to(dev)
                                        for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)),
                                      gather_start=meta.gather_start)
-        hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [B, T, hidden]
+        if self.state is None:
+            hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [B, T, hidden]
+        else:
+            sb = self.state.batch(seq_ids, starts, lens, provisional)
+            hidden = self.model(ids, pos, self.cache, meta, state=sb)
+            sb.finish()
         if T == 1:
             sel = hidden[:, 0]  # decode: one logits row per sequence, no gather
         else:
@@ -75,3 +97,9 @@ class ModelRunner:
         if return_hidden:
             return logits, sel
         return logits
+
+    def commit_state(self, seq_id: int, num_computed: int) -> None:
+        """Postprocess of a hybrid model's provisional row: its recurrent checkpoint advances to
+        `num_computed` positions (snapshot copy or replay); nothing to do for attention models."""
+        if self.state is not None:
+            self.state.commit(seq_id, num_computed)

@@ -1,0 +1,191 @@
+"""Per-sequence recurrent state of a hybrid model's linear-attention layers, beside the paged K/V.
+
+Layout (one pool per model runner, slot-major so that one sequence's state is one block):
+
+    matrix [num_slots, L_rec, H_v, dk, dv]   float32   the delta-rule state S of each layer
+    conv   [num_slots, L_rec, K-1, C]        model dtype  the short convolution's window
+
+A slot holds the **committed checkpoint**: the state after exactly `num_computed` tokens of its
+sequence (the positions whose K/V are valid in the attention layers). A sequence gets a slot on
+its first forward (start 0: zeroed), keeps it while it runs, and gives it back when its K/V
+blocks are freed (finish, abort, preemption: the runner hooks `KVManager.free`); a preempted
+sequence is rebuilt by recompute from token 0 like its K/V. The pool grows by doubling.
+
+A verification block `[last committed, d_1..d_k]` advances the state through proposals that may
+be rejected, so its rows are *provisional*: the checkpoint is not written during the forward, and
+postprocess calls `commit(seq_id, num_computed)` once it knows how many of the block's positions
+were committed (n = num_computed - start, 1..k+1). Two strategies (`--recurrent-rollback`):
+
+- `snapshot`: the forward keeps the state (matrix and window) after each of the block's positions
+  (scratch: (k+1) states per sequence); commit copies the one after position n into the slot.
+- `replay`: the forward keeps only the per-position inputs of the recurrence (k, v, g, beta after
+  the convolution, and the convolution's inputs; scratch: k+1 small rows per layer); commit
+  re-applies the first n updates to the checkpoint (`delta_update`, all layers at once).
+
+Rows that are not provisional (prefill chunks, plain decode steps) write their final state into
+the checkpoint during the forward: every fed token of theirs is committed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .gated_delta import delta_update
+
+ROLLBACK_STRATEGIES = ("snapshot", "replay")
+
+
+@dataclass
+class Pending:
+    """A provisional block of one sequence, waiting for commit. Tensors lead with the layer:
+    snapshot: `states` [L, T, H, dk, dv], `windows` [L, T, K-1, C];
+    replay: `conv_in` [L, T, C], `k` [L, T, H, dk], `v` [L, T, H, dv], `g` / `beta` [L, T, H]."""
+
+    start: int  # num_computed when the block was fed
+    length: int  # positions fed
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t[:, : self.length].numel() * t.element_size() for t in self.tensors.values())
+
+
+class RecurrentStatePool:
+    def __init__(self, num_layers: int, num_v_heads: int, k_dim: int, v_dim: int, conv_kernel: int, conv_dim: int,
+                 dtype: torch.dtype, device, rollback: str = "snapshot", initial_slots: int = 8):
+        if rollback not in ROLLBACK_STRATEGIES:
+            raise ValueError(f"recurrent rollback must be one of {', '.join(ROLLBACK_STRATEGIES)}, got {rollback!r}")
+        self.rollback = rollback
+        self.num_layers, self.conv_kernel = num_layers, conv_kernel
+        self._shapes = ((num_layers, num_v_heads, k_dim, v_dim), (num_layers, conv_kernel - 1, conv_dim))
+        self.dtype, self.device = dtype, device
+        self.matrix = torch.zeros(initial_slots, *self._shapes[0], dtype=torch.float32, device=device)
+        self.conv = torch.zeros(initial_slots, *self._shapes[1], dtype=dtype, device=device)
+        self.slots: dict[int, int] = {}  # seq_id -> slot
+        self.free_slots = list(range(initial_slots - 1, -1, -1))  # popped from the end: lowest first
+        self.pending: dict[int, Pending] = {}
+        self.peak_scratch_bytes = 0  # the largest provisional scratch of one forward
+
+    @property
+    def num_slots(self) -> int:
+        return self.matrix.shape[0]
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's checkpoint (all recurrent layers)."""
+        return self.matrix[0].numel() * 4 + self.conv[0].numel() * self.conv.element_size()
+
+    def _grow(self) -> None:
+        n = self.num_slots
+        self.matrix = torch.cat((self.matrix, torch.zeros_like(self.matrix)))
+        self.conv = torch.cat((self.conv, torch.zeros_like(self.conv)))
+        self.free_slots = list(range(2 * n - 1, n - 1, -1)) + self.free_slots
+
+    def slot_for(self, seq_id: int, start: int) -> int:
+        """The sequence's slot; a forward from position 0 (new, or recomputed) starts from zeros."""
+        slot = self.slots.get(seq_id)
+        if start == 0:
+            if slot is None:
+                if not self.free_slots:
+                    self._grow()
+                slot = self.slots[seq_id] = self.free_slots.pop()
+            self.matrix[slot].zero_()
+            self.conv[slot].zero_()
+        elif slot is None:
+            raise RuntimeError(f"sequence {seq_id} continues at position {start} without a recurrent state")
+        self.pending.pop(seq_id, None)
+        return slot
+
+    def free(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.pending.pop(seq_id, None)
+
+    def batch(self, seq_ids: list[int], starts: list[int], lens: list[int],
+              provisional: list[bool] | None) -> "StateBatch":
+        slots = [self.slot_for(s, st) for s, st in zip(seq_ids, starts)]
+        prov = list(provisional) if provisional is not None else [False] * len(seq_ids)
+        return StateBatch(self, seq_ids, starts, lens, prov, torch.tensor(slots, dtype=torch.long, device=self.device))
+
+    def commit(self, seq_id: int, num_computed: int) -> None:
+        """Advance the checkpoint of a provisional block to `num_computed` (postprocess)."""
+        p = self.pending.pop(seq_id, None)
+        if p is None:
+            return
+        n = num_computed - p.start
+        if not 1 <= n <= p.length:
+            raise RuntimeError(f"sequence {seq_id}: {n} committed positions of a {p.length}-position block")
+        slot = self.slots[seq_id]
+        t = p.tensors
+        if self.rollback == "snapshot":
+            self.matrix[slot].copy_(t["states"][:, n - 1])
+            self.conv[slot].copy_(t["windows"][:, n - 1])
+            return
+        S = self.matrix[slot]  # [L, H, dk, dv]
+        for j in range(n):  # all layers at once: each layer's inputs are its own
+            S = delta_update(S, t["k"][:, j], t["v"][:, j], t["g"][:, j], t["beta"][:, j])
+        self.matrix[slot].copy_(S)
+        K1 = self.conv_kernel - 1
+        self.conv[slot].copy_(torch.cat((self.conv[slot], t["conv_in"][:, :n].to(self.dtype)), dim=1)[:, -K1:])
+
+
+@dataclass
+class StateBatch:
+    """The recurrent state of one forward call's B sequences: layers read their checkpoints and
+    hand back what the call produced (`record`); `finish` files provisional rows as `Pending`."""
+
+    pool: RecurrentStatePool
+    seq_ids: list[int]
+    starts: list[int]
+    lens: list[int]  # new tokens of each row (the rest of the row is padding)
+    provisional: list[bool]
+    slots: torch.Tensor  # [B] long
+    _scratch: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def keeps_states(self) -> bool:
+        """Does a layer need the state after every position (snapshot with provisional rows)?"""
+        return self.pool.rollback == "snapshot" and any(self.provisional)
+
+    def valid(self, T: int, device) -> torch.Tensor:  # [B, T] bool: real tokens, not padding
+        return torch.arange(T, device=device)[None] < torch.tensor(self.lens, device=device)[:, None]
+
+    def read(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent layer r's checkpoints: window [B, K-1, C], matrix [B, H, dk, dv]."""
+        return self.pool.conv[self.slots, r], self.pool.matrix[self.slots, r]
+
+    def record(self, r: int, cat: torch.Tensor, k, v, g, beta, final: torch.Tensor,
+               states: torch.Tensor | None) -> None:
+        """Layer r's results: cat [B, K-1+T, C] (window + new inputs), k / v / g / beta per position,
+        final state [B, H, dk, dv] (padding left it unchanged), states per position or None."""
+        pool, K1 = self.pool, self.pool.conv_kernel - 1
+        rows = [b for b, p in enumerate(self.provisional) if not p]
+        if rows:  # committed rows: the checkpoint moves now
+            idx = torch.tensor(rows, dtype=torch.long, device=cat.device)
+            ends = torch.tensor([self.lens[b] for b in rows], device=cat.device)
+            win = cat[idx[:, None], ends[:, None] + torch.arange(K1, device=cat.device)]  # [R, K-1, C]
+            pool.matrix[self.slots[idx], r] = final[idx]
+            pool.conv[self.slots[idx], r] = win.to(pool.dtype)
+        if not any(self.provisional):
+            return
+        if pool.rollback == "snapshot":
+            T = cat.shape[1] - K1
+            windows = cat.unfold(1, K1, 1)[:, 1 : T + 1].transpose(-1, -2)  # [B, T, K-1, C]: after each token
+            self._scratch.setdefault("states", []).append(states)
+            self._scratch.setdefault("windows", []).append(windows.to(pool.dtype))
+        else:
+            for name, x in (("conv_in", cat[:, K1:]), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+                self._scratch.setdefault(name, []).append(x)
+
+    def finish(self) -> None:
+        """After the forward: each provisional row's scratch, layers stacked, becomes its Pending."""
+        if not any(self.provisional):
+            return
+        stacked = {name: torch.stack(xs, 0) for name, xs in self._scratch.items()}  # [L, B, T, ...]
+        total = 0
+        for b, (sid, prov) in enumerate(zip(self.seq_ids, self.provisional)):
+            if prov:
+                p = Pending(self.starts[b], self.lens[b], {n: x[:, b] for n, x in stacked.items()})
+                self.pool.pending[sid] = p
+                total += p.nbytes()
+        self.pool.peak_scratch_bytes = max(self.pool.peak_scratch_bytes, total)
