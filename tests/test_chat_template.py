@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from draftwise.model import load_model
-from draftwise.server.chat import ChatTemplate
+from draftwise.model.chat_template import ChatTemplate
 from gguf_files import write_gguf
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
-from draftwise.server.chat import ChatTemplate
+from draftwise.model.chat_template import ChatTemplate
 from server_harness import ServerThread
 
 PROMPTS = ["def add(a, b):", "class Point:\n", "for i in"]

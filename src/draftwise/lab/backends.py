@@ -173,7 +173,8 @@ def spec_stats_from_metrics(before: dict, after: dict) -> dict:
 
 
 class HTTPBackend:
-    """Streams `/v1/completions` from an OpenAI-compatible server at `url`."""
+    """Streams `/v1/completions` (`/v1/chat/completions` for a chat request) from an
+    OpenAI-compatible server at `url`."""
 
     name = "http"
 
@@ -237,9 +238,13 @@ class HTTPBackend:
 
     async def _stream(self, client, req: Request, p: SamplingParams, rec: RequestRecord, arrival: float) -> None:
         rec.arrival = arrival
-        body = {"model": self.model, "prompt": req.prompt, "max_tokens": p.max_tokens, "temperature": p.temperature,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
-                "logprobs": 0}  # the chunk's token list gives tokens per delivery
+        body = {"model": self.model, "max_tokens": p.max_tokens, "temperature": p.temperature,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if req.messages:  # the chunk's token list gives tokens per delivery
+            body.update(messages=req.message_dicts, logprobs=True, top_logprobs=0)
+        else:
+            body.update(prompt=req.prompt, logprobs=0)
+        route = "chat/completions" if req.messages else "completions"
         if p.seed is not None:
             body["seed"] = p.seed
         if p.structured_output:  # vLLM's structured_outputs names a JSON schema "json"
@@ -247,7 +252,7 @@ class HTTPBackend:
             body["structured_outputs"] = {"json" if kind == "json_schema" else kind: value}
         usage_tokens = None
         try:
-            async with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+            async with client.stream("POST", f"{self.url}/v1/{route}", json=body) as resp:
                 if resp.status_code != 200:
                     rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                     return
@@ -262,10 +267,11 @@ class HTTPBackend:
                     if chunk.get("usage"):
                         usage_tokens = chunk["usage"].get("completion_tokens")
                     for ch in chunk.get("choices") or []:
-                        text = ch.get("text") or ""
+                        text = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                         lp = ch.get("logprobs") or {}
-                        rec.token_texts += lp.get("tokens") or []
-                        ntok = len(lp.get("tokens") or []) or (1 if text else 0)
+                        tokens = lp.get("tokens") or [c.get("token", "") for c in lp.get("content") or []]
+                        rec.token_texts += tokens
+                        ntok = len(tokens) or (1 if text else 0)
                         if ntok:
                             rec.deliveries.append((t, ntok))
                             rec.text += text

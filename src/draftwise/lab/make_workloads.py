@@ -12,6 +12,12 @@
   held-out file, like a system prompt or a shared document): what prefix caching saves (greedy).
 - `json`: a function shown in full, then asked for as JSON matching `FUNCTION_SCHEMA` (structured
   output: name, arguments, returns a value, has a docstring; greedy).
+- `chat-grounded`: chat requests (`messages`, rendered with the model's chat template) that give
+  a passage, a function's source or its docstring, and ask for an answer drawn from it (rewrite
+  it with comments or type hints, quote the lines that do X, summarise it): replies copy much of
+  the passage, where n-gram lookup shines (greedy, 128 tokens).
+- `chat-open`: chat requests without a passage: write a function from a docstring's first
+  sentence, explain what a held-out function or module is for (greedy, 128 tokens).
 
 Deterministic: candidates are collected in path/line order and picked evenly spaced. Prompts
 stay short (a few hundred tokens) so that prompt + max_tokens fits a 1024-token context.
@@ -28,6 +34,8 @@ from .workload import WORKLOADS_DIR, Request, write_jsonl
 
 MAX_CONTEXT_CHARS = 900  # preceding file text kept before the function
 MAX_GROUNDED_CHARS = 1100  # the function shown in a grounded prompt
+MAX_PASSAGE_CHARS = 1400  # the passage of a chat-grounded request
+CHAT_MAX_TOKENS = 128
 SHARED_PREFIX_CHARS = 1800  # the preamble every shared-prefix request starts with
 FUNCTION_SCHEMA = {
     "type": "object",
@@ -114,6 +122,67 @@ def candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, str, i
     return {"code-easy": easy, "code-hard": hard, "grounded": grounded, "json": as_json}
 
 
+# chat-grounded asks, over a function's source ({kind} = "function") or a docstring ("passage")
+GROUNDED_ASKS = (
+    "Rewrite this {kind} exactly, adding a short comment above each block of lines.",
+    "Rewrite this function with type hints added, changing nothing else.",
+    "Which lines of this {kind} decide what it returns? Quote them exactly, then explain them briefly.",
+    "Summarise this {kind} in a few sentences, quoting its key phrases.",
+)
+DOC_ASKS = (
+    "Summarise this passage from the documentation of {where}, quoting its key sentences.",
+    "What does this passage from {where} say? Answer with its exact wording where you can.",
+)
+OPEN_ASKS = (
+    "Write a Python function `{name}` that does the following: {summary}",
+    "Explain what a Python function called `{name}` in the module `{module}` probably does, and how "
+    "you would use it.",
+    "What is the Python standard library module `{module}` for? Give an example of using it.",
+)
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def chat_candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, str, dict]]]:
+    """(id, kind, fields) candidates of the chat workloads, in path/line order; `chat_messages`
+    turns a picked one into messages (the ask rotates with the request's index)."""
+    grounded, open_ = [], []
+    for rel, text in files:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        stem = rel.removesuffix(".py").replace("/", ".")
+        module = stem.removesuffix(".__init__")
+        mod_doc = ast.get_docstring(tree)
+        if mod_doc and len(mod_doc) >= 300:
+            grounded.append((f"{stem}:doc", "doc", {"where": module, "passage": mod_doc[:MAX_PASSAGE_CHARS]}))
+        for fn in _functions(tree):
+            start = (fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno) - 1
+            src = "".join(lines[start : fn.end_lineno])
+            fid = f"{stem}:{fn.lineno}:{fn.name}"
+            if fn.end_lineno - start >= 8 and len(src) <= MAX_PASSAGE_CHARS and fn.col_offset == 0:
+                grounded.append((fid, "function", {"passage": f"```python\n{src}```"}))
+            summary = _first_sentence(ast.get_docstring(fn) or "")
+            if len(summary) >= 30 and summary[0].isupper() and "(" not in summary and not fn.name.startswith("_"):
+                open_.append((fid, "open", {"name": fn.name, "module": module, "summary": summary}))
+    return {"chat-grounded": grounded, "chat-open": open_}
+
+
+def chat_messages(i: int, kind: str, fields: dict) -> tuple[tuple[str, str], ...]:
+    """The messages of the i-th picked chat request."""
+    if kind == "open":
+        return (("user", OPEN_ASKS[i % len(OPEN_ASKS)].format(**fields)),)
+    asks = DOC_ASKS if kind == "doc" else GROUNDED_ASKS
+    ask = asks[i % len(asks)].format(kind="function", **fields)
+    return (("user", f"{ask}\n\n{fields['passage']}"),)
+
+
 def pick(items: list, n: int) -> list:
     if len(items) <= n:
         return list(items)
@@ -142,13 +211,19 @@ def build(out: Path = WORKLOADS_DIR, n: int = 24, only: set[str] | None = None) 
     counts = {}
     cands = candidates(files)
     cands["shared-prefix"] = shared_prefix(files, pick(cands["code-easy"], n))
-    for name, items in cands.items():
+    chats = chat_candidates(files)
+    for name, items in {**cands, **chats}.items():
         if only and name not in only:
             continue
         chosen = pick(items, n)
         constraint = {"json_schema": json.dumps(FUNCTION_SCHEMA)} if name == "json" else None
-        reqs = [Request(f"{name}-{i:02d}:{fid}", prompt, mt, temp, name, constraint)
-                for i, (fid, prompt, mt, temp) in enumerate(chosen)]
+        if name in chats:
+            reqs = [Request(f"{name}-{i:02d}:{fid}", "", CHAT_MAX_TOKENS, 0.0, name,
+                            messages=chat_messages(i, kind, fields))
+                    for i, (fid, kind, fields) in enumerate(chosen)]
+        else:
+            reqs = [Request(f"{name}-{i:02d}:{fid}", prompt, mt, temp, name, constraint)
+                    for i, (fid, prompt, mt, temp) in enumerate(chosen)]
         write_jsonl(out / f"{name}.jsonl", reqs)
         counts[name] = len(reqs)
     return counts

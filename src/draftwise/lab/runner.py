@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..engine import EngineConfig, LLMEngine, SpecConfig
+from ..model.chat_template import ChatTemplate
 from . import correctness, memory
 from .arrivals import LoadLevel
 from .backends import EngineBackend, HTTPBackend, sampling_params
@@ -153,7 +154,12 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     max_k = max(c.k for c in plan.configs)
     mts = [plan.tokens_for(r) for r in reqs]
     params = [sampling_params(r, plan.seed + i, mt) for i, (r, mt) in enumerate(zip(reqs, mts))]
-    full = [target.tokenizer.encode(r.prompt).ids for r in reqs]
+    chat = ChatTemplate(target.tokenizer_config)
+    if chat.is_plain and any(r.messages for r in reqs):
+        console.print(f"[yellow]{wl.name}: the model has no chat template; its chat requests are rendered with "
+                      "the plain one (role: content lines), as `serve` does[/yellow]")
+    # a rendered chat prompt is tokenized without added special tokens (the template writes them), as in serve
+    full = [target.tokenizer.encode(r.render_prompt(chat), add_special_tokens=not r.messages).ids for r in reqs]
     # keep each prompt's tail so that prompt + max_tokens + lookahead fits the context
     prompts = [ids[-max(1, max_len - mt - max_k - 2):] for ids, mt in zip(full, mts)]
     truncated = sum(len(a) != len(b) for a, b in zip(full, prompts))
@@ -209,6 +215,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     runs.sort(key=lambda r: [c.label for c in plan.configs].index(r["config"]))
     _compare_to_none(runs, outputs, reqs, prompts, target)
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
+            "chat_template": None if not any(r.messages for r in reqs) else "plain" if chat.is_plain else "model",
             "truncated_prompts": truncated, "runs": runs, "distribution": dist, "capacity": capacity,
             "distribution_settings": {"prompts": len(dist_ids), "samples": plan.dist_samples,
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}

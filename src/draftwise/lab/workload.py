@@ -1,6 +1,10 @@
-"""Workloads: JSONL files of requests, one a line: `id`, `prompt`, `max_tokens`, optional
-`temperature` (default 0 = greedy), `category` and `structured_output` (a constraint, as
+"""Workloads: JSONL files of requests, one a line: `id`, `prompt` or `messages`, `max_tokens`,
+optional `temperature` (default 0 = greedy), `category` and `structured_output` (a constraint, as
 `SamplingParams.structured_output`: {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}, ...).
+
+A chat request gives `messages` ([{"role", "content"}, ...]) instead of `prompt`: the in-process
+bench renders them with the target's chat template (`render_prompt`; a model without one gets the
+plain template, as `serve` does), `--url` sends them to `/v1/chat/completions`.
 
 Shipped workloads live in `draftwise/workloads/NAME.jsonl` (built by `make_workloads`);
 `load_workload` takes a shipped name or a path and raises `ValueError` naming the file, line and
@@ -27,6 +31,15 @@ class Request:
     temperature: float = 0.0
     category: str = ""
     structured_output: dict | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs: a chat request
+
+    @property
+    def message_dicts(self) -> list[dict] | None:
+        return [{"role": r, "content": c} for r, c in self.messages] if self.messages else None
+
+    def render_prompt(self, chat) -> str:
+        """The prompt text: `prompt`, or `messages` rendered by `chat` (a ChatTemplate)."""
+        return chat.render(self.message_dicts) if self.messages else self.prompt
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,21 +72,27 @@ def shipped_workloads() -> list[str]:
 def parse_request(obj, where: str) -> Request:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in ("id", "prompt", "max_tokens"):
+    for key in ("id", "max_tokens"):
         if key not in obj:
             raise ValueError(f"{where}: missing field {key!r}")
-    unknown = set(obj) - {"id", "prompt", "max_tokens", "temperature", "category", "structured_output"}
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError(f"{where}: give exactly one of 'prompt' and 'messages'")
+    unknown = set(obj) - {"id", "prompt", "messages", "max_tokens", "temperature", "category", "structured_output"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    rid, prompt, mt = obj["id"], obj["prompt"], obj["max_tokens"]
+    rid, mt = obj["id"], obj["max_tokens"]
     temp, cat = obj.get("temperature", 0.0), obj.get("category", "")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise ValueError(f"{where}: 'id' must be a string, got {rid!r}")
-    if not isinstance(prompt, str) or not prompt:
+    messages = _messages(obj["messages"], where) if "messages" in obj else None
+    prompt = obj.get("prompt", "")
+    if messages is None and (not isinstance(prompt, str) or not prompt):
         raise ValueError(f"{where}: 'prompt' must be a non-empty string")
     if not isinstance(cat, str):
         raise ValueError(f"{where}: 'category' must be a string, got {cat!r}")
-    for key, text in (("id", str(rid)), ("prompt", prompt), ("category", cat)):
+    texts = [("id", str(rid)), ("prompt", prompt), ("category", cat)]
+    texts += [(f"messages[{i}].content", c) for i, (_, c) in enumerate(messages or ())]
+    for key, text in texts:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -84,7 +103,22 @@ def parse_request(obj, where: str) -> Request:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     temp = 0.0 if params.is_greedy else params.temperature  # below 1e-5: greedy (SamplingParams)
-    return Request(str(rid), prompt, mt, float(temp), cat, params.structured_output)
+    return Request(str(rid), prompt, mt, float(temp), cat, params.structured_output, messages)
+
+
+def _messages(value, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise ValueError(f"{where}: messages[{i}] must be an object with exactly 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ValueError(f"{where}: messages[{i}].role must be system, user or assistant, got {m['role']!r}")
+        if not isinstance(m["content"], str) or not m["content"]:
+            raise ValueError(f"{where}: messages[{i}].content must be a non-empty string")
+        out.append((m["role"], m["content"]))
+    return tuple(out)
 
 
 def read_jsonl(path: Path) -> list[Request]:
@@ -124,6 +158,11 @@ def write_jsonl(path: Path, requests: list[Request]) -> None:
                 del d["category"]
             if d["structured_output"] is None:
                 del d["structured_output"]
+            if d["messages"] is None:
+                del d["messages"]
+            else:
+                del d["prompt"]
+                d["messages"] = r.message_dicts
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
 
 

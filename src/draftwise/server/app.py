@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
 from .async_engine import AsyncEngine, EngineThread
-from .chat import ChatTemplate
+from ..model.chat_template import ChatTemplate
 from .errors import APIError
 from .guard import RequestGuard
 from .limits import ServerLimits

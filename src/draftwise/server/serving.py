@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, RequestOutput
-from .chat import ChatTemplate
+from ..model.chat_template import ChatTemplate
 from .errors import APIError, from_value_error
 from .limits import ServerLimits, queue_full
 from .metrics import Outcomes, request_outcome

@@ -13,6 +13,9 @@ Hugging Face does: in a sandbox, with `messages`, `add_generation_prompt`, `bos_
 
 i.e. `"{role}: {content}\\n"` per message, then `"assistant:"` when a reply is wanted. The rendered
 text is tokenized without adding special tokens (a template that wants a BOS writes it).
+
+It lives in model/ (it reads only the tokenizer config) because both `server/` (chat requests) and
+`lab/` (the chat workloads) render it.
 """
 from __future__ import annotations
 
