@@ -47,6 +47,7 @@ class EngineConfig:
     kv_cache_max_tokens: int = 131072  # cap of the default pool size
     enable_prefix_caching: bool = True  # share full blocks of committed tokens between requests
     kv_cache_memory: int | str | None = None  # bytes or "2GiB" for the K/V pools; None: default budget
+    recurrent_rollback: str = "snapshot"  # hybrid targets: snapshot | replay (model/recurrent_state.py)
 
     def __post_init__(self):
         if self.kv_cache_memory is not None:
@@ -55,5 +56,7 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)  # a bad size fails here, before any model loads
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.recurrent_rollback not in ("snapshot", "replay"):
+            raise ValueError(f"recurrent_rollback must be snapshot or replay, got {self.recurrent_rollback!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

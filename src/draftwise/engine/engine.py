@@ -76,7 +76,11 @@ class LLMEngine:
             max_len = min(max_len, cfg.max_model_len)
         self.max_model_len = max_len
         num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
-        self.runner = ModelRunner(target, num_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching)
+        if cls is not None and cls.needs_draft_model and draft.config.hybrid is not None:
+            raise ValueError("a hybrid draft model is not supported (its recurrent state would need rollback "
+                             "too): use an attention-only draft, or the ngram method")
+        self.runner = ModelRunner(target, num_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching,
+                                  recurrent_rollback=cfg.recurrent_rollback)
         self.proposer = None
         if cls is not None:
             self.proposer = cls(
@@ -283,15 +287,16 @@ class LLMEngine:
         for group in groups:
             if not group:
                 continue
-            feeds, starts, nlog = [], [], []
+            feeds, starts, nlog, prov = [], [], [], []
             for s in group:
                 seq = s.seq
                 d = blocks.get(seq.seq_id, _NO_DRAFT).token_ids
                 feeds.append(seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
                 starts.append(seq.num_computed)
                 nlog.append(1 + len(d) if s.samples else 1)
+                prov.append(bool(d))  # a hybrid target's state through proposals waits for postprocess
             t0 = time.perf_counter()
-            logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog)
+            logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog, provisional=prov)
             if group is groups[1]:  # the decode-step cost model leaves prefill chunks out
                 self._prefill_seconds = time.perf_counter() - t0
             off = 0
@@ -344,6 +349,9 @@ class LLMEngine:
         else:
             seq.num_computed = seq.num_tokens - 1
             self.runner.kv.truncate(seq.seq_id, seq.num_computed)
+            t0 = time.perf_counter()
+            self.runner.commit_state(seq.seq_id, seq.num_computed)  # hybrid targets: recurrent rollback
+            self.stats.rollback_seconds += time.perf_counter() - t0
             self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
         return StepOutput(seq, new_ids, seq.is_finished)
 

@@ -10,6 +10,7 @@ class EngineStats:
     propose_seconds: float = 0.0
     verify_seconds: float = 0.0
     other_seconds: float = 0.0  # scheduling, bookkeeping, detokenization
+    rollback_seconds: float = 0.0  # hybrid targets: recurrent-state commits in postprocess (snapshot copy / replay)
     grammar_seconds: float = 0.0  # structured output's grammar work (inside propose and verify)
     rounds: int = 0  # verification rounds of decoding sequences (prefill excluded)
     proposed_tokens: int = 0  # tokens the drafter proposed (snapshot key: draft_tokens, kept for old readers)
@@ -42,6 +43,7 @@ class EngineStats:
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
             "grammar_seconds": self.grammar_seconds,
+            "rollback_seconds": self.rollback_seconds,
             "rounds": self.rounds,
             "draft_tokens": self.proposed_tokens,
             "proposed_tokens": self.proposed_tokens,

@@ -98,6 +98,7 @@ class ModelRunner:
             return logits, sel
         return logits
 
+    @torch.inference_mode()
     def commit_state(self, seq_id: int, num_computed: int) -> None:
         """Postprocess of a hybrid model's provisional row: its recurrent checkpoint advances to
         `num_computed` positions (snapshot copy or replay); nothing to do for attention models."""
