@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from ..engine import LLMEngine
 from ..engine.sequence import Sequence, Status, TokenLogprob
 from ..sampling import SamplingParams
+from .heap import HeapTrimmer
 
 log = logging.getLogger("draftwise.server")
 
@@ -145,8 +146,10 @@ class EngineThread(threading.Thread):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None, thread: EngineThread | None = None):
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None, thread: EngineThread | None = None,
+                 heap_trim_interval_s: float = 10.0):
         self.engine = engine
+        self.heap = HeapTrimmer(heap_trim_interval_s)  # freed memory back to the OS (server/heap.py)
         self.max_queue = max_queue
         self.outcomes: dict[str, int] = {}  # finished requests by outcome (event-loop side)
         self.on_finish: list = []  # callables(RequestOutput) run in the event loop (metrics)
@@ -229,10 +232,12 @@ class AsyncEngine:
                 batch += self._step()
             self._publish()
             self._send(batch)
+            self.heap.maybe_trim()
             if eng.has_unfinished() or not self._commands.empty():
                 continue
             if self._stopping:
                 return
+            self.heap.maybe_trim(idle=True)
             self._wake.wait()
             self._wake.clear()
 

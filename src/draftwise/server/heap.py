@@ -1,0 +1,59 @@
+"""Give freed heap memory back to the operating system, now and then, in a long-running server.
+
+Why: glibc's malloc keeps freed memory in its arenas. A serving process allocates activations and
+logits whose sizes change every step (batch size x tokens), and glibc raises its mmap threshold
+after the first large frees, so those buffers come from the heap, where freed holes stay resident.
+Measured on the embedded pair (products of 1..600 rows): RSS 1.9 GB before `malloc_trim(0)`, 0.7 GB
+after; a 10-minute soak's RSS kept climbing by such holes. `malloc_trim` walks the free lists and
+returns whole free pages (also inside the heap, glibc >= 2.8); it takes a few milliseconds, so the
+engine thread calls `maybe_trim` after each step and it trims at most once per `interval_s`, and
+once more when the engine goes idle after work.
+Not glibc (musl, macOS) or trimming disabled: a no-op.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+
+
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+        self.interval_s = interval_s
+        self._trim = _malloc_trim() if interval_s > 0 else None
+        self._clock = clock
+        self._last = clock()
+        self.trims = 0
+        self._dirty = False  # steps ran since the last trim
+
+    @property
+    def enabled(self) -> bool:
+        return self._trim is not None
+
+    def maybe_trim(self, idle: bool = False) -> bool:
+        """After a step: trim if `interval_s` has passed since the last trim. `idle`: the engine is
+        about to wait for work; trim if any step ran since the last trim. True when it trimmed."""
+        if self._trim is None:
+            return False
+        if idle:
+            if not self._dirty:
+                return False
+        else:
+            self._dirty = True
+            if self._clock() - self._last < self.interval_s:
+                return False
+        self._trim(0)
+        self._last = self._clock()
+        self._dirty = False
+        self.trims += 1
+        return True

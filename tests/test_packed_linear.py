@@ -1,0 +1,32 @@
+"""PackedLinear pads products of many rows to a bounded set of row counts (model/llama.py,
+EXACT_ROWS): the results must be bitwise those of the unpadded product, and the set of row counts
+a server can meet must stay small."""
+import pytest
+import torch
+
+from draftwise.model.llama import EXACT_ROWS, PackedLinear, padded_rows
+
+
+def test_padded_rows_bounded_and_tight():
+    sizes = {padded_rows(r) for r in range(1, 4097)}
+    assert len(sizes) <= 90
+    for r in range(1, 4097):
+        p = padded_rows(r)
+        assert r <= p <= r * 1.125 + 1e-9
+        assert padded_rows(p) == p  # a padded size is its own bucket
+    assert all(padded_rows(r) == r for r in range(1, EXACT_ROWS + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_does_not_change_results(dtype):
+    torch.manual_seed(0)
+    lin = PackedLinear([torch.randn(1024, 256).to(dtype)], [torch.randn(1024).to(dtype)])
+    if lin.packed is None:
+        pytest.skip("oneDNN packing is not available here")
+    for rows in (17, 37, 100, 161):
+        assert padded_rows(rows) != rows
+        x = torch.randn(2, rows, 256).to(dtype)[1]  # a view, as the model passes
+        direct = torch.ops.mkldnn._linear_pointwise(x.contiguous(), lin.packed, lin.bias, "none", [], "")
+        out = lin(x)
+        assert out.shape == (rows, 1024)
+        assert torch.equal(out, direct)
