@@ -33,7 +33,7 @@ def main():
 
     from draftwise import LLM, SamplingParams
     from draftwise.model.llama import PackedLinear
-    from draftwise.server.chat import ChatTemplate
+    from draftwise.model.chat_template import ChatTemplate
 
     torch.set_num_threads(1)
     b = LLM("smollm2", dtype="bfloat16", kv_cache_memory="600MB")

@@ -42,7 +42,7 @@ def main():
 
     from draftwise import LLM, SamplingParams
     from draftwise.paths import resolve_model
-    from draftwise.server.chat import ChatTemplate
+    from draftwise.model.chat_template import ChatTemplate
 
     logging.set_verbosity_error()
     path = resolve_model(args.model)
