@@ -82,7 +82,8 @@ def run(args) -> int:
     if not prompts:
         raise ValueError("no non-empty prompts")
     setup = CheckSetup(target, draft, spec, prompts, temperature=args.temperature, max_tokens=args.max_tokens,
-                       samples=args.samples, horizon=args.horizon, alpha=args.alpha, seed=args.seed)
+                       samples=args.samples, horizon=args.horizon, alpha=args.alpha, seed=args.seed,
+                       recurrent_rollback=args.recurrent_rollback)
     console = Console()
     console.print(f"draftwise check: target {target.path}, method {spec.method}, k={spec.k}"
                   + (f", draft {draft.path}" if draft is not None else "") + f", {len(prompts)} prompts")

@@ -68,6 +68,10 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
                         "size), at most half the free memory)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share cached blocks of committed prompt tokens between requests")
+    p.add_argument("--recurrent-rollback", default="snapshot", choices=["snapshot", "replay"],
+                   help="hybrid targets (Qwen3-Next): keep the recurrent state after every verified position "
+                        "(snapshot) or replay the accepted positions from the committed state (replay); "
+                        "default snapshot")
     p.add_argument("--policy", default="fixed",
                    help="verification policy: fixed (verify every proposal), adaptive (per-request k from "
                         "acceptance) or goodput (per-step lengths from draft confidence and the hardware "
@@ -96,4 +100,4 @@ def build_llm(args):
     warn_tokenizer_mismatch(args, args.command, [spec.method])
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
                draft_dtype=args.draft_dtype, kv_cache_memory=args.kv_cache_memory,
-               enable_prefix_caching=args.prefix_caching)
+               enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback)

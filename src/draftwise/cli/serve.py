@@ -99,7 +99,7 @@ def run(args) -> int:
         return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype,
                    device=args.device, draft_dtype=args.draft_dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-                   enable_prefix_caching=args.prefix_caching)
+                   enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback)
 
     llm = worker.call(build)
     name = args.served_model_name or model_dir.name
