@@ -28,6 +28,8 @@ def add_parser(subparsers):
     p.add_argument("--minutes", type=float, help="training-time budget in minutes")
     p.add_argument("--tokens", type=int, help="training budget in tokens")
     p.add_argument("--shape", choices=["target", "draft", "tiny"], help="model shape preset")
+    p.add_argument("--arch", choices=["attention", "hybrid"], default="attention",
+                   help="target: attention (Llama) or hybrid (Qwen3-Next style gated delta rule + attention)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float)
@@ -63,8 +65,9 @@ def run(args) -> int:
         pipeline.train_tokenizer_dir(args.out)
     elif args.what == "target":
         pipeline.train_target(args.out, tokenizer_dir=args.tokenizer, minutes=args.minutes, tokens=args.tokens,
-                              ckpt_dir=args.ckpt_dir or "checkpoints/target", resume=args.resume,
-                              overrides=_overrides(args))
+                              ckpt_dir=args.ckpt_dir or ("checkpoints/target_hybrid" if args.arch == "hybrid"
+                                                          else "checkpoints/target"),
+                              resume=args.resume, overrides=_overrides(args), arch=args.arch)
     elif args.what == "random-draft":
         if not args.target or not Path(args.target, "config.json").is_file():
             raise UserError("train random-draft needs --target DIR (a model directory: its tokenizer and vocabulary)")

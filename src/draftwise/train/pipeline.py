@@ -10,7 +10,7 @@ from .data import load_streams
 from .distill import train_draft
 from .export import export_model
 from .fit import TARGET_DEFAULTS, corpus_stats, train_model
-from .shapes import PRESETS, build_model, count_params, llama_config
+from .shapes import HYBRID, PRESETS, build_model, count_params, hybrid_config, llama_config
 from .tokenizer import EOS, load_tokenizer, save_tokenizer, train_tokenizer
 
 
@@ -31,7 +31,8 @@ def _setup(tokenizer_dir: Path, ckpt_dir: Path):
 
 
 def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="checkpoints/target",
-                 resume=False, overrides=None, log=None) -> dict:
+                 resume=False, overrides=None, log=None, arch: str = "attention") -> dict:
+    """arch: "attention" (Llama, the shipped target) or "hybrid" (Qwen3-Next style, shapes.HYBRID)."""
     out, ckpt_dir = Path(out), Path(ckpt_dir)
     if tokenizer_dir is None:
         tokenizer_dir = out
@@ -40,10 +41,13 @@ def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="c
     hp = dict(TARGET_DEFAULTS, **(overrides or {}))
     tok, split, streams = _setup(Path(tokenizer_dir), ckpt_dir)
     eos = tok.token_to_id(EOS)
-    cfg_dict = llama_config(PRESETS[hp["shape"]], tok.get_vocab_size(), eos)
+    if arch == "hybrid":
+        cfg_dict = hybrid_config(HYBRID, tok.get_vocab_size(), eos)
+    else:
+        cfg_dict = llama_config(PRESETS[hp["shape"]], tok.get_vocab_size(), eos)
     model = build_model(cfg_dict, seed=hp.get("seed", 0))
     summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, log=log)
-    summary.update(role="target", parameters=count_params(model), corpus=corpus_stats(split, streams))
+    summary.update(role="target", arch=arch, parameters=count_params(model), corpus=corpus_stats(split, streams))
     export_model(model, out, tokenizer_dir, summary)
     return summary
 
