@@ -20,7 +20,7 @@ from draftwise.proposers.draft_model import DraftModelProposer
 class AlwaysWrongProposer(DraftModelProposer):
     """Proposes the draft model's token + 1: at temperature 0 with draft = target, never accepted."""
 
-    def propose(self, seqs, ks):
+    def propose(self, seqs, ks, num_forced=None):
         vocab = self.runner.cfg.vocab_size
         blocks = super().propose(seqs, ks)
         return [DraftBlock([(t + 1) % vocab for t in b.token_ids], None) for b in blocks]

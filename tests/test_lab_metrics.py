@@ -99,3 +99,25 @@ def test_speculation_figures_and_delta():
     ms = f["ms_per_token"]
     assert ms["drafting"] == pytest.approx(400 / 16) and ms["verification"] == pytest.approx(800 / 16)
     assert ms["total"] == pytest.approx(1300 / 16)
+
+
+def test_grown_lists_and_the_grammar_time_per_step():
+    """Per-position counts grow past k when forced proposals go deeper (structured output): the
+    delta pads the shorter list; the grammar's time per step is its own figure, and the report
+    shows it against `none`'s step at the same level."""
+    from draftwise.lab.report import workload_table
+
+    before = {"steps": 10, "accepted_per_position": [2, 1], "grammar_seconds": 0.01, "propose_seconds": 0.0,
+              "verify_seconds": 0.1, "other_seconds": 0.0}
+    after = {"steps": 30, "accepted_per_position": [5, 3, 2, 1], "grammar_seconds": 0.03, "propose_seconds": 0.2,
+             "verify_seconds": 0.3, "other_seconds": 0.1, "rounds": 4, "accepted_tokens": 11, "committed_tokens": 15}
+    d = stats_delta(before, after)
+    assert d["accepted_per_position"] == [3, 2, 2, 1]
+    f = speculation_figures(d, output_tokens=15)
+    assert f["grammar_ms_per_step"] == pytest.approx(1.0) and f["step_ms"] == pytest.approx(25.0)
+    assert speculation_figures({"steps": 5}, 5)["grammar_ms_per_step"] is None
+    run = {"level_label": "c=1", "output_tokens_per_s": 1.0, "requests_per_s": 1.0, "goodput_requests_per_s": 1.0,
+           **{k: {"p50": 1.0, "p99": 1.0} for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}}
+    table = workload_table({"runs": [dict(run, config="none", speculation={"step_ms": 8.0, "grammar_ms_per_step": 0.3}),
+                                     dict(run, config="draft:k=4", speculation=f)]})
+    assert "| 0.30 (3.8%) |" in table and "| 1.00 (12.5%) |" in table

@@ -238,3 +238,28 @@ def test_finish_a_waiting_sequence_and_has_unfinished():
     assert c.is_finished and not sched.waiting
     sched.finish(b)
     assert not sched.has_unfinished() and sched.target_kv.pool.num_free == 64
+
+
+def test_constrained_sequences_reserve_their_forced_proposals():
+    """A constrained sequence (structured output) may verify `max_forced` grammar-forced proposals
+    on top of its k drafted ones: the target reserves 1 + k + f slots, the drafter k + f - 1 past
+    the committed tokens, f is capped by max_tokens like k, and an unconstrained one reserves 1 + k."""
+    sched = make_sched(blocks=64, block_size=4, k=2, draft_blocks=64, max_forced=5)
+    free, json_, short = make_seq(4, name="free"), make_seq(4, name="json"), make_seq(4, max_tokens=6, name="short")
+    json_.grammar = short.grammar = object()  # only `is not None` is read
+    for s in (free, json_, short):
+        sched.add(s)
+    step(sched)  # prefills, each commits one token
+    out = sched.schedule()
+    got = {s.seq.request_id: (s.num_draft, s.num_forced) for s in out.scheduled}
+    assert got == {"free": (2, 0), "json": (2, 5), "short": (2, 2)}  # short: 6 - 1 - 1 - 2 = 2 left
+    tables = sched.target_kv.tables
+    assert [len(tables[s.seq_id]) for s in (free, json_, short)] == [2, 3, 3]  # 4 + 1 + 2 (+ f) slots
+    dtables = sched.draft_kv.tables
+    assert [len(dtables[s.seq_id]) for s in (free, json_, short)] == [2, 3, 2]  # 5 + 2 (+ f) - 1 slots
+    sched = make_sched(blocks=64, block_size=4, k=2, max_forced=5, max_num_batched_tokens=6)
+    sched.add(json_ := make_seq(4, name="json"))
+    json_.grammar = object()
+    step(sched)
+    (s,) = sched.schedule().scheduled
+    assert (s.num_draft, s.num_forced) == (2, 3)  # the step's token budget: 6 - 1 - 2

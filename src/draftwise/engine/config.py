@@ -12,7 +12,10 @@ class SpecConfig:
     """`method`: a registered proposer name ("draft", "ngram") or None for plain decoding.
     `policy`: a registered verification policy ("fixed", "adaptive", "goodput"); `profile`: the
     hardware profile JSON the goodput policy optimises against (None: the cached one for this
-    model pair, measured on first use); `cost_model`: a `CostModel` given directly instead."""
+    model pair, measured on first use); `cost_model`: a `CostModel` given directly instead.
+    `forced`: structured output's free proposals: the most tokens a constrained sequence may
+    propose per round on top of its drafted ones where the grammar allows exactly one token
+    (0: forced tokens only take drafted positions, saving draft forwards)."""
 
     method: str | None = None
     k: int = 4
@@ -21,18 +24,26 @@ class SpecConfig:
     policy: str = "fixed"
     profile: str | None = None
     cost_model: CostModel | None = None
+    forced: int = 16
 
     def __post_init__(self):
         if self.method in ("none", ""):
             self.method = None
         if self.method is not None and not 1 <= self.k <= 16:
             raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
+        if not 0 <= self.forced <= 64:
+            raise ValueError(f"forced (free grammar proposals per round) must be in [0, 64], got {self.forced}")
         policy_class(self.policy)  # validates the name
 
     @property
     def max_draft(self) -> int:
         """The most proposals one sequence verifies per step: k, or 0 without a method."""
         return self.k if self.method else 0
+
+    @property
+    def max_forced(self) -> int:
+        """The most grammar-forced proposals a constrained sequence verifies on top of max_draft."""
+        return self.forced if self.method else 0
 
 
 @dataclass

@@ -3,11 +3,13 @@
     step = schedule -> propose -> verify -> postprocess
 
 - schedule (`Scheduler`): which sequences run, how many tokens each feeds, how many proposals each
-  may verify (`num_draft`); K/V slots are reserved for them (target: last committed + num_draft;
-  drafter: its catch-up + num_draft - 1).
+  may verify (`num_draft`, and `num_forced` grammar-forced ones on top for a constrained
+  sequence); K/V slots are reserved for them (target: last committed + num_draft + num_forced;
+  drafter: its catch-up + num_draft + num_forced - 1).
 - propose: the verification `Policy` plans how many tokens each decoding sequence drafts (0 = plain
   decoding this step), the `Proposer` drafts them (a `DraftBlock` each), and the policy admits a
-  prefix of each block for verification (causally: never by looking at the proposal itself).
+  prefix of each block for verification (causally: never by looking at the proposal itself); a
+  constrained sequence's block is followed by the tokens its grammar forces next (free proposals).
 - verify: target forward -> `process_logits` (p at every position) -> `sampling.verify` (the pure
   selection rule over the ragged batch) -> a typed `Verification`.
 - postprocess: the only place state changes: committed tokens are appended one at a time with
@@ -36,7 +38,7 @@ from ..model.runner import ModelRunner
 from ..policies import policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
-from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
+from ..sampling.grammar import GrammarState, compile_constraint, forced_tail, grammar_bitmask
 from ..sampling.verify import VerifyMetadata, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
@@ -96,7 +98,8 @@ class LLMEngine:
                 self.proposer.confidence = getattr(self.policy, "needs_confidence", True)
         draft_kv = self.proposer.kv if self.proposer is not None else None
         self.scheduler = Scheduler(
-            self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens
+            self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            max_forced=self.spec.max_forced,
         )
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
@@ -105,7 +108,7 @@ class LLMEngine:
 
     def _num_blocks(self, max_len: int, draft: LoadedModel | None) -> int:
         """Blocks per K/V pool (target's, and the draft model's of the same size): see kv_sizing."""
-        lookahead = self.spec.max_draft + 1
+        lookahead = self.spec.max_draft + 1  # forced proposals stay within the context (num_forced_for)
         return num_kv_blocks(self.config, max_len + lookahead, [self.target] + ([draft] if draft else []))
 
     def _cost_model(self, draft: LoadedModel | None):
@@ -229,20 +232,30 @@ class LLMEngine:
         return outputs
 
     def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
-        """Plan -> draft -> admit. Returns the drafted blocks (what the drafter's cache holds) and
-        the admitted prefixes (what is verified), by seq_id."""
+        """Plan -> draft -> admit -> forced tail. Returns the drafted blocks (what the drafter's
+        cache holds) and the verified ones (an admitted prefix, then, for a constrained sequence,
+        the tokens its grammar forces next: free proposals, up to the K/V the scheduler reserved),
+        by seq_id."""
         if self.proposer is None or not decoding:
             return {}, {}
         seqs = [s.seq for s in decoding]
         plan = self.policy.plan(seqs, [s.num_draft for s in decoding])
+        forced = [s.num_forced for s in decoding]
         t0 = time.perf_counter()
         if any(plan):
-            drafted = self.proposer.propose(seqs, plan)
+            drafted = self.proposer.propose(seqs, plan, forced)
         else:  # no row drafts: the drafter does not run
             drafted = [_NO_DRAFT] * len(seqs)
         admitted = self.policy.admit(seqs, drafted, time.perf_counter() - t0)
-        return ({s.seq_id: b for s, b in zip(seqs, drafted)},
-                {s.seq_id: b.truncated(n) for s, b, n in zip(seqs, drafted, admitted)})
+        blocks = {}
+        for s, b, n, m in zip(decoding, drafted, admitted, plan):
+            b = b.truncated(n)
+            if s.num_forced and s.seq.grammar is not None:
+                tail = forced_tail(s.seq.grammar, b.token_ids, s.num_draft + s.num_forced - len(b.token_ids))
+                b = b.extended(tail, self.vocab_size)
+                self.stats.forced_tokens += max(0, len(b.token_ids) - m)  # free: beyond the planned drafting
+            blocks[s.seq.seq_id] = b
+        return {s.seq_id: b for s, b in zip(seqs, drafted)}, blocks
 
     def _observe_step(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
                       blocks: dict[int, DraftBlock], seconds: float) -> None:
@@ -391,6 +404,8 @@ class LLMEngine:
         """Statistics of one round that proposed num_proposed tokens, verified num_verified of them
         and accepted a (committing a + 1)."""
         st = self.stats
+        for per_pos in (seq.stats.accepted_per_position, st.accepted_per_position):
+            per_pos.extend([0] * (a - len(per_pos)))  # forced proposals reach past k
         seq.stats.rounds += 1
         seq.stats.proposed_tokens += num_proposed
         seq.stats.verified_tokens += num_verified

@@ -23,6 +23,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed from all_ids[num_computed:]
     num_draft: int  # proposals this sequence may verify (0 while prefilling)
+    num_forced: int = 0  # grammar-forced proposals it may verify on top (structured output; K/V reserved)
 
     @property
     def samples(self) -> bool:
@@ -49,11 +50,13 @@ class Scheduler:
         k: int,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
+        max_forced: int = 0,
     ):
         self.target_kv = target_kv
         self.draft_kv = draft_kv
         self.max_model_len = max_model_len
         self.k = k
+        self.max_forced = max_forced
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_limit: int | None = None  # a lower cap on running sequences, when set
@@ -72,6 +75,15 @@ class Scheduler:
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         room = self.max_model_len - seq.num_tokens
         return max(0, min(self.k, left, room))
+
+    def num_forced_for(self, seq: Sequence, k: int, budget: int) -> int:
+        """Forced proposals a constrained sequence may verify after its k drafted ones: the same
+        limits (max_tokens, context, the step's token budget), only while it speculates."""
+        if not k or seq.grammar is None:
+            return 0
+        left = seq.params.max_tokens - len(seq.output_ids) - 1 - k
+        room = self.max_model_len - seq.num_tokens - k
+        return max(0, min(self.max_forced, left, room, budget))
 
     def _reserve_ok(self, seq: Sequence, target_tokens: int, draft_tokens: int) -> bool:
         ok = self.target_kv.can_reserve(seq.seq_id, target_tokens)
@@ -112,8 +124,10 @@ class Scheduler:
                 n, k = min(todo, budget), 0
             else:
                 n, k = 1, min(self.num_draft_for(seq), budget - 1)
-            draft_tokens = seq.num_tokens + k - 1 if k else 0
-            while not self._reserve_ok(seq, seq.num_computed + n + k, draft_tokens):
+            f = self.num_forced_for(seq, k, budget - 1 - k)
+            # the drafter feeds forced tokens too (at most k + f - 1 proposals past the committed ones)
+            draft_tokens = seq.num_tokens + k + f - 1 if k else 0
+            while not self._reserve_ok(seq, seq.num_computed + n + k + f, draft_tokens):
                 victim = self.running[-1]
                 self.requeue(victim)
                 out.preempted.append(victim)
@@ -121,9 +135,9 @@ class Scheduler:
                     break
             if seq.status is Status.WAITING:  # preempted itself: nothing after it runs either
                 break
-            self._reserve(seq, seq.num_computed + n + k, draft_tokens)
-            out.scheduled.append(ScheduledSeq(seq, n, k))
-            budget -= n + k
+            self._reserve(seq, seq.num_computed + n + k + f, draft_tokens)
+            out.scheduled.append(ScheduledSeq(seq, n, k, f))
+            budget -= n + k + f
             i += 1
         if out.preempted:
             return out

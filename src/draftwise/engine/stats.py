@@ -14,8 +14,9 @@ class EngineStats:
     grammar_seconds: float = 0.0  # structured output's grammar work (inside propose and verify)
     rounds: int = 0  # verification rounds of decoding sequences (prefill excluded)
     proposed_tokens: int = 0  # tokens the drafter proposed (snapshot key: draft_tokens, kept for old readers)
-    verified_tokens: int = 0  # proposals sent to the target (the policy admits a prefix of each block)
+    verified_tokens: int = 0  # proposals sent to the target (an admitted prefix of each block + forced tokens)
     accepted_tokens: int = 0
+    forced_tokens: int = 0  # verified proposals beyond the planned draft length: grammar-forced, free
     committed_tokens: int = 0  # tokens committed by rounds
     accepted_per_position: list[int] = field(default_factory=list)
     committed_per_round: dict[int, int] = field(default_factory=dict)  # histogram: tokens -> rounds
@@ -49,6 +50,7 @@ class EngineStats:
             "proposed_tokens": self.proposed_tokens,
             "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "forced_tokens": self.forced_tokens,
             "committed_tokens": self.committed_tokens,
             "accepted_per_position": list(self.accepted_per_position),
             "committed_per_round": dict(self.committed_per_round),

@@ -146,6 +146,7 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
     vhist = {int(k): v for k, v in stats.get("verified_per_round", {}).items()}
     decode_steps = stats.get("decode_steps", 0)
     measured, predicted = stats.get("measured_seconds", 0.0), stats.get("predicted_seconds", 0.0)
+    steps, grammar_s = stats.get("steps", 0), stats.get("grammar_seconds", 0.0)
     return {
         "rounds": rounds,
         "proposed_tokens": proposed,
@@ -167,6 +168,9 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
         },
         # fraction of rounds whose j-th proposal was accepted
         "acceptance_by_position": [a / rounds for a in per_pos] if rounds else [],
+        # engine time per step (prefill steps included) and the grammar work in it (structured output)
+        "step_ms": 1000.0 * (draft_s + verify_s + other_s) / steps if steps else None,
+        "grammar_ms_per_step": 1000.0 * grammar_s / steps if steps and grammar_s else None,
         "committed_per_round": dict(sorted(hist.items())),
         "ms_per_token": {
             "drafting": 1000.0 * draft_s / n,
@@ -185,8 +189,8 @@ def stats_delta(before: dict, after: dict) -> dict:
         b = before.get(k)
         if isinstance(v, (int, float)):
             out[k] = v - (b or 0)
-        elif isinstance(v, list):
-            b = b or [0] * len(v)
+        elif isinstance(v, list):  # a list that grew (per-position counts past k) is padded with 0
+            b = list(b or []) + [0] * max(0, len(v) - len(b or []))
             out[k] = [x - y for x, y in zip(v, b)]
         elif isinstance(v, dict):
             b = b or {}

@@ -31,17 +31,19 @@ QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput"."""
+    """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput",
+    "draft:k=4:forced=0" (structured output's free forced proposals per round; default 16)."""
 
     label: str
     method: str | None
     k: int = 4
     policy: str = "fixed"
     profile: str | None = None  # the hardware profile for the goodput policy (bench --profile)
+    forced: int = SpecConfig.forced
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(method=self.method, k=self.k, policy=self.policy, profile=self.profile)
+        return SpecConfig(method=self.method, k=self.k, policy=self.policy, profile=self.profile, forced=self.forced)
 
 
 def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
@@ -51,22 +53,25 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
         if not entry:
             continue
         method, *opts = entry.split(":")
-        k, policy = 4, "fixed"
+        k, policy, forced = 4, "fixed", SpecConfig.forced
         for o in opts:
             key, sep, val = o.partition("=")
             if key == "k" and sep and val.isdigit():
                 k = int(val)
+            elif key == "forced" and sep and val.isdigit():
+                forced = int(val)
             elif key == "policy" and sep and val:
                 policy = val
             else:
                 raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
-                                 f"draft:k=4:policy=goodput; got {entry!r}")
+                                 f"draft:k=4:policy=goodput (or :forced=N); got {entry!r}")
         method = None if method in ("none", "") else method
         if method is not None:
             _needs_draft(method)  # validates the name
-        SpecConfig(method=method, k=k, policy=policy)  # validates k and the policy
+        SpecConfig(method=method, k=k, policy=policy, forced=forced)  # validates k, the policy, forced
         label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
-        out.append(BenchConfig(label, method, k, policy if method else "fixed", profile))
+        label += "" if method is None or forced == SpecConfig.forced else f":forced={forced}"
+        out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")

@@ -35,6 +35,17 @@ class DraftBlock:
                           None if self.confidence is None else self.confidence[:n])
 
 
+    def extended(self, forced: list[int], vocab: int) -> "DraftBlock":
+        """The block followed by grammar-forced proposals: q a point mass, confidence 1."""
+        if not forced:
+            return self
+        probs = self.probs
+        if probs is not None:
+            probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced), vocab).to(probs.dtype)])
+        conf = None if self.confidence is None else self.confidence + [1.0] * len(forced)
+        return DraftBlock(self.token_ids + forced, probs, conf)
+
+
 class History(Protocol):
     """What a proposer may read of a sequence (the engine's `Sequence` satisfies it)."""
 
@@ -61,8 +72,10 @@ class Proposer(Protocol):
     needs_draft_model: bool  # the engine must be given a draft model directory
     kv: KVManager | None  # the drafter's own paged cache, if it has one
 
-    def propose(self, seqs: list[History], num_draft: list[int]) -> list[DraftBlock]:
-        """Up to num_draft[i] tokens for seqs[i]. May write scratch K/V; must not change `seqs`."""
+    def propose(self, seqs: list[History], num_draft: list[int], num_forced: list[int] | None = None) -> list[DraftBlock]:
+        """Up to num_draft[i] tokens for seqs[i]. May write scratch K/V; must not change `seqs`.
+        A constrained sequence may add up to num_forced[i] grammar-forced tokens on top (the
+        engine appends the forced tail after the block itself; a proposer may ignore this)."""
 
     def postprocess(self, seq: History, block: DraftBlock, num_accepted: int, num_tokens_before: int) -> None:
         """After verification: roll the drafter's own state back to the committed path."""

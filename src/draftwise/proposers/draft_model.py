@@ -13,7 +13,10 @@ Structured output: a constrained sequence drafts under the same grammar mask as 
 matcher walks the proposals; `process_logits` gets the bitmask), so q never puts mass where p
 cannot. Where the grammar allows exactly one token, one position after another, those tokens are
 appended as proposals with q a point mass and confidence 1, without a draft forward of their own
-(they are fed with the next one); they are verified like any proposal (and always accepted).
+(they are fed with the next one: forced tokens at the start of a round go in with the catch-up);
+they are verified like any proposal (and always accepted). They count against `num_forced[i]`
+first, so the drafter still drafts num_draft[i] tokens of its own after them (then against
+num_draft[i]: with num_forced 0 they only save draft forwards).
 """
 from __future__ import annotations
 
@@ -41,17 +44,25 @@ class DraftModelProposer:
         self.runner = ModelRunner(draft, num_blocks, block_size)
         self.kv = self.runner.kv
         self.eos_ids = list(eos_ids or [])
+        self.vocab = draft.config.vocab_size
         self._fed: dict[int, int] = {}  # seq_id -> proposals the last round fed to the draft cache
         self.confidence = True  # compute max q_j per proposal (the engine turns it off when unused)
 
     @torch.inference_mode()
-    def propose(self, seqs, num_draft):
+    def propose(self, seqs, num_draft, num_forced=None):
         blocks = [DraftBlock([], None, []) for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, n in enumerate(num_draft) if n > 0]
         feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
         starts = {i: seqs[i].draft_computed for i in active}
         cursors = {i: seqs[i].grammar.cursor() for i in active if getattr(seqs[i], "grammar", None) is not None}
+        # [drafted, forced budget left] per row: forced tokens spend the forced budget first
+        left = {i: [num_draft[i], num_forced[i] if num_forced else 0] for i in active}
+        unfed = {i: 0 for i in active}  # proposals at the end of feeds[i] (not in the draft cache yet)
+        ran = set()  # rows whose catch-up the drafter has fed
+        for i in cursors:  # the round starts on forced tokens: fed with the catch-up
+            unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab)
+        active = [i for i in active if left[i][0] > 0 and not (i in cursors and cursors[i].done)]
         while active:
             logits = self.runner.run(
                 [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active)
@@ -86,16 +97,18 @@ class DraftModelProposer:
                 blocks[i].token_ids.append(tok)
                 blocks[i].confidence.append(conf[r])
                 starts[i] += len(feeds[i])
-                feeds[i] = [tok]
+                feeds[i], unfed[i] = [tok], 1
+                ran.add(i)
+                left[i][0] -= 1
                 if i in cursors:
                     cursors[i].accept(tok)
-                    self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], num_draft[i], seq, logits.shape[1])
-                if len(blocks[i].token_ids) < num_draft[i]:
+                    unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seq, self.vocab)
+                if left[i][0] > 0 and not (i in cursors and cursors[i].done):
                     nxt.append(i)
             active = nxt
         for i, b in enumerate(blocks):
-            if b.token_ids:  # proposals fed to the draft cache: all but the unfed tail
-                self._fed[seqs[i].seq_id] = len(b.token_ids) - len(feeds[i])
+            if b.token_ids:  # proposals fed to the draft cache: all but the unfed tail (None: no forward ran)
+                self._fed[seqs[i].seq_id] = len(b.token_ids) - unfed[i] if i in ran else None
             if probs[i]:
                 b.probs = torch.stack(probs[i])  # [k_b, V]
         return blocks
@@ -104,9 +117,12 @@ class DraftModelProposer:
         n = len(block.token_ids)
         if n == 0:
             return
+        fed = self._fed.pop(seq.seq_id, n - 1)
+        if fed is None:  # forced tokens only: the drafter did not run, its cache is as it was
+            return
         # the drafter fed the committed tokens and proposals d_1..d_{n-1} (fewer when forced tokens
         # ended the block); keep the accepted ones
-        seq.draft_computed = num_tokens_before + min(num_accepted, self._fed.pop(seq.seq_id, n - 1))
+        seq.draft_computed = num_tokens_before + min(num_accepted, fed)
         self.kv.truncate(seq.seq_id, seq.draft_computed)
 
     @staticmethod
@@ -120,12 +136,16 @@ class DraftModelProposer:
         return out
 
     @staticmethod
-    def _add_forced(cursor, block, probs, feed, num_draft: int, seq, vocab: int) -> None:
-        """Append the tokens the grammar forces next (q = point mass), to be fed with the next step."""
-        for tok in cursor.forced_tokens(num_draft - len(block.token_ids)):
+    def _add_forced(cursor, block, probs, feed, left: list[int], seq, vocab: int) -> int:
+        """Append the tokens the grammar forces next (q = point mass), to be fed with the next step;
+        `left` = [drafted tokens left, forced budget left], spent forced budget first. Returns how many."""
+        forced = cursor.forced_tokens(left[0] + left[1])
+        for tok in forced:
+            left[1 if left[1] > 0 else 0] -= 1
             cursor.accept(tok)
             block.token_ids.append(tok)
             block.confidence.append(1.0)
             feed.append(tok)
             if not seq.params.is_greedy:
                 probs.append(torch.nn.functional.one_hot(torch.tensor(tok), vocab).to(torch.float32))
+        return len(forced)

@@ -5,8 +5,9 @@ Find the most recent earlier occurrence of the last n tokens of prompt + output 
 committed history, so it cannot bias the output; q is a point mass (`probs=None`).
 
 A structured-output sequence is proposed token by token through a fork of its grammar matcher:
-where the grammar allows exactly one token that token is proposed, otherwise the n-gram's
-next token; the block ends at the first token the grammar forbids (verification would reject it).
+where the grammar allows exactly one token that token is proposed (from the `num_forced` budget
+first, then from `num_draft`), otherwise the n-gram's next token; the block ends at the first
+token the grammar forbids (verification would reject it).
 """
 from __future__ import annotations
 
@@ -43,16 +44,22 @@ class NgramProposer:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, seqs, num_draft):
-        return [DraftBlock(self._lookup(s, n), None) for s, n in zip(seqs, num_draft)]
+    def propose(self, seqs, num_draft, num_forced=None):
+        forced = num_forced or [0] * len(seqs)
+        return [DraftBlock(self._lookup(s, n, f), None) for s, n, f in zip(seqs, num_draft, forced)]
 
-    def _lookup(self, seq, n: int) -> list[int]:
+    def _lookup(self, seq, n: int, f: int = 0) -> list[int]:
         grammar = getattr(seq, "grammar", None)
         if grammar is None or n <= 0:
             return ngram_lookup(seq.all_ids, n, self.max_n, self.min_n)
         cursor, history, block = grammar.cursor(), seq.all_ids, []
-        while len(block) < n:
-            nxt = cursor.forced_tokens(1) or ngram_lookup(history + block, 1, self.max_n, self.min_n)
+        while n > 0:
+            nxt = cursor.forced_tokens(1)
+            if nxt and f > 0:
+                f -= 1
+            else:
+                n -= 1
+                nxt = nxt or ngram_lookup(history + block, 1, self.max_n, self.min_n)
             if not nxt or not cursor.accept(nxt[0]):
                 break
             block.append(nxt[0])

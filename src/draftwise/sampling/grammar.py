@@ -217,6 +217,11 @@ class GrammarCursor:
         self._count(t0)
         return self.alive
 
+    @property
+    def done(self) -> bool:
+        """After a forbidden token or the grammar's end: nothing more to propose."""
+        return not self.alive or self.matcher.is_terminated()
+
     def _count(self, t0: float) -> None:
         if self.owner is not None:
             self.owner.seconds += time.perf_counter() - t0
@@ -239,6 +244,18 @@ class GrammarCursor:
             out.append(tok)
         self._count(t0)
         return out
+
+
+def forced_tail(state: GrammarState, proposals: list[int], limit: int) -> list[int]:
+    """The tokens the grammar forces after the committed tokens + `proposals` (up to `limit`;
+    [] when a proposal is forbidden): free proposals to append to a block."""
+    if limit <= 0:
+        return []
+    cur = state.cursor()
+    for t in proposals:
+        if not cur.accept(t):
+            return []
+    return cur.forced_tokens(limit)
 
 
 def _single_token(row: torch.Tensor) -> int | None:  # row [W] int32
