@@ -349,3 +349,52 @@ def test_grid_cost_reads_the_measured_points():
     f4, f16 = 0.004 + 0.0005 * 4 * 2, 0.004 + 0.0005 * 16 * 2  # 2 tokens per sequence at B = 4 and 16
     assert g.target_seconds(8, 16, 64) == pytest.approx(f4 + (f16 - f4) * (8 - 4) / (16 - 4))
     assert g.target_seconds(4, 8, 100) == pytest.approx(g.target_seconds(4, 8, 64) + COST.target[3] * 4 * 36)
+
+
+def test_goodput_probes_back_off_with_a_useless_drafter():
+    """Probes that accept nothing double their interval (32, 64, ... up to max_probe_every); one
+    that accepts brings it back to probe_every."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    for table_ in policy.calibration.tables:  # the drafter was never right
+        for cell in table_:
+            cell[0] = 0.0
+    policy.calibration.total = [0.0, 100.0]
+    seqs = [SimpleNamespace(seq_id=0, params=SamplingParams(temperature=0), num_tokens=50)]
+
+    def run(steps, accept):
+        probes = []
+        for step in range(steps):
+            lengths = policy.plan(seqs, [4])
+            blocks = [DraftBlock([1] * n, None, [0.1] * n) for n in lengths]
+            admitted = policy.admit(seqs, blocks, 0.0)
+            if admitted[0]:
+                probes.append(step)
+            policy.observe(seqs[0], blocks[0], admitted[0], min(admitted[0], accept))
+            policy.observe_step(1, 1 + admitted[0], 50.0, list(lengths), 0.005)
+        return probes
+
+    probes = run(3000, accept=0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) <= 3000 // GoodputPolicy.max_probe_every + 6, probes  # 32/probe would be ~90
+    assert gaps[-1] >= GoodputPolicy.max_probe_every and gaps == sorted(gaps)
+    probes = run(2 * GoodputPolicy.max_probe_every, accept=1)  # the drafter became right
+    assert probes and policy._probe_interval.get(0, GoodputPolicy.probe_every) == GoodputPolicy.probe_every
+
+
+def test_goodput_plain_steps_chosen_by_the_clock_do_not_probe():
+    """When the measured check overrules a plan that drafts, the step is plain: no row probes."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)  # COST says: speculate
+    policy.model.observe = lambda *a, **k: None  # the plan keeps drafting: only the check says no
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(4)]
+    plain_lengths = []
+    for step in range(600):
+        lengths = policy.plan(seqs, [4] * 4)
+        blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+        admitted = policy.admit(seqs, blocks, 0.0)
+        tokens = 4 + sum(admitted)
+        for s, blk, n in zip(seqs, blocks, admitted):
+            policy.observe(s, blk, n, min(n, 2))
+        policy.observe_step(4, tokens, 50.0, list(lengths), 0.005 + 0.010 * (tokens - 4))  # spec never pays
+        if step >= 200 and policy._mode == "plain":
+            plain_lengths.append(sum(lengths))
+    assert len(plain_lengths) > 300 and sum(plain_lengths) == 0

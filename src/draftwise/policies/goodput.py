@@ -14,7 +14,9 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   drafts little or nothing. A row that has not verified for `probe_every` steps drafts and
   verifies one proposal (a probe: its estimate can recover); so does one row of the batch when
   no row has verified for `probe_every` steps (the engine-wide estimate, which new requests start
-  from, can recover too). The optimum's value, lambda
+  from, can recover too). A probe that accepts nothing doubles that interval (up to
+  `max_probe_every`); one that accepts resets it. When the measured check below overrules a
+  plan that drafts (it runs a plain step), nobody probes: its exploration steps measure. The optimum's value, lambda
   (expected committed tokens per second of the planned step), is kept for `admit`.
 - `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
   the confidences of q_1..q_j, pays for its marginal verification time at the planned rate:
@@ -87,6 +89,7 @@ class GoodputPolicy:
     needs_cost_model = True
     needs_confidence = True
     probe_every = 32
+    max_probe_every = 512
     arm_decay = 0.8  # per step of that arm: the figures follow the last ~5 of its steps
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
@@ -100,6 +103,10 @@ class GoodputPolicy:
         self._probes: set[int] = set()  # seq_ids probing this step
         self._rate = 0.0  # the planned step's expected committed tokens per second
         self._idle_steps = 0  # steps since any row verified a proposal
+        # probe intervals: doubled after a probe that accepted nothing (up to max_probe_every), back
+        # to probe_every after one that accepted: a useless drafter costs ever fewer probes
+        self._probe_interval: dict[int, int] = {}  # seq_id -> steps
+        self._engine_probe_interval = self.probe_every
         self._arms: dict[int, dict[str, list[float]]] = {}  # batch bucket -> arm -> [tokens, seconds, steps]
         self._mode = "spec"  # this step's arm
         self._bucket = 0
@@ -120,8 +127,9 @@ class GoodputPolicy:
                 row.append(g)
             gains.append(row)
             r = cal.requests.get(s.seq_id)
-            probes.append(1 if m and r is not None and r.steps_without_verifying >= self.probe_every else 0)
-        if self._idle_steps >= self.probe_every and not any(probes):  # engine-wide probe: one row
+            every = self._probe_interval.get(s.seq_id, self.probe_every)
+            probes.append(1 if m and r is not None and r.steps_without_verifying >= every else 0)
+        if self._idle_steps >= self._engine_probe_interval and not any(probes):  # engine-wide probe: one row
             i = next((i for i, m in enumerate(max_draft) if m), None)
             if i is not None:
                 probes[i] = 1
@@ -129,8 +137,14 @@ class GoodputPolicy:
         draft = (lambda n: self.model.draft_step_seconds(n, ctx)) if self.has_draft_model else None
         lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
         self._bucket = b.bit_length()
-        self._mode = self._choose_mode(self._bucket) if any(n > p for n, p in zip(lengths, probes)) else "plain"
-        if self._mode == "plain":  # only the probes verify
+        if any(n > p for n, p in zip(lengths, probes)):
+            self._mode = self._choose_mode(self._bucket)
+            if self._mode == "plain":  # the measured check overrules the plan: no row drafts, probes
+                self._probes = set()  # neither (the check's own exploration steps measure speculation)
+                probes = [0] * b
+        else:
+            self._mode = "plain"  # the plan drafts nothing: only the probes verify
+        if self._mode == "plain":
             self._rate = math.inf
             lengths = [min(n, p) for n, p in zip(lengths, probes)]
         return lengths
@@ -164,6 +178,16 @@ class GoodputPolicy:
         self._committed[0] += num_accepted + 1
         self._committed[1] += 1
         r = self.calibration.requests.setdefault(seq.seq_id, RequestEstimate())
+        if num_verified and seq.seq_id in self._probes:
+            every = self._probe_interval.get(seq.seq_id, self.probe_every)
+            every = self.probe_every if num_accepted else min(self.max_probe_every, 2 * every)
+            self._probe_interval[seq.seq_id] = every
+            if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too
+                self._engine_probe_interval = (self.probe_every if num_accepted
+                                               else min(self.max_probe_every, 2 * self._engine_probe_interval))
+        elif num_verified and num_accepted:
+            self._probe_interval.pop(seq.seq_id, None)
+            self._engine_probe_interval = self.probe_every
         if num_verified:
             r.steps_without_verifying = 0
             conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
@@ -173,6 +197,7 @@ class GoodputPolicy:
 
     def forget(self, seq_id):
         self.calibration.forget(seq_id)
+        self._probe_interval.pop(seq_id, None)
 
     def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
