@@ -329,11 +329,11 @@ def test_goodput_measured_check_follows_the_clock(spec_pays):
         tokens = 4 + sum(admitted)
         for s, blk, n in zip(seqs, blocks, admitted):
             policy.observe(s, blk, n, min(n, 2))  # two of the verified proposals accepted
-        # the clock: verification costs 1 ms per token when speculation pays, 10 ms when it does not
-        seconds = 0.005 + (0.001 if spec_pays else 0.010) * (tokens - 4)
+        # the clock: verification costs 0.3 ms per token when speculation pays, 10 ms when it does not
+        seconds = 0.005 + (0.0003 if spec_pays else 0.010) * (tokens - 4)
         policy.observe_step(4, tokens, 50.0, list(lengths), seconds)
         modes.append(policy._mode)
-    spec_share = modes[200:].count("spec") / 200
+    spec_share = 1 - modes[200:].count("plain") / 200  # "spec" (as planned) or "full" (every row k)
     assert spec_share > 0.85 if spec_pays else spec_share < 0.15
 
 
@@ -398,3 +398,26 @@ def test_goodput_plain_steps_chosen_by_the_clock_do_not_probe():
         if step >= 200 and policy._mode == "plain":
             plain_lengths.append(sum(lengths))
     assert len(plain_lengths) > 300 and sum(plain_lengths) == 0
+
+
+def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
+    """A plan that truncates (low calibrated gains) while the clock rewards long blocks: the
+    measured check settles on the "full" arm (every row drafts and verifies k), as fixed would."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    policy.model.observe = lambda *a, **k: None
+    for table_ in policy.calibration.tables:  # the calibration believes proposals are poor
+        for cell in table_:
+            cell[0] = cell[1] * 0.35
+    policy.calibration.total = [35.0, 100.0]
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(2)]
+    modes = []
+    for step in range(600):
+        lengths = policy.plan(seqs, [4] * 2)
+        blocks = [DraftBlock([1] * n, None, [0.3] * n) for n in lengths]
+        admitted = policy.admit(seqs, blocks, 0.0)
+        for s, blk, n in zip(seqs, blocks, admitted):
+            policy.observe(s, blk, n, n)  # in truth every proposal is accepted
+        tokens = 2 + sum(admitted)
+        policy.observe_step(2, tokens, 50.0, list(lengths), 0.005 + 0.0002 * (tokens - 2))
+        modes.append(policy._mode)
+    assert modes[300:].count("full") / 300 > 0.85

@@ -26,10 +26,11 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   picked the best prefix from all the row's confidences would read q_{j+1}, a function of x_j).
 
 A measured check on top (`_choose_mode`): per batch size (powers of two), the policy keeps
-decayed committed-tokens-per-second figures of the steps it ran as planned ("spec") and of steps
-it ran without verifying ("plain"), and runs the better of the two, trying the other on 1 step in
-16 to 64 (more often when the two are close; the choice uses its own random numbers and the
-history only: causal). A profile that is off
+decayed committed-tokens-per-second figures of three arms: the steps it ran as planned ("spec"),
+steps where every row drafted and verified all it may, as the fixed policy does ("full"), and
+steps it ran without verifying ("plain"); it runs the best, trying another on 1 step in 16 to 64
+(more often when the best two are close; the choice uses its own random numbers and the history
+only: causal, and "full" admits every proposal, reading none). A profile that is off
 (measured on a loaded machine, or missing the step's Python work) then costs at most the
 exploration, not the operating point.
 
@@ -89,6 +90,7 @@ class GoodputPolicy:
     needs_cost_model = True
     needs_confidence = True
     probe_every = 32
+    ARMS = ("spec", "full", "plain")  # planned lengths, every row its maximum (fixed k), no drafting
     max_probe_every = 512
     arm_decay = 0.8  # per step of that arm: the figures follow the last ~5 of its steps
 
@@ -147,18 +149,27 @@ class GoodputPolicy:
         if self._mode == "plain":
             self._rate = math.inf
             lengths = [min(n, p) for n, p in zip(lengths, probes)]
+        elif self._mode == "full":  # every row drafts and verifies all it may: fixed speculation
+            self._rate = 0.0
+            lengths = list(max_draft)
         return lengths
 
+    def _arms_of(self, bucket: int) -> dict[str, list[float]]:
+        return self._arms.setdefault(bucket, {arm: [0.0, 0.0, 0.0] for arm in self.ARMS})
+
     def _choose_mode(self, bucket: int) -> str:
-        arms = self._arms.setdefault(bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})
-        for arm in ("spec", "plain"):
+        arms = self._arms_of(bucket)
+        for arm in self.ARMS:
             if arms[arm][2] < 3:  # each arm measured a few times first
                 return arm
         rate = {a: v[0] / max(v[1], 1e-12) for a, v in arms.items()}
-        best, other = ("spec", "plain") if rate["spec"] >= rate["plain"] else ("plain", "spec")
-        margin = rate[best] / max(rate[other], 1e-12)
+        ranked = sorted(self.ARMS, key=lambda a: -rate[a])
+        best, second = ranked[0], ranked[1]
+        margin = rate[best] / max(rate[second], 1e-12)
         explore = 1 / 16 if margin < 1.2 else 1 / 32 if margin < 1.5 else 1 / 64  # close arms: look more often
-        return other if self._rng.random() < explore else best
+        if self._rng.random() < explore:
+            return self._rng.choice(ranked[1:])
+        return best
 
     def admit(self, seqs, blocks, draft_seconds):
         b, ctx = len(seqs), self._context(seqs)
@@ -205,7 +216,7 @@ class GoodputPolicy:
         self._committed = [0, 0]
         # the arms count every step, a drafter's catch-up after plain steps included: it is what
         # switching costs (leaving those steps out let a loaded batch never measure speculation)
-        arm = self._arms.setdefault(self._bucket, {"spec": [0.0, 0.0, 0.0], "plain": [0.0, 0.0, 0.0]})[self._mode]
+        arm = self._arms_of(self._bucket)[self._mode]
         d = self.arm_decay
         arm[0], arm[1], arm[2] = arm[0] * d + committed, arm[1] * d + seconds, arm[2] * d + 1.0
         lengths = draft_lengths if self.has_draft_model else ()
