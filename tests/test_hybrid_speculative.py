@@ -155,3 +155,15 @@ def test_rollback_exactness(hybrid_dir, rollback):
         assert torch.allclose(m1, m2, atol=1e-5, rtol=0), (sid, (m1 - m2).abs().max())
         assert torch.allclose(c1, c2, atol=1e-5, rtol=0)
     assert leak_checked
+
+
+def test_replay_scratch_is_at_most_one_state_in_k_plus_1(plain, hybrid_dir):
+    """replay keeps per-position inputs, snapshot per-position states: at k = 4 on this model
+    replay's scratch is <= 1/(k+1) of snapshot's (the issue's memory goal)."""
+    ps, sp, base = plain
+    peak = {}
+    for rollback in ("snapshot", "replay"):
+        llm = LLM(str(hybrid_dir), spec=SpecConfig(method="test-hybrid-oracle", k=4), recurrent_rollback=rollback)
+        assert [o.token_ids for o in llm.generate(ps[:4], sp)] == base[:4]
+        peak[rollback] = llm.engine.runner.state.peak_scratch_bytes
+    assert peak["replay"] > 0 and peak["replay"] * 5 <= peak["snapshot"], peak
