@@ -28,7 +28,7 @@ def test_chunked_rule_matches_recurrent():
     k = l2norm(torch.randn(B, T, H, dk))
     v, g, beta = torch.randn(B, T, H, dv), -torch.rand(B, T, H), torch.rand(B, T, H)
     S0 = torch.randn(B, H, dk, dv)
-    o1, s1, _ = recurrent_rule(q, k, v, g, beta, S0)
+    o1, s1 = recurrent_rule(q, k, v, g, beta, S0)
     o2, s2 = chunked_rule(q, k, v, g, beta, S0, chunk=16)
     assert torch.allclose(o1, o2, atol=1e-5) and torch.allclose(s1, s2, atol=1e-5)
     o3, s3 = chunked_rule(q, k, v, g, beta * 0.5, S0, chunk=16)  # a different input must differ

@@ -55,18 +55,18 @@ def delta_update(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return S + k.unsqueeze(-1) * u.unsqueeze(-2)
 
 
-def recurrent_rule(q, k, v, g, beta, S, keep_states: bool = False):
+def recurrent_rule(q, k, v, g, beta, S, states_out: torch.Tensor | None = None):
     """Token by token. q, k [B, T, H, dk]; v [B, T, H, dv]; g, beta [B, T, H]; S [B, H, dk, dv]
-    (float32 throughout). Returns (o [B, T, H, dv], final S, states after each token
-    [B, T, H, dk, dv] or None)."""
+    (float32 throughout). Returns (o [B, T, H, dv], final S); with `states_out` [B, T, H, dk, dv]
+    the state after each token is written there (the caller's scratch: no copy to gather them)."""
     T = q.shape[1]
-    outs, states = [], []
+    outs = []
     for t in range(T):
         S = delta_update(S, k[:, t], v[:, t], g[:, t], beta[:, t])
         outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))  # S^T q: [B, H, dv]
-        if keep_states:
-            states.append(S)
-    return torch.stack(outs, 1), S, (torch.stack(states, 1) if keep_states else None)
+        if states_out is not None:
+            states_out[:, t] = S
+    return torch.stack(outs, 1), S
 
 
 def chunked_rule(q, k, v, g, beta, S, chunk: int = 64):

@@ -146,23 +146,33 @@ class GatedDeltaNet(nn.Module):
             window, S = state.read(r)
         conv, cat = causal_conv(window, mixed, self.conv1d.weight.squeeze(1))  # [B, T, C]
         q, k, v = conv.float().split([hs.key_dim, hs.key_dim, hs.value_dim], dim=-1)
-        q = l2norm(q.view(B, T, Hk, dk)).repeat_interleave(Hv // Hk, dim=2) * dk ** -0.5  # [B, T, Hv, dk]
-        k = l2norm(k.view(B, T, Hk, dk)).repeat_interleave(Hv // Hk, dim=2)
+        q = _per_value_head(l2norm(q.view(B, T, Hk, dk)) * dk ** -0.5, Hv)  # [B, T, Hv, dk]
+        k = _per_value_head(l2norm(k.view(B, T, Hk, dk)), Hv)
         v = v.reshape(B, T, Hv, dv)
         beta = b.float().sigmoid()  # [B, T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if state is not None and min(state.lens) < T:  # padding rows leave the state unchanged
             valid = state.valid(T, x.device)[..., None]
             beta, g = beta * valid, g * valid
-        keep = state is not None and state.keeps_states
-        if keep or T <= SEQUENTIAL_MAX_TOKENS:
-            o, S_final, states = recurrent_rule(q, k, v, g, beta, S, keep_states=keep)
+        states = None  # snapshot with provisional rows: the state after every position, into scratch
+        if state is not None and state.keeps_states:
+            states = state.scratch("states", r, (B, T, Hv, dk, dv), torch.float32)
+        if states is not None or T <= SEQUENTIAL_MAX_TOKENS:
+            o, S_final = recurrent_rule(q, k, v, g, beta, S, states_out=states)
         else:
-            (o, S_final), states = chunked_rule(q, k, v, g, beta, S), None
+            o, S_final = chunked_rule(q, k, v, g, beta, S)
         if state is not None:
-            state.record(r, cat, k, v, g, beta, S_final, states)
+            state.record(r, cat, k, v, g, beta, S_final)
         y = gated_rms_norm(o.to(x.dtype), z, self.norm.weight, self.cfg.rms_norm_eps)  # [B, T, Hv, dv]
         return self.out_proj(y.reshape(B, T, hs.value_dim))
+
+
+def _per_value_head(x, Hv: int):
+    """[B, T, Hk, d] -> [B, T, Hv, d]: each key head serves Hv / Hk consecutive value heads."""
+    B, T, Hk, d = x.shape
+    if Hk == Hv:
+        return x
+    return x[:, :, :, None].expand(B, T, Hk, Hv // Hk, d).reshape(B, T, Hv, d)
 
 
 class HybridLayer(nn.Module):

@@ -140,7 +140,7 @@ class StateBatch:
     lens: list[int]  # new tokens of each row (the rest of the row is padding)
     provisional: list[bool]
     slots: torch.Tensor  # [B] long
-    _scratch: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [L_rec, B, T, ...]
 
     @property
     def keeps_states(self) -> bool:
@@ -154,10 +154,10 @@ class StateBatch:
         """Recurrent layer r's checkpoints: window [B, K-1, C], matrix [B, H, dk, dv]."""
         return self.pool.conv[self.slots, r], self.pool.matrix[self.slots, r]
 
-    def record(self, r: int, cat: torch.Tensor, k, v, g, beta, final: torch.Tensor,
-               states: torch.Tensor | None) -> None:
+    def record(self, r: int, cat: torch.Tensor, k, v, g, beta, final: torch.Tensor) -> None:
         """Layer r's results: cat [B, K-1+T, C] (window + new inputs), k / v / g / beta per position,
-        final state [B, H, dk, dv] (padding left it unchanged), states per position or None."""
+        final state [B, H, dk, dv] (padding left it unchanged). Under snapshot the layer has
+        already written the state after each position into `scratch("states", r, ...)`."""
         pool, K1 = self.pool, self.pool.conv_kernel - 1
         rows = [b for b, p in enumerate(self.provisional) if not p]
         if rows:  # committed rows: the checkpoint moves now
@@ -168,20 +168,26 @@ class StateBatch:
             pool.conv[self.slots[idx], r] = win.to(pool.dtype)
         if not any(self.provisional):
             return
-        if pool.rollback == "snapshot":
+        if pool.rollback == "snapshot":  # the states are already in scratch (the layer wrote them)
             T = cat.shape[1] - K1
             windows = cat.unfold(1, K1, 1)[:, 1 : T + 1].transpose(-1, -2)  # [B, T, K-1, C]: after each token
-            self._scratch.setdefault("states", []).append(states)
-            self._scratch.setdefault("windows", []).append(windows.to(pool.dtype))
+            self.scratch("windows", r, windows.shape, pool.dtype).copy_(windows)
         else:
             for name, x in (("conv_in", cat[:, K1:]), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-                self._scratch.setdefault(name, []).append(x)
+                self.scratch(name, r, x.shape, x.dtype).copy_(x)
+
+    def scratch(self, name: str, r: int, shape, dtype) -> torch.Tensor:
+        """Recurrent layer r's part of a per-forward scratch buffer `[L_rec, *shape]` (allocated once)."""
+        buf = self._scratch.get(name)
+        if buf is None:
+            buf = self._scratch[name] = torch.empty(self.pool.num_layers, *shape, dtype=dtype, device=self.pool.device)
+        return buf[r]
 
     def finish(self) -> None:
-        """After the forward: each provisional row's scratch, layers stacked, becomes its Pending."""
+        """After the forward: each provisional row's part of the scratch becomes its Pending."""
         if not any(self.provisional):
             return
-        stacked = {name: torch.stack(xs, 0) for name, xs in self._scratch.items()}  # [L, B, T, ...]
+        stacked = self._scratch  # [L, B, T, ...]
         total = 0
         for b, (sid, prov) in enumerate(zip(self.seq_ids, self.provisional)):
             if prov:
