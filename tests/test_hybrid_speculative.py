@@ -1,7 +1,7 @@
 """Speculation on a hybrid target (gated delta rule + attention): greedy output equals plain
 decoding for both recurrent rollback strategies (snapshot, replay), with a draft model, n-gram
 lookup and an oracle drafter that corrupts one proposal per block (accepted prefixes of every
-length), at concurrency 1 and 16, with forced preemption; and the recurrent state after
+length), at concurrency 1 and 16, with forced preemption; a hybrid drafter rolled back exactly; and the recurrent state after
 accept/reject rounds equals a plain run over the committed tokens."""
 import random
 
@@ -12,6 +12,7 @@ from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import load_model
 from draftwise.model.runner import ModelRunner
 from draftwise.proposers import DraftBlock, register_proposer
+from draftwise.proposers.draft_model import DraftModelProposer
 from tiny_hybrid import make_hybrid_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> plain greedy output
@@ -101,9 +102,53 @@ def test_concurrency_1_and_forced_preemption(plain, hybrid_dir, rollback):
     assert not pool.slots and not pool.pending  # every slot went back with its sequence
 
 
-def test_hybrid_draft_refused(hybrid_dir):
-    with pytest.raises(ValueError, match="hybrid draft model is not supported"):
-        LLM(str(hybrid_dir), draft=str(hybrid_dir), spec=SpecConfig(method="draft", k=2))
+@register_proposer("test-hybrid-corrupt-one")
+class CorruptOneProposer(DraftModelProposer):
+    """The draft model's proposals with one corrupted at a position before the last (which moves
+    with the output length): with the target as its own (float32) drafter, exactly the proposals
+    before it are accepted, and the drafter, which fed its own later proposals, must roll its state
+    back. `expected` counts the acceptances an exact rollback gives."""
+
+    expected = 0
+
+    def propose(self, seqs, num_draft, num_forced=None):
+        blocks = super().propose(seqs, num_draft, num_forced)
+        for s, b in zip(seqs, blocks):
+            n = len(b.token_ids)
+            c = len(s.output_ids) % (n - 1) if n >= 2 else n
+            if c < n:
+                b.token_ids[c] = (b.token_ids[c] + 1) % self.vocab
+            self.expected += c
+        return blocks
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "replay"])
+def test_hybrid_draft_model(plain, hybrid_dir, rollback):
+    """A hybrid drafter (here the target itself): its recurrent state is rolled back to the
+    accepted proposals after each round (its steps are provisional, committed in its postprocess).
+    A drafter whose state kept its rejected proposal is caught (the check can fail)."""
+    ps, sp, base = plain
+
+    def engine(leak: bool):
+        llm = LLM(str(hybrid_dir), draft=str(hybrid_dir), spec=SpecConfig(method="test-hybrid-corrupt-one", k=4),
+                  draft_dtype="float32", recurrent_rollback=rollback)
+        if leak:  # the drafter's state keeps the whole drafted block, rejected proposals too
+            pool = llm.engine.proposer.runner.state
+
+            def leaky_commit(seq_id, num_computed, real=pool.commit):
+                p = pool.pending.get(seq_id)
+                real(seq_id, num_computed if p is None else p.start + p.length)
+
+            pool.commit = leaky_commit
+        return llm
+
+    llm = engine(leak=False)
+    outs = llm.generate(ps[:6], sp)
+    assert [o.token_ids for o in outs] == base[:6]
+    accepted, expected = llm.engine.stats.accepted_tokens, llm.engine.proposer.expected
+    assert expected > 20 and expected - 2 <= accepted <= expected, (accepted, expected)  # a near-tie may cost 1-2
+    leaked = engine(leak=True).generate(ps[:6], sp)
+    assert any(o.finish_reason == "error" and "recurrent state covers" in o.error for o in leaked)
 
 
 def _state(runner, seq_id):

@@ -78,9 +78,6 @@ class LLMEngine:
             max_len = min(max_len, cfg.max_model_len)
         self.max_model_len = max_len
         num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
-        if cls is not None and cls.needs_draft_model and draft.config.hybrid is not None:
-            raise ValueError("a hybrid draft model is not supported (its recurrent state would need rollback "
-                             "too): use an attention-only draft, or the ngram method")
         self.runner = ModelRunner(target, num_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching,
                                   recurrent_rollback=cfg.recurrent_rollback)
         self.proposer = None

@@ -172,11 +172,10 @@ def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult
                 text_cases.append((stop, text[: text.find(stop)]))
     params = [c[1] for c in cases] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[st])
                                       for st, _ in text_cases]
-    engines = [("config", spec)]
-    if s.target.config.hybrid is None:  # a hybrid model cannot draft (its recurrent state has no draft rollback)
-        engines.append(("self-draft", LLMEngine(s.target, s.target, SpecConfig(method="draft", k=max(s.spec.k, 4)),
-                                                _engine_config(s, 16))))
-    failures, inside = [], {"self-draft": "skipped (hybrid target)"}
+    self_draft = LLMEngine(s.target, s.target, SpecConfig(method="draft", k=max(s.spec.k, 4)),
+                           _engine_config(s, 16))
+    engines = [("config", spec), ("self-draft", self_draft)]
+    failures, inside = [], {}
     for label, eng in engines:
         got = generate(eng, [prompt] * len(params), params, f"stops-{label}")
         inside[label] = sum(1 + sum(q.stats.committed_per_round) > len(q.output_ids) for q in got)

@@ -62,6 +62,7 @@ class RecurrentStatePool:
         self.matrix = torch.zeros(initial_slots, *self._shapes[0], dtype=torch.float32, device=device)
         self.conv = torch.zeros(initial_slots, *self._shapes[1], dtype=dtype, device=device)
         self.slots: dict[int, int] = {}  # seq_id -> slot
+        self.positions: dict[int, int] = {}  # seq_id -> tokens its checkpoint covers
         self.free_slots = list(range(initial_slots - 1, -1, -1))  # popped from the end: lowest first
         self.pending: dict[int, Pending] = {}
         self.peak_scratch_bytes = 0  # the largest provisional scratch of one forward
@@ -80,9 +81,12 @@ class RecurrentStatePool:
         self.conv = torch.cat((self.conv, torch.zeros_like(self.conv)))
         self.free_slots = list(range(2 * n - 1, n - 1, -1)) + self.free_slots
 
-    def slot_for(self, seq_id: int, start: int) -> int:
-        """The sequence's slot; a forward from position 0 (new, or recomputed) starts from zeros."""
+    def slot_for(self, seq_id: int, start: int, provisional: bool) -> tuple[int, bool]:
+        """The sequence's slot, and whether this forward continues its pending block. A forward
+        from position 0 (new, or recomputed) starts from zeros; otherwise it must start at the
+        checkpoint or, provisional again, where its pending block ends (a drafter's next step)."""
         slot = self.slots.get(seq_id)
+        p = self.pending.get(seq_id)
         if start == 0:
             if slot is None:
                 if not self.free_slots:
@@ -90,22 +94,33 @@ class RecurrentStatePool:
                 slot = self.slots[seq_id] = self.free_slots.pop()
             self.matrix[slot].zero_()
             self.conv[slot].zero_()
+            self.positions[seq_id] = 0
         elif slot is None:
             raise RuntimeError(f"sequence {seq_id} continues at position {start} without a recurrent state")
+        elif p is not None and provisional and start == p.start + p.length:
+            return slot, True
+        if self.positions[seq_id] != start:
+            raise RuntimeError(f"sequence {seq_id}: a forward from position {start}, its recurrent state covers "
+                               f"{self.positions[seq_id]} tokens")
         self.pending.pop(seq_id, None)
-        return slot
+        return slot, False
 
     def free(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
             self.free_slots.append(slot)
         self.pending.pop(seq_id, None)
+        self.positions.pop(seq_id, None)
 
     def batch(self, seq_ids: list[int], starts: list[int], lens: list[int],
               provisional: list[bool] | None) -> "StateBatch":
-        slots = [self.slot_for(s, st) for s, st in zip(seq_ids, starts)]
         prov = list(provisional) if provisional is not None else [False] * len(seq_ids)
-        return StateBatch(self, seq_ids, starts, lens, prov, torch.tensor(slots, dtype=torch.long, device=self.device))
+        slots, cont = zip(*(self.slot_for(s, st, pv) for s, st, pv in zip(seq_ids, starts, prov)))
+        if any(cont) and self.rollback != "snapshot":
+            raise NotImplementedError("a provisional block continued by another forward (a hybrid drafter's "
+                                      "steps) needs the snapshot strategy")
+        return StateBatch(self, list(seq_ids), starts, lens, prov, torch.tensor(slots, dtype=torch.long,
+                                                                               device=self.device), list(cont))
 
     def commit(self, seq_id: int, num_computed: int) -> None:
         """Advance the checkpoint of a provisional block to `num_computed` (postprocess)."""
@@ -113,9 +128,12 @@ class RecurrentStatePool:
         if p is None:
             return
         n = num_computed - p.start
-        if not 1 <= n <= p.length:
+        if not 0 <= n <= p.length:
             raise RuntimeError(f"sequence {seq_id}: {n} committed positions of a {p.length}-position block")
+        if n == 0:
+            return
         slot = self.slots[seq_id]
+        self.positions[seq_id] = num_computed
         t = p.tensors
         if self.rollback == "snapshot":
             self.matrix[slot].copy_(t["states"][:, n - 1])
@@ -140,6 +158,7 @@ class StateBatch:
     lens: list[int]  # new tokens of each row (the rest of the row is padding)
     provisional: list[bool]
     slots: torch.Tensor  # [B] long
+    continues: list[bool]  # provisional rows that start where their pending block ends (not at the checkpoint)
     _scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [L_rec, B, T, ...]
 
     @property
@@ -151,8 +170,14 @@ class StateBatch:
         return torch.arange(T, device=device)[None] < torch.tensor(self.lens, device=device)[:, None]
 
     def read(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recurrent layer r's checkpoints: window [B, K-1, C], matrix [B, H, dk, dv]."""
-        return self.pool.conv[self.slots, r], self.pool.matrix[self.slots, r]
+        """Recurrent layer r's starting states: window [B, K-1, C], matrix [B, H, dk, dv] (the
+        checkpoint, or for a continuing row the state after its pending block: snapshot only)."""
+        conv, matrix = self.pool.conv[self.slots, r], self.pool.matrix[self.slots, r]
+        for b, c in enumerate(self.continues):
+            if c:
+                t = self.pool.pending[self.seq_ids[b]].tensors
+                conv[b], matrix[b] = t["windows"][r, -1], t["states"][r, -1]
+        return conv, matrix
 
     def record(self, r: int, cat: torch.Tensor, k, v, g, beta, final: torch.Tensor) -> None:
         """Layer r's results: cat [B, K-1+T, C] (window + new inputs), k / v / g / beta per position,
@@ -160,6 +185,9 @@ class StateBatch:
         already written the state after each position into `scratch("states", r, ...)`."""
         pool, K1 = self.pool, self.pool.conv_kernel - 1
         rows = [b for b, p in enumerate(self.provisional) if not p]
+        if rows and r == 0:
+            for b in rows:
+                pool.positions[self.seq_ids[b]] = self.starts[b] + self.lens[b]
         if rows:  # committed rows: the checkpoint moves now
             idx = torch.tensor(rows, dtype=torch.long, device=cat.device)
             ends = torch.tensor([self.lens[b] for b in rows], device=cat.device)
@@ -191,7 +219,13 @@ class StateBatch:
         total = 0
         for b, (sid, prov) in enumerate(zip(self.seq_ids, self.provisional)):
             if prov:
-                p = Pending(self.starts[b], self.lens[b], {n: x[:, b] for n, x in stacked.items()})
+                new = {n: x[:, b, : self.lens[b]] for n, x in stacked.items()}
+                if self.continues[b]:  # a drafter's next step: the block grows
+                    old = self.pool.pending[sid]
+                    new = {n: torch.cat((old.tensors[n], x), dim=1) for n, x in new.items()}
+                    p = Pending(old.start, old.length + self.lens[b], new)
+                else:
+                    p = Pending(self.starts[b], self.lens[b], new)
                 self.pool.pending[sid] = p
                 total += p.nbytes()
         self.pool.peak_scratch_bytes = max(self.pool.peak_scratch_bytes, total)

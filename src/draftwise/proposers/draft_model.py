@@ -7,7 +7,8 @@ Each proposal carries its confidence, max_x q_j(x), computed from q_j before x_j
 a causal verification policy may read). At every proposed position q is
 produced by the same `process_logits` as the target's p, with the proposed tokens before that
 position in the history (greedy rows need only its argmax and carry no probs). The drafter never reads the target's K/V. After verification its cache
-length is set back to the committed path (`postprocess`), by bookkeeping only.
+length is set back to the committed path (`postprocess`), by bookkeeping only; a hybrid drafter's
+recurrent state (its steps are `provisional`, one growing block) is committed at that length.
 
 Structured output: a constrained sequence drafts under the same grammar mask as p (a fork of its
 matcher walks the proposals; `process_logits` gets the bitmask), so q never puts mass where p
@@ -59,13 +60,16 @@ class DraftModelProposer:
         # [drafted, forced budget left] per row: forced tokens spend the forced budget first
         left = {i: [num_draft[i], num_forced[i] if num_forced else 0] for i in active}
         unfed = {i: 0 for i in active}  # proposals at the end of feeds[i] (not in the draft cache yet)
+        short = {}  # row -> the last forced run stopped before its budget (no forced token follows)
         ran = set()  # rows whose catch-up the drafter has fed
         for i in cursors:  # the round starts on forced tokens: fed with the catch-up
-            unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab)
+            unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab,
+                                         short, i)
         active = [i for i in active if left[i][0] > 0 and not (i in cursors and cursors[i].done)]
         while active:
             logits = self.runner.run(
-                [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active)
+                [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active),
+                provisional=[True] * len(active),  # a hybrid drafter's state waits for postprocess (else ignored)
             )  # [A, V]
             q_logits = process_logits(
                 logits,
@@ -102,7 +106,8 @@ class DraftModelProposer:
                 left[i][0] -= 1
                 if i in cursors:
                     cursors[i].accept(tok)
-                    unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seq, self.vocab)
+                    unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seq,
+                                                 self.vocab, short, i)
                 if left[i][0] > 0 and not (i in cursors and cursors[i].done):
                     nxt.append(i)
             active = nxt
@@ -111,6 +116,7 @@ class DraftModelProposer:
                 self._fed[seqs[i].seq_id] = len(b.token_ids) - unfed[i] if i in ran else None
             if probs[i]:
                 b.probs = torch.stack(probs[i])  # [k_b, V]
+            b.forced_done = i in cursors and (cursors[i].done or short[i])  # the engine need not look again
         return blocks
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
@@ -124,6 +130,7 @@ class DraftModelProposer:
         # ended the block); keep the accepted ones
         seq.draft_computed = num_tokens_before + min(num_accepted, fed)
         self.kv.truncate(seq.seq_id, seq.draft_computed)
+        self.runner.commit_state(seq.seq_id, seq.draft_computed)  # a hybrid drafter's recurrent state
 
     @staticmethod
     def _bitmask(active, cursors, vocab: int) -> torch.Tensor | None:  # [A, W] int32 or None
@@ -136,10 +143,13 @@ class DraftModelProposer:
         return out
 
     @staticmethod
-    def _add_forced(cursor, block, probs, feed, left: list[int], seq, vocab: int) -> int:
+    def _add_forced(cursor, block, probs, feed, left: list[int], seq, vocab: int, short: dict, row: int) -> int:
         """Append the tokens the grammar forces next (q = point mass), to be fed with the next step;
-        `left` = [drafted tokens left, forced budget left], spent forced budget first. Returns how many."""
-        forced = cursor.forced_tokens(left[0] + left[1])
+        `left` = [drafted tokens left, forced budget left], spent forced budget first. Returns how
+        many; short[row] = whether the run ended before the budget did."""
+        limit = left[0] + left[1]
+        forced = cursor.forced_tokens(limit)
+        short[row] = len(forced) < limit
         for tok in forced:
             left[1 if left[1] > 0 else 0] -= 1
             cursor.accept(tok)
