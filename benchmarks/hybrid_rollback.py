@@ -7,6 +7,10 @@ scratch memory of each strategy.
         [--method draft] [--k 4] [--concurrency 1,4,16] [--requests 16] [--max-tokens 64]
         [--workload code-easy] [--threads 2] [--out FILE.md]
 
+`--method oracle` proposes plain decoding's own continuation with one token in k+1 positions
+corrupted (the position moves with the output length): the same acceptance on every target, so
+that the speedups compare the targets' verification and rollback costs, not their drafts.
+
 For each target: plain decoding, then speculation (for a hybrid target once per strategy), each in
 one engine per concurrency level (`max_num_seqs = c`, the requests all queued at once), greedy.
 Outputs are checked equal to plain decoding's. Time per committed token (ms) = wall / committed;
@@ -24,6 +28,32 @@ import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.lab.workload import load_workload
+from draftwise.proposers import DraftBlock, register_proposer
+
+ORACLE: dict[tuple, list[int]] = {}  # prompt ids -> plain greedy output (filled by the plain run)
+
+
+@register_proposer("oracle")
+class OracleProposer:
+    kv = None
+    needs_draft_model = False
+
+    def __init__(self, target=None, **_):
+        self.vocab = target.config.vocab_size
+
+    def propose(self, seqs, num_draft, num_forced=None):
+        blocks = []
+        for s, n in zip(seqs, num_draft):
+            j = len(s.output_ids)
+            block = list(ORACLE.get(tuple(s.prompt_ids), [])[j : j + n])
+            c = (3 * j + 1) % (n + 1)
+            if c < len(block):
+                block[c] = (block[c] + 1) % self.vocab
+            blocks.append(DraftBlock(block, None))
+        return blocks
+
+    def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        pass
 
 
 def run(llm: LLM, prompts: list[str], sp: SamplingParams) -> dict:
@@ -37,6 +67,8 @@ def run(llm: LLM, prompts: list[str], sp: SamplingParams) -> dict:
         eng.step()
     wall = time.perf_counter() - t0
     outs = [list(s.output_ids) for s in seqs]
+    if eng.proposer is None:
+        ORACLE.update({tuple(s.prompt_ids): list(s.output_ids) for s in seqs})
     for s in seqs:
         eng.release(s.request_id)
     d = [a - b for a, b in zip((st.propose_seconds, st.verify_seconds, st.rollback_seconds, st.rounds,
