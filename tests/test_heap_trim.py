@@ -34,3 +34,11 @@ def test_interval_and_idle():
 def test_disabled():
     h = HeapTrimmer(0)
     assert not h.enabled and not h.maybe_trim() and not h.maybe_trim(idle=True)
+
+
+def test_limit_arenas_is_accepted():
+    from draftwise.server.heap import _malloc_trim, limit_arenas
+
+    if _malloc_trim() is None:
+        pytest.skip("not glibc")
+    assert limit_arenas(8)  # glibc's own default on this machine's scale: harmless in the test process
