@@ -677,3 +677,29 @@ def test_bench_configs_set_the_forced_budget():
     for bad in ("draft:k=4:forced=x", "draft:k=4:forced=65"):
         with pytest.raises(ValueError, match="forced"):
             parse_configs(bad)
+
+
+def test_draft_blocks_marked_forced_done_have_no_forced_tail(pair):
+    """The draft model marks a block after which the grammar forces nothing (the engine then skips
+    its own look): checked against `forced_tail` on every block it returns."""
+    from draftwise.sampling.grammar import forced_tail
+
+    target, draft = pair
+    llm = LLM(target, draft=draft, spec=SpecConfig(method="draft", k=2, forced=3))
+    eng, seen = llm.engine, {True: 0, False: 0}
+    propose = eng.proposer.propose
+
+    def checked(seqs, plan, forced=None):
+        blocks = propose(seqs, plan, forced)
+        for s, b in zip(seqs, blocks):
+            if s.grammar is not None and b.token_ids:
+                seen[b.forced_done] += 1
+                if b.forced_done:
+                    assert forced_tail(s.grammar, b.token_ids, 64) == [], b.token_ids
+        return blocks
+
+    eng.proposer.propose = checked
+    sp = SamplingParams(temperature=0.0, max_tokens=48, structured_output={"json_schema": SCHEMA})
+    outs = llm.generate(PROMPTS, sp)
+    assert all(matches("json_schema", o.text) for o in outs)
+    assert seen[True] > 0 and seen[False] > 0, seen

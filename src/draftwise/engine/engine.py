@@ -248,8 +248,9 @@ class LLMEngine:
         for s, b, n, m in zip(decoding, drafted, admitted, plan):
             b = b.truncated(n)
             if s.num_forced and s.seq.grammar is not None:
-                tail = forced_tail(s.seq.grammar, b.token_ids, s.num_draft + s.num_forced - len(b.token_ids))
-                b = b.extended(tail, self.vocab_size)
+                if not b.forced_done:  # (the draft model has already appended what the grammar forces)
+                    tail = forced_tail(s.seq.grammar, b.token_ids, s.num_draft + s.num_forced - len(b.token_ids))
+                    b = b.extended(tail, self.vocab_size)
                 self.stats.forced_tokens += max(0, len(b.token_ids) - m)  # free: beyond the planned drafting
             blocks[s.seq.seq_id] = b
         return {s.seq_id: b for s, b in zip(seqs, drafted)}, blocks

@@ -26,6 +26,7 @@ class DraftBlock:
     token_ids: list[int]  # [num_draft] proposed tokens
     probs: torch.Tensor | None  # [num_draft, vocab] q at each proposed position, or None (point mass)
     confidence: list[float] | None = None  # [num_draft] max_x q_j(x), a function of q_j only; None: unknown
+    forced_done: bool = False  # the proposer found that the grammar forces no token after the block
 
     def truncated(self, n: int) -> "DraftBlock":
         """The first n proposals (what a verification policy admits)."""

@@ -60,9 +60,11 @@ class DraftModelProposer:
         # [drafted, forced budget left] per row: forced tokens spend the forced budget first
         left = {i: [num_draft[i], num_forced[i] if num_forced else 0] for i in active}
         unfed = {i: 0 for i in active}  # proposals at the end of feeds[i] (not in the draft cache yet)
+        short = {}  # row -> the last forced run stopped before its budget (no forced token follows)
         ran = set()  # rows whose catch-up the drafter has fed
         for i in cursors:  # the round starts on forced tokens: fed with the catch-up
-            unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab)
+            unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab,
+                                         short, i)
         active = [i for i in active if left[i][0] > 0 and not (i in cursors and cursors[i].done)]
         while active:
             logits = self.runner.run(
@@ -104,7 +106,8 @@ class DraftModelProposer:
                 left[i][0] -= 1
                 if i in cursors:
                     cursors[i].accept(tok)
-                    unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seq, self.vocab)
+                    unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seq,
+                                                 self.vocab, short, i)
                 if left[i][0] > 0 and not (i in cursors and cursors[i].done):
                     nxt.append(i)
             active = nxt
@@ -113,6 +116,7 @@ class DraftModelProposer:
                 self._fed[seqs[i].seq_id] = len(b.token_ids) - unfed[i] if i in ran else None
             if probs[i]:
                 b.probs = torch.stack(probs[i])  # [k_b, V]
+            b.forced_done = i in cursors and (cursors[i].done or short[i])  # the engine need not look again
         return blocks
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
@@ -139,10 +143,13 @@ class DraftModelProposer:
         return out
 
     @staticmethod
-    def _add_forced(cursor, block, probs, feed, left: list[int], seq, vocab: int) -> int:
+    def _add_forced(cursor, block, probs, feed, left: list[int], seq, vocab: int, short: dict, row: int) -> int:
         """Append the tokens the grammar forces next (q = point mass), to be fed with the next step;
-        `left` = [drafted tokens left, forced budget left], spent forced budget first. Returns how many."""
-        forced = cursor.forced_tokens(left[0] + left[1])
+        `left` = [drafted tokens left, forced budget left], spent forced budget first. Returns how
+        many; short[row] = whether the run ended before the budget did."""
+        limit = left[0] + left[1]
+        forced = cursor.forced_tokens(limit)
+        short[row] = len(forced) < limit
         for tok in forced:
             left[1 if left[1] > 0 else 0] -= 1
             cursor.accept(tok)
