@@ -39,3 +39,15 @@ def test_generate_flag(hybrid_dir, capsys):
         main(args + ["--recurrent-rollback", "copy"])
     assert e.value.code == 2
     assert "--recurrent-rollback" in capsys.readouterr().err
+
+
+def test_profile_of_a_hybrid_pair(hybrid_dir, tmp_path):
+    """The hardware profile times a hybrid target (and a hybrid drafter) at contexts it never
+    prefilled: recurrent states placed at that context, verification blocks provisional."""
+    from draftwise.model import load_model
+    from draftwise.policies.profile import measure_profile
+
+    target = load_model(hybrid_dir)
+    prof = measure_profile(target, target, max_num_seqs=2, k=2, contexts=(16, 32), budget_seconds=2, repeats=1)
+    assert prof.grid and prof.draft_grid and all(p.seconds > 0 for p in prof.grid)
+    assert any(p.tokens_per_seq > 1 for p in prof.grid)  # verification blocks were timed too

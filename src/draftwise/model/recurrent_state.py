@@ -105,6 +105,12 @@ class RecurrentStatePool:
         self.pending.pop(seq_id, None)
         return slot, False
 
+    def place(self, seq_id: int, position: int) -> None:
+        """A slot holding a zero state said to cover `position` tokens: for timing forwards at a
+        context that was never prefilled (the hardware profile; timings do not depend on values)."""
+        self.slot_for(seq_id, 0, False)
+        self.positions[seq_id] = position
+
     def free(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:

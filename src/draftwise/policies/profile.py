@@ -235,8 +235,11 @@ def _points(bs: list[int], k: int, contexts: list[int], with_draft: bool) -> lis
 def _time_run(runner: ModelRunner, b: int, t: int, c: int) -> float:
     seq_ids = list(range(b))
     args = (seq_ids, [[1] * t] * b, [c] * b, [t] * b)  # verification needs logits at every fed position
+    if runner.state is not None:  # a hybrid model: recurrent states said to be at context c, blocks provisional
+        for s in seq_ids:
+            runner.state.place(s, c)
     start = time.perf_counter()
-    runner.run(*args)  # returns logits on the CPU: a GPU forward is finished when it returns
+    runner.run(*args, provisional=[t > 1] * b)  # logits on the CPU: a GPU forward is finished when it returns
     return time.perf_counter() - start
 
 
