@@ -167,6 +167,9 @@ class StateBatch:
     continues: list[bool]  # provisional rows that start where their pending block ends (not at the checkpoint)
     _scratch: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [L_rec, B, T, ...]
 
+    def __post_init__(self):
+        self._slot0 = int(self.slots[0]) if len(self.seq_ids) == 1 else None
+
     @property
     def keeps_states(self) -> bool:
         """Does a layer need the state after every position (snapshot with provisional rows)?"""
@@ -178,6 +181,9 @@ class StateBatch:
     def read(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Recurrent layer r's starting states: window [B, K-1, C], matrix [B, H, dk, dv] (the
         checkpoint, or for a continuing row the state after its pending block: snapshot only)."""
+        if len(self.seq_ids) == 1 and not self.continues[0]:  # one sequence: views, no gather
+            slot = self._slot0
+            return self.pool.conv[slot : slot + 1, r], self.pool.matrix[slot : slot + 1, r]
         conv, matrix = self.pool.conv[self.slots, r], self.pool.matrix[self.slots, r]
         for b, c in enumerate(self.continues):
             if c:
@@ -194,7 +200,11 @@ class StateBatch:
         if rows and r == 0:
             for b in rows:
                 pool.positions[self.seq_ids[b]] = self.starts[b] + self.lens[b]
-        if rows:  # committed rows: the checkpoint moves now
+        if rows == [0] and len(self.seq_ids) == 1:  # one sequence (the usual decode step): slices
+            slot, n = self._slot0, self.lens[0]
+            pool.matrix[slot, r] = final[0]
+            pool.conv[slot, r] = cat[0, n : n + K1]
+        elif rows:  # committed rows: the checkpoint moves now
             idx = torch.tensor(rows, dtype=torch.long, device=cat.device)
             ends = torch.tensor([self.lens[b] for b in rows], device=cat.device)
             win = cat[idx[:, None], ends[:, None] + torch.arange(K1, device=cat.device)]  # [R, K-1, C]
