@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
+from .head_precision import refine_top_logits
 
 
 class RMSNorm(nn.Module):
@@ -285,6 +286,8 @@ class LlamaModel(nn.Module):
         self.plan: list[LayerWeights] | None = None  # set by fuse_projections (inference)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
         self._small_layers = None  # see _layer_pointers
+        self.head_rows: torch.Tensor | None = None  # the head's weight once packed (refine_top_logits)
+        self.refine_head = True  # bfloat16 heads: the top logits recomputed in float32 (head_precision.py)
 
     def rope(self, positions: torch.Tensor, max_position: int | None = None):
         """positions [B, T] -> cos, sin_signed [B, T, 1, D] (float32; see `apply_rope`).
@@ -451,6 +454,7 @@ class LlamaModel(nn.Module):
             m.gate_up_proj = PackedLinear.of(m.gate_proj, m.up_proj)
             del m.gate_proj, m.up_proj
             m.down_proj = PackedLinear.of(m.down_proj)
+        self.head_rows = self.lm_head.weight.detach()  # the embeddings when tied: no copy
         self.lm_head = PackedLinear.of(self.lm_head)  # a copy when tied to the embeddings
         self.plan = [LayerWeights.of(layer) for layer in self.model.layers]
         return self
@@ -460,8 +464,13 @@ class LlamaModel(nn.Module):
             raise RuntimeError("move or cast a model before fuse_projections(), not after")
         return super()._apply(fn, *args, **kwargs)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
+        logits = self.lm_head(hidden).float()
+        if hidden.dtype == torch.bfloat16 and self.refine_head and self.head_rows is not None:
+            flat = refine_top_logits(logits.view(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
+                                     self.head_rows)
+            logits = flat.view(logits.shape)
+        return logits
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward without cache: `[B, T] -> [B, T, vocab]` (training, scoring)."""
