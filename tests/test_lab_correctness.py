@@ -41,12 +41,14 @@ def test_total_variation():
 
 
 def test_shipped_workloads_valid():
-    assert shipped_workloads() == ["code-easy", "code-hard", "grounded", "json", "shared-prefix"]
+    assert shipped_workloads() == ["chat-grounded", "chat-open", "code-easy", "code-hard", "grounded", "json",
+                                   "shared-prefix"]
     for name in shipped_workloads():
         wl = load_workload(name)
         assert 16 <= len(wl.requests) <= 32
         low = 32 if name == "shared-prefix" else 64
         assert all(low <= r.max_tokens <= 128 and len(r.prompt) < 3000 for r in wl.requests)
+        assert all(bool(r.messages) == name.startswith("chat-") for r in wl.requests)  # chat: messages
         assert wl.sampled == (name == "code-hard")
     shared = [r.prompt for r in load_workload("shared-prefix").requests]
     common = len(os.path.commonprefix(shared))
