@@ -23,8 +23,9 @@ def add_parser(sub):
                        description="Replay workloads for every config and load level; write results.json, "
                                    "report.md and plots to --out.")
     p.add_argument("--workload", default=None,
-                   help="shipped workload name(s) (code-easy, code-hard, grounded; comma-separated) or a JSONL path "
-                        "(default: all shipped; --quick: grounded,code-hard)")
+                   help="shipped workload name(s) (code-easy, code-hard, grounded, json, shared-prefix, chat-grounded, "
+                        "chat-open; comma-separated) or a JSONL path "
+                        "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, with an optional "
                                                     ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput; "
                                                     "default: none,draft:k=2,draft:k=4,ngram:k=4)")
