@@ -231,7 +231,10 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
     for wl in results["workloads"]:
         lines += [f"## {wl['name']}", "",
                   f"{wl['num_requests']} requests" + (f", {wl['truncated_prompts']} prompts truncated to fit the context"
-                                                     if wl.get("truncated_prompts") else "") + ".", "",
+                                                     if wl.get("truncated_prompts") else "")
+                  + {"model": ", chat messages rendered with the model's chat template",
+                     "plain": ", chat messages rendered with the plain template (the model has none)"}.get(
+                      wl.get("chat_template"), "") + ".", "",
                   workload_table(wl), ""]
         acc = acceptance_table(wl)
         if acc:
