@@ -51,3 +51,12 @@ def test_profile_of_a_hybrid_pair(hybrid_dir, tmp_path):
     prof = measure_profile(target, target, max_num_seqs=2, k=2, contexts=(16, 32), budget_seconds=2, repeats=1)
     assert prof.grid and prof.draft_grid and all(p.seconds > 0 for p in prof.grid)
     assert any(p.tokens_per_seq > 1 for p in prof.grid)  # verification blocks were timed too
+
+
+def test_bench_config_rollback():
+    from draftwise.lab.runner import parse_configs
+
+    cfgs = {c.label: c for c in parse_configs("draft:k=4,draft:k=4:rollback=replay")}
+    assert cfgs["draft:k=4"].rollback == "snapshot" and cfgs["draft:k=4:rollback=replay"].rollback == "replay"
+    with pytest.raises(ValueError, match="rollback=replay"):
+        parse_configs("draft:k=4:rollback=copy")

@@ -178,6 +178,7 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
             "scheduling_state": 1000.0 * other_s / n,
             "total": 1000.0 * (draft_s + verify_s + other_s) / n,
             "grammar": 1000.0 * stats.get("grammar_seconds", 0.0) / n,  # part of drafting + verification
+            "rollback": 1000.0 * stats.get("rollback_seconds", 0.0) / n,  # hybrid targets; part of scheduling_state
         },
     }
 

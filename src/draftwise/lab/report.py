@@ -79,7 +79,10 @@ def workload_table(wl: dict) -> str:
             if cor["mismatching_requests"] else "")
         mem = (r.get("memory") or {}).get("peak_rss_mib")
         split = ("–" if not ms else f"{ms['drafting']:.2f}+{ms['verification']:.2f}+{ms['scheduling_state']:.2f}"
-                 f" = {ms['total']:.2f}")
+                 f" = {ms['total']:.2f}" + (f" (rollback {ms['rollback']:.3f})" if ms.get("rollback") else ""))
+        rec = r.get("recurrent")
+        mem_cell = _f(mem, "{:.0f}") + ("" if not rec else f" (recurrent: {rec['state_kib_per_seq']:.0f} KiB/seq, "
+                                                          f"scratch {rec['scratch_peak_kib']:.0f} KiB)")
         rows.append(
             f"| {r['config']} | {r['level_label']} | {_f(r['output_tokens_per_s'])} | {_f(r['requests_per_s'], '{:.2f}')} "
             f"| {_f(r['goodput_requests_per_s'], '{:.2f}')} "
@@ -87,7 +90,7 @@ def workload_table(wl: dict) -> str:
             f"| {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} "
             f"| {_f(r['tpot_ms']['p50'])} / {_f(r['tpot_ms']['p99'])} "
             f"| {_f(r['e2e_ms']['p50'], '{:.0f}')} / {_f(r['e2e_ms']['p99'], '{:.0f}')} "
-            f"| {_f(sp.get('mean_accepted_length'), '{:.2f}')} | {split} | {gram} | {_f(mem, '{:.0f}')} "
+            f"| {_f(sp.get('mean_accepted_length'), '{:.2f}')} | {split} | {gram} | {mem_cell} "
             f"| {_f(sp.get('prefix_cache_hit_rate'), '{:.0%}')} "
             f"| {_f(r.get('cost_per_million_output_tokens'), '{:.2f}')} "
             f"| {_f(vs.get('speedup'), '{:.2f}x')} | {_f(vs.get('goodput_ratio'), '{:.2f}x')} | {mism} |")

@@ -32,7 +32,8 @@ QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests
 @dataclass(frozen=True)
 class BenchConfig:
     """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput",
-    "draft:k=4:forced=0" (structured output's free forced proposals per round; default 16)."""
+    "draft:k=4:forced=0" (structured output's free forced proposals per round; default 16),
+    "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot)."""
 
     label: str
     method: str | None
@@ -40,6 +41,7 @@ class BenchConfig:
     policy: str = "fixed"
     profile: str | None = None  # the hardware profile for the goodput policy (bench --profile)
     forced: int = SpecConfig.forced
+    rollback: str = "snapshot"  # hybrid targets: EngineConfig.recurrent_rollback
 
     @property
     def spec(self) -> SpecConfig:
@@ -53,7 +55,7 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
         if not entry:
             continue
         method, *opts = entry.split(":")
-        k, policy, forced = 4, "fixed", SpecConfig.forced
+        k, policy, forced, rollback = 4, "fixed", SpecConfig.forced, "snapshot"
         for o in opts:
             key, sep, val = o.partition("=")
             if key == "k" and sep and val.isdigit():
@@ -62,16 +64,20 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
                 forced = int(val)
             elif key == "policy" and sep and val:
                 policy = val
+            elif key == "rollback" and val in ("snapshot", "replay"):
+                rollback = val
             else:
                 raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
-                                 f"draft:k=4:policy=goodput (or :forced=N); got {entry!r}")
+                                 f"draft:k=4:policy=goodput (or :forced=N, :rollback=replay); got {entry!r}")
         method = None if method in ("none", "") else method
         if method is not None:
             _needs_draft(method)  # validates the name
         SpecConfig(method=method, k=k, policy=policy, forced=forced)  # validates k, the policy, forced
         label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
         label += "" if method is None or forced == SpecConfig.forced else f":forced={forced}"
-        out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced))
+        label += "" if method is None or rollback == "snapshot" else f":rollback={rollback}"
+        out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced,
+                               rollback if method else "snapshot"))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")
@@ -143,8 +149,18 @@ def _needs_draft(method: str) -> bool:
 def _engine(plan: BenchPlan, cfg: BenchConfig, target, draft, max_seqs: int, max_len_needed: int) -> LLMEngine:
     ecfg = EngineConfig(dtype=plan.dtype, device=plan.device, max_num_seqs=max_seqs,
                         kv_cache_max_tokens=max_seqs * (max_len_needed + 2 * cfg.k + 16),
-                        enable_prefix_caching=plan.prefix_caching)
+                        enable_prefix_caching=plan.prefix_caching, recurrent_rollback=cfg.rollback)
     return LLMEngine(target, draft if _uses_draft(cfg) else None, cfg.spec, ecfg)
+
+
+def _recurrent_memory(engine: LLMEngine) -> dict | None:
+    """A hybrid target's recurrent state: one sequence's checkpoint and the largest provisional
+    scratch one forward kept (snapshot: k+1 states per sequence; replay: k+1 rows of inputs)."""
+    pool = engine.runner.state
+    if pool is None:
+        return None
+    return {"rollback": pool.rollback, "state_kib_per_seq": pool.state_bytes() / 1024,
+            "scratch_peak_kib": pool.peak_scratch_bytes / 1024}
 
 
 def _uses_draft(cfg: BenchConfig) -> bool:
@@ -197,6 +213,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                              "level": level.to_dict(), "level_label": level.label, **summary,
                              "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
                              "memory": memory.peak_memory(),
+                             "recurrent": _recurrent_memory(backends[cfg.label].engine),
                              "structured_output": correctness.constraint_validity(
                                  backends[cfg.label].engine, reqs, out.records)})
                 outputs[(cfg.label, level.label)] = out.records

@@ -98,9 +98,9 @@ class ModelRunner:
             return logits, sel
         return logits
 
-    @torch.inference_mode()
     def commit_state(self, seq_id: int, num_computed: int) -> None:
         """Postprocess of a hybrid model's provisional row: its recurrent checkpoint advances to
         `num_computed` positions (snapshot copy or replay); nothing to do for attention models."""
-        if self.state is not None:
-            self.state.commit(seq_id, num_computed)
+        if self.state is not None and seq_id in self.state.pending:
+            with torch.inference_mode():
+                self.state.commit(seq_id, num_computed)
