@@ -52,7 +52,8 @@ def kv_bytes_per_token(models) -> int:
     for m in models:
         c = m.config
         item = next(m.model.parameters()).element_size()
-        total += c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * item
+        layers = c.num_hidden_layers if c.hybrid is None else len(c.hybrid.attention_layers)  # hybrid: attention only
+        total += layers * 2 * c.num_key_value_heads * c.head_dim * item
     return total
 
 
