@@ -1,0 +1,169 @@
+"""llama.cpp beside draftwise plain: batch-1 greedy decoding on the same prompts, same threads.
+
+    .venv/bin/python benchmarks/peer_llamacpp.py [--llamacpp DIR_OR_BINARY] [--gguf FILE]
+        [--model smollm2] [--dtype float32,bfloat16] [--tokens 128] [--threads 2] [--rounds 2]
+
+llama.cpp is a benchmark-only peer, never a dependency: its `llama-completion` binary is found
+through `--llamacpp` or `$LLAMACPP` (a binary, or a build folder holding `bin/llama-completion`),
+else `~/.cache/draftwise/llamacpp/build`; without one the script says so and exits 0 (skipped).
+Build recipe: /work/shared/peers/README.md (llama.cpp from the llama-cpp-python sdist, ~11 min on
+2 cores). The GGUF (default: SmolLM2-135M-Instruct.Q4_1.gguf in draftwise's cache, the file
+`make smollm2` imported) runs natively in llama.cpp (Q4_1 layers, a Q8_0 embedding/head);
+draftwise runs the imported, dequantised directory in float32 or bfloat16.
+
+Each round runs every prompt once in llama.cpp and once per draftwise dtype, in alternation (the
+machine's noise falls on all). Prompts: a few chat questions rendered with the model's chat
+template, fed to both as raw text (`-no-cnv`). llama.cpp's rate is its own decode timing (the
+`eval time` perf line: tokens after the first over their time); draftwise's is the same quantity,
+(tokens - 1) / (time after the first token), from the engine's step timestamps. Also printed: the
+weight bytes each engine reads per token (every weight once; the tied embedding is the LM head)
+and the rate times those bytes, "weight GB/s": how well each engine turns memory traffic into
+tokens, the fair comparison across 4.5 and 32 bits a weight.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QUESTIONS = [
+    "Explain what a Python dictionary is, with an example.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Summarise the rules of chess in a few sentences.",
+]
+DEFAULT_BUILD = Path.home() / ".cache" / "draftwise" / "llamacpp" / "build"
+DEFAULT_GGUF = Path.home() / ".cache" / "draftwise" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+EVAL_LINE = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
+
+
+def find_binary(given: str | None) -> Path | None:
+    for cand in (given, os.environ.get("LLAMACPP"), str(DEFAULT_BUILD)):
+        if not cand:
+            continue
+        p = Path(cand).expanduser()
+        for b in (p, p / "bin" / "llama-completion", p / "llama-completion"):
+            if b.is_file() and os.access(b, os.X_OK):
+                return b
+        if cand == given:  # named explicitly and not found: say so rather than fall through
+            raise SystemExit(f"--llamacpp: no llama-completion binary at {given}")
+    return shutil.which("llama-completion") and Path(shutil.which("llama-completion"))
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def llamacpp_decode(binary: Path, gguf_path: Path, prompt: str, tokens: int, threads: int) -> tuple[int, float]:
+    """(decoded tokens after the first, their seconds) from llama.cpp's perf lines."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    try:
+        r = subprocess.run([str(binary), "-m", str(gguf_path), "-f", f.name, "-n", str(tokens), "--ignore-eos",
+                            "--temp", "0", "-t", str(threads), "-tb", str(threads), "-c", "1024", "-no-cnv",
+                            "--no-display-prompt", "--perf", "--no-warmup"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    finally:
+        os.unlink(f.name)
+    evals = [m for line in r.stderr.splitlines() if "prompt eval" not in line for m in [EVAL_LINE.search(line)] if m]
+    if r.returncode != 0 or not evals:
+        raise RuntimeError(f"llama-completion failed (rc {r.returncode}): {r.stderr[-500:]}")
+    ms, n = float(evals[-1].group(1)), int(evals[-1].group(2))
+    return n, ms / 1e3
+
+
+def draftwise_decode(llm, ids: list[int], tokens: int) -> tuple[int, float]:
+    """(tokens after the first, their seconds): the engine stepped by hand, timestamps per step."""
+    from draftwise import SamplingParams
+
+    eng = llm.engine
+    eng.add_request("peer", ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    first = None
+    n = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        t = time.perf_counter()
+        for o in outs:
+            n += len(o.new_token_ids)
+            if first is None and o.new_token_ids:
+                first, n_first = t, n
+            if o.finished:
+                eng.release(o.seq.request_id)
+    return n - n_first, t - first
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llamacpp", default=None, help="llama-completion binary or llama.cpp build folder (or $LLAMACPP)")
+    ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    ap.add_argument("--model", default="smollm2", help="the draftwise directory imported from the same GGUF")
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    binary = find_binary(args.llamacpp)
+    if binary is None:
+        print("skipped: no llama-completion (pass --llamacpp or set $LLAMACPP; recipe in /work/shared/peers/README.md)")
+        return 0
+    if not args.gguf.is_file():
+        print(f"skipped: GGUF not found: {args.gguf} (make smollm2 downloads it)")
+        return 0
+    torch.set_num_threads(args.threads)
+    from draftwise import LLM
+    from draftwise.model.chat_template import ChatTemplate
+
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    llms = {d: LLM(args.model, dtype=d, kv_cache_memory="600MB") for d in dtypes}
+    any_llm = next(iter(llms.values()))
+    chat = ChatTemplate(any_llm.engine.target.tokenizer_config)
+    texts = [chat.render([{"role": "user", "content": q}]) for q in QUESTIONS]
+    ids = [any_llm.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    draftwise_decode(llms[dtypes[0]], ids[0], 16)  # warm-up
+    llamacpp_decode(binary, args.gguf, texts[0], 16, args.threads)
+    engines = ["llama.cpp"] + [f"draftwise {d}" for d in dtypes]
+    n = {e: 0 for e in engines}
+    s = {e: 0.0 for e in engines}
+    for _ in range(args.rounds):
+        for text, p in zip(texts, ids):
+            for e in engines:
+                if e == "llama.cpp":
+                    k, sec = llamacpp_decode(binary, args.gguf, text, args.tokens, args.threads)
+                else:
+                    k, sec = draftwise_decode(llms[e.split()[1]], p, args.tokens)
+                n[e] += k
+                s[e] += sec
+    wbytes = {"llama.cpp": gguf_weight_bytes(args.gguf)}
+    for d, llm in llms.items():
+        cfg = llm.engine.target.config
+        params = sum(p.numel() for p in llm.engine.target.model.model.embed_tokens.parameters())  # the head
+        for w in llm.engine.target.model.plan:
+            params += sum(t.numel() for t in (w.ln1, w.ln2))
+        for layer in llm.engine.target.model.model.layers:
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                params += lin.in_features * lin.out_features
+        params += cfg.hidden_size  # final norm
+        wbytes[f"draftwise {d}"] = params * torch.finfo(getattr(torch, d)).bits // 8
+    print(f"{args.gguf.name} (llama.cpp {binary}) vs {args.model}; batch 1, greedy, {args.tokens} tokens, "
+          f"{len(texts)} chat prompts x {args.rounds} rounds, {args.threads} threads")
+    rate = {e: n[e] / s[e] for e in engines}
+    for e in engines:
+        gbs = rate[e] * wbytes[e] / 1e9
+        print(f"  {e:20s} {rate[e]:7.1f} tok/s  weights {wbytes[e] / 1e6:6.1f} MB/token  {gbs:5.2f} weight GB/s")
+    for e in engines[1:]:
+        print(f"  {e} / llama.cpp: {rate[e] / rate['llama.cpp']:.2f}x tok/s, "
+              f"{rate[e] * wbytes[e] / (rate['llama.cpp'] * wbytes['llama.cpp']):.2f}x weight GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
