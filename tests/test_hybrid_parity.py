@@ -67,3 +67,25 @@ def test_greedy_64_tokens_match_transformers(hybrid_pair):
     llm = LLM(str(path), dtype="float32")
     got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))[0]
     assert got.token_ids == want
+
+
+def test_c_loop_matches_recurrent_rule(monkeypatch):
+    from draftwise.model.gated_delta_kernel import fused_recurrent_rule
+
+    torch.manual_seed(1)
+    B, T, H, dk, dv = 2, 5, 3, 8, 6
+    q = l2norm(torch.randn(B, T, H, dk)) * dk ** -0.5
+    k = l2norm(torch.randn(B, T, H, dk))
+    v, g, beta = torch.randn(B, T, H, dv), -torch.rand(B, T, H), torch.rand(B, T, H)
+    S0 = torch.randn(B, H, dk, dv)
+    states = torch.empty(B, T, H, dk, dv)
+    got = fused_recurrent_rule(q, k, v, g, beta, S0, states_out=states)
+    if got is None:
+        pytest.skip("no C compiler")
+    want_states = torch.empty_like(states)
+    o, s = recurrent_rule(q, k, v, g, beta, S0, states_out=want_states)
+    assert torch.allclose(got[0], o, atol=1e-5) and torch.allclose(got[1], s, atol=1e-5)
+    assert torch.allclose(states, want_states, atol=1e-5)
+    assert not torch.equal(S0, got[1])  # the caller's state is not updated in place
+    monkeypatch.setenv("DRAFTWISE_KERNELS", "0")
+    assert fused_recurrent_rule(q, k, v, g, beta, S0) is None

@@ -40,21 +40,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> Path:
+def _build(source: Path = SOURCE) -> Path:
+    """Compile `source` (kernels.c, or another C file of model/, e.g. gated_delta.c) once per machine."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang)")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
     cache = Path(os.environ.get("DRAFTWISE_CACHE") or Path.home() / ".cache" / "draftwise")
-    lib = cache / f"kernels-{key.hexdigest()[:16]}.so"
+    lib = cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
     finally:
         if os.path.exists(tmp):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
 from .gated_delta import causal_conv, chunked_rule, l2norm, recurrent_rule
+from .gated_delta_kernel import fused_recurrent_rule
 from .llama import MLP, PackedLinear, rms_norm
 from .recurrent_state import StateBatch
 
@@ -157,8 +158,9 @@ class GatedDeltaNet(nn.Module):
         states = None  # snapshot with provisional rows: the state after every position, into scratch
         if state is not None and state.keeps_states:
             states = state.scratch("states", r, (B, T, Hv, dk, dv), torch.float32)
-        if states is not None or T <= SEQUENTIAL_MAX_TOKENS:
-            o, S_final = recurrent_rule(q, k, v, g, beta, S, states_out=states)
+        if states is not None or T <= SEQUENTIAL_MAX_TOKENS:  # the C loop where it runs, else PyTorch's
+            o, S_final = (fused_recurrent_rule(q, k, v, g, beta, S, states_out=states)
+                          or recurrent_rule(q, k, v, g, beta, S, states_out=states))
         else:
             o, S_final = chunked_rule(q, k, v, g, beta, S)
         if state is not None:
