@@ -601,6 +601,8 @@ def test_forced_tokens_beyond_k_are_proposed_and_verified(llms, pair, method):
         assert all(o.finish_reason == "stop" and matches("json_schema", o.text) for o in outs)
         st = llm.engine.stats
         runs[forced] = (st.forced_tokens, _committed_max(llm), st.committed_tokens / st.rounds)
+        assert all(o.stats.accepted_tokens <= o.stats.proposed_tokens for o in outs)  # forced ones count as proposed
+        assert st.accepted_tokens <= st.verified_tokens <= st.proposed_tokens
     assert runs[0][0] == 0 and runs[0][1] <= 2
     assert runs[16][0] > 0 and runs[16][1] > 2
     assert runs[16][2] > runs[0][2], runs
@@ -703,3 +705,13 @@ def test_draft_blocks_marked_forced_done_have_no_forced_tail(pair):
     outs = llm.generate(PROMPTS, sp)
     assert all(matches("json_schema", o.text) for o in outs)
     assert seen[True] > 0 and seen[False] > 0, seen
+
+
+def test_server_summary_sums_per_position_lists_of_any_length():
+    from draftwise.server.serving import spec_summary
+
+    stats = [{"rounds": 1, "mean_accepted_length": 7.0, "proposed_tokens": 6, "accepted_tokens": 6,
+              "accepted_per_position": [1, 1, 1, 1, 1, 1], "preemptions": 0},
+             {"rounds": 1, "mean_accepted_length": 2.0, "proposed_tokens": 2, "accepted_tokens": 1,
+              "accepted_per_position": [1, 0], "preemptions": 0}]
+    assert spec_summary(stats, "ngram", 2)["accepted_per_position"] == [2, 1, 1, 1, 1, 1]

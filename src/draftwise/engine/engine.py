@@ -345,8 +345,8 @@ class LLMEngine:
         toks, a, rows = committed
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
-            self._count_round(seq, len(drafted.token_ids) if drafted else 0, len(blk.token_ids) if blk else 0,
-                              a, propose_s)
+            n_blk = len(blk.token_ids) if blk else 0  # forced proposals can make it longer than the drafted block
+            self._count_round(seq, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s)
         seq.stats.verify_seconds += verify_s
         new_ids, reason, stop_string = self._commit(seq, toks, rows)
         if seq.first_token_time is None:

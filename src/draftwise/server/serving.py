@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
 import time
@@ -62,7 +63,7 @@ def spec_summary(stats: list[dict], method: str | None, k: int) -> dict:
     committed = sum(s["mean_accepted_length"] * s["rounds"] for s in stats)
     proposed = sum(s["proposed_tokens"] for s in stats)
     accepted = sum(s["accepted_tokens"] for s in stats)
-    per_pos = [sum(col) for col in zip(*(s["accepted_per_position"] for s in stats))] if stats else []
+    per_pos = [sum(col) for col in itertools.zip_longest(*(s["accepted_per_position"] for s in stats), fillvalue=0)]
     return {
         "method": method or "none", "k": k if method else 0, "rounds": rounds,
         "proposed_tokens": proposed, "accepted_tokens": accepted,
