@@ -52,12 +52,14 @@ class LLM:
         dtype: str = "float32",
         device: str = "cpu",
         draft_dtype: str | None = None,
+        quantization: str | None = None,
         **engine_kwargs,
     ):
         spec = spec or SpecConfig()
         needs_draft = bool(spec.method) and proposer_class(spec.method).needs_draft_model
         target, draft_model = load_pair(model, draft, needs_draft=needs_draft, dtype=dtype, draft_dtype=draft_dtype,
-                                        device=device, method=spec.method or "", draft_option="draft=...")
+                                        device=device, method=spec.method or "", draft_option="draft=...",
+                                        quantization=quantization)
         self.engine = LLMEngine(target, draft_model, spec, EngineConfig(dtype=dtype, device=device, **engine_kwargs))
         self.tokenizer = target.tokenizer
         self._ids = itertools.count()

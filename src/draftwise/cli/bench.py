@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import positive_int, warn_tokenizer_mismatch
+from .common import add_quantization_arg, positive_int, warn_tokenizer_mismatch
 
 
 def _option(name: str, fn, *args):
@@ -62,6 +62,7 @@ def add_parser(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
                    help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
+    add_quantization_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -121,6 +122,7 @@ def run(args) -> int:
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
         reference_url=args.reference_url, prefix_caching=args.prefix_caching,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
+        quantization=args.quantization,
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
@@ -138,7 +140,7 @@ def run(args) -> int:
         "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
-        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "device": args.device, "seed": args.seed, "quick": args.quick,
+        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": args.quantization, "device": args.device, "seed": args.seed, "quick": args.quick,
     }
     command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
     results = build_results(results, settings, command, time.perf_counter() - t0)

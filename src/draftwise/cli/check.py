@@ -72,7 +72,7 @@ def run(args) -> int:
     warn_tokenizer_mismatch(args, "check", [spec.method])
     target, draft = load_pair(args.model, args.draft, needs_draft=proposer_class(spec.method).needs_draft_model,
                               dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-                              method=spec.method)
+                              method=spec.method, quantization=args.quantization)
     max_len = target.config.max_position_embeddings
     if draft is not None:
         max_len = min(max_len, draft.config.max_position_embeddings)

@@ -49,6 +49,12 @@ def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> No
               "accepted", file=sys.stderr)
 
 
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="weight-only quantization of the target and the draft, made at load time: int8 = one "
+                        "symmetric scale per output channel, activations in --dtype (default none)")
+
+
 def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     """engine=False: a command that loads the models but runs no engine (profile): no
     --kv-cache-memory, --policy, --profile."""
@@ -63,6 +69,7 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
     if not engine:
         return
+    add_quantization_arg(p)
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(512 MiB, the weights' "
                         "size), at most half the free memory)")
@@ -99,5 +106,5 @@ def build_llm(args):
     spec = spec_from_args(args)
     warn_tokenizer_mismatch(args, args.command, [spec.method])
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
-               draft_dtype=args.draft_dtype, kv_cache_memory=args.kv_cache_memory,
+               draft_dtype=args.draft_dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback)

@@ -98,6 +98,7 @@ class BenchPlan:
     served_model: str | None = None
     dtype: str = "float32"
     draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on CPU)
+    quantization: str | None = None  # "int8": weight-only, both models (model/quantize.py)
     device: str = "cpu"
     slo: dict = field(default_factory=dict)
     dollars_per_hour: float | None = None
@@ -136,7 +137,7 @@ def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
     uses_draft = [c.label for c in plan.configs if _uses_draft(c)]
     target, draft = load_pair(plan.model, plan.draft, needs_draft=bool(uses_draft), dtype=plan.dtype,
                               draft_dtype=plan.draft_dtype, device=plan.device,
-                              method=uses_draft[0] if uses_draft else "draft")
+                              method=uses_draft[0] if uses_draft else "draft", quantization=plan.quantization)
     return [_run_workload(plan, w, target, draft, console) for w in plan.workloads]
 
 

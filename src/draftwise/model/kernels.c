@@ -453,3 +453,80 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
     free(buf);
     return 0;
 }
+
+/* ---- int8 weight-only products (quantize.py's Int8Linear) ----
+ * out[t, o] = scale[o] * (x[t] . q[o]) (+ bias[o]): q [O, N] int8 (one symmetric scale per output
+ * channel), x [rows, N] float32 or bfloat16 (bf), out float32 or bfloat16 (obf). Batch-1 decoding
+ * and verification are bound by reading the weights: one byte each here (float32 reads 4). Each
+ * 16-byte run of q is widened to 16 floats in registers and multiplied into float32 accumulators;
+ * 4 outputs x up to 4 rows share each load (16 accumulators). A (row, output)'s sum runs in one
+ * fixed order (16 lanes over the inputs, fused multiply-adds, hsum16, the tail, then the scale and
+ * the bias) whatever the rows around it: a row's result is bitwise the same alone or in a block. */
+typedef int8_t v16c __attribute__((vector_size(16)));
+
+#ifdef __AVX512F__ /* GCC scalarises the generic int8 -> int32 conversion: one instruction here */
+#include <immintrin.h>
+static inline v16f q8x16(const int8_t *p) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline v16f fma16(v16f a, v16f b, v16f c) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+static inline v16f q8x16(const int8_t *p) {
+    v16c c;
+    memcpy(&c, p, 16);
+    return __builtin_convertvector(__builtin_convertvector(c, v16i), v16f);
+}
+static inline v16f fma16(v16f a, v16f b, v16f c) { return a * b + c; } /* the same order, two roundings */
+#endif
+
+/* NR rows (1..4, a constant after inlining) x NO outputs (1 or 4) from row r0, output o0. */
+static inline __attribute__((always_inline)) void q8_block(const float *xf, const int8_t *q, const float *scale,
+                                                           const float *bias, void *out, long r0, long o0, long O,
+                                                           long N, int NR, int NO, int obf) {
+    long Nv = N & ~15L;
+    v16f acc[4][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NO; j++) acc[r][j] = (v16f){0};
+    const int8_t *qo = q + o0 * N;
+    for (long i = 0; i < Nv; i += 16) {
+        v16f w[4];
+        for (int j = 0; j < NO; j++) w[j] = q8x16(qo + j * N + i);
+        for (int r = 0; r < NR; r++) {
+            v16f xv;
+            memcpy(&xv, xf + (r0 + r) * N + i, 64);
+            for (int j = 0; j < NO; j++) acc[r][j] = fma16(xv, w[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float *xr = xf + (r0 + r) * N;
+        for (int j = 0; j < NO; j++) {
+            float s = hsum16(acc[r][j]);
+            for (long i = Nv; i < N; i++) s += xr[i] * (float)qo[j * N + i];
+            float y = s * scale[o0 + j];
+            if (bias) y += bias[o0 + j];
+            st(out, (r0 + r) * O + o0 + j, y, obf);
+        }
+    }
+}
+
+#define Q8_ROWS(NO)                                                                              \
+    for (long r0 = 0; r0 < rows; r0 += 4) {                                                      \
+        switch (rows - r0 < 4 ? rows - r0 : 4) {                                                 \
+        case 4: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 4, NO, obf); break;              \
+        case 3: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 3, NO, obf); break;              \
+        case 2: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 2, NO, obf); break;              \
+        default: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 1, NO, obf); break;             \
+        }                                                                                        \
+    }
+
+/* Outputs o_begin .. o_end - 1 of the product (a caller may split the outputs across threads). */
+void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
+                  long O, long N, long o_begin, long o_end, int bf, int obf) {
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
+    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+    long o0 = o_begin;
+    for (; o0 + 4 <= o_end; o0 += 4) Q8_ROWS(4)
+    for (; o0 < o_end; o0++) Q8_ROWS(1)
+    free(xf);
+}
+#undef Q8_ROWS

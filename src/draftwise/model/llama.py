@@ -27,6 +27,7 @@ from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
 from .head_precision import refine_top_logits
+from .quantize import Int8Linear, check_method
 
 
 class RMSNorm(nn.Module):
@@ -440,22 +441,29 @@ class LlamaModel(nn.Module):
         return (ctypes.c_void_p * len(ptrs))(*ptrs)
 
     @torch.no_grad()
-    def fuse_projections(self) -> "LlamaModel":
+    def fuse_projections(self, quantization: str | None = None) -> "LlamaModel":
         """Prepare for inference: q/k/v and gate/up become one matmul each (fewer calls per
-        layer), and every projection and the output layer become a `PackedLinear`.
+        layer), and every projection and the output layer become a `PackedLinear`, or with
+        `quantization="int8"` an `Int8Linear` (quantize.py; the head's logits then stay float32).
 
         The result keeps its outputs but not Hugging Face parameter names: save unprepared models.
         """
+        quantization = check_method(quantization)
+        make, head = PackedLinear.of, PackedLinear.of
+        if quantization is not None:
+            make, head = Int8Linear.of, (lambda lin: Int8Linear.of(lin, float_out=True))
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            a.qkv_proj = PackedLinear.of(a.q_proj, a.k_proj, a.v_proj)
+            a.qkv_proj = make(a.q_proj, a.k_proj, a.v_proj)
             del a.q_proj, a.k_proj, a.v_proj
-            a.o_proj = PackedLinear.of(a.o_proj)
-            m.gate_up_proj = PackedLinear.of(m.gate_proj, m.up_proj)
+            a.o_proj = make(a.o_proj)
+            m.gate_up_proj = make(m.gate_proj, m.up_proj)
             del m.gate_proj, m.up_proj
-            m.down_proj = PackedLinear.of(m.down_proj)
-        self.head_rows = self.lm_head.weight.detach()  # the embeddings when tied: no copy
-        self.lm_head = PackedLinear.of(self.lm_head)  # a copy when tied to the embeddings
+            m.down_proj = make(m.down_proj)
+        # the head's rows for refine_top_logits (the embeddings when tied: no copy); none for an
+        # int8 head, whose logits are float32 already
+        self.head_rows = self.lm_head.weight.detach() if quantization is None else None
+        self.lm_head = head(self.lm_head)  # a copy when tied to the embeddings
         self.plan = [LayerWeights.of(layer) for layer in self.model.layers]
         return self
 

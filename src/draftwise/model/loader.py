@@ -19,6 +19,7 @@ from ..paths import models_dir, resolve_model
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
 from .llama import LlamaModel
+from .quantize import check_method
 
 
 def model_class(cfg: ModelConfig):
@@ -72,12 +73,18 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               load_tokenizer: bool = True, fuse: bool = True) -> LoadedModel:
+               load_tokenizer: bool = True, fuse: bool = True, quantization: str | None = None) -> LoadedModel:
+    """`quantization`: None or "int8" (weight-only, quantized from the float weights while the
+    model is prepared: see quantize.py); Llama-family models only."""
+    quantization = check_method(quantization)
     path = resolve_model(path)
     if not path.is_dir():
         hint = f" (nor {models_dir() / path})" if len(path.parts) == 1 else ""
         raise ModelLoadError(f"{path}: model directory not found{hint}")
     cfg = ModelConfig.from_dir(path)
+    if quantization is not None and cfg.hybrid is not None:
+        raise ModelLoadError(f"{path}: quantization {quantization!r} supports Llama-family models, not the hybrid "
+                             f"architecture {cfg.arch}")
     dt = resolve_dtype(dtype)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -114,7 +121,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     model.inv_freq = model.inv_freq.float()
     model.to(device).eval().requires_grad_(False)
     if fuse:
-        model.fuse_projections()
+        model.fuse_projections(quantization) if quantization else model.fuse_projections()
 
     tokenizer = None
     if load_tokenizer:

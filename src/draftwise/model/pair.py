@@ -7,7 +7,8 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 - the draft is `draft`, or the embedded draft only when no target was given either (a user's
   target and the embedded draft would not share a tokenizer); a method that needs a draft and
   has none fails before anything is loaded;
-- the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`.
+- the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`;
+- `quantization` ("int8": weight-only, quantize.py) applies to both, the activations keeping those dtypes.
 
 It takes `needs_draft: bool` rather than a proposer, so that model/ stays below proposers/.
 """
@@ -49,6 +50,7 @@ def load_pair(
     device: str = "cpu",
     method: str = "draft",
     draft_option: str = "--draft DIR",
+    quantization: str | None = None,
 ) -> ModelPair:
     """Load the target (and the draft when `needs_draft`).
 
@@ -61,9 +63,10 @@ def load_pair(
         if draft_dir is None:
             raise ValueError(f"speculative method {method!r} needs a draft model directory ({draft_option}); "
                              "the embedded draft is the default only with the embedded target")
-    target = load_model(Path(model) if model else default_target(), dtype=dtype, device=device)
+    target = load_model(Path(model) if model else default_target(), dtype=dtype, device=device,
+                        quantization=quantization)
     if draft_dir is None:
         return ModelPair(target, None)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
-                             load_tokenizer=False)
+                             load_tokenizer=False, quantization=quantization)
     return ModelPair(target, draft_model)

@@ -1,0 +1,113 @@
+"""Weight-only int8 quantization (`--quantization int8`): per-output-channel symmetric scales.
+
+A weight `w [O, N]` becomes `q = round(w / s)` in int8 (-127..127) with one float32 scale per
+output channel, `s[o] = max|w[o, :]| / 127`, computed at load time from the float weights. The
+activations stay in the model's dtype (float32 or bfloat16); a product is `y = s * (x . q) + b`,
+accumulated in float32.
+
+Why: batch-1 decoding and verification on CPU are bound by reading the weights, and int8 reads
+one byte per weight (float32 four, bfloat16 two). torch's `_weight_int8pack_mm` was slower than
+the oneDNN-packed float product on this project's CPU (10-40x with float32 activations at 1-5
+rows), so a few rows (`KERNEL_MAX_ROWS`: decode steps, verification blocks) run `kernels.c`'s
+`dw_linear_q8`, which widens int8 to float in registers. More rows (prefill chunks, large batches)
+take the reference path: the weight dequantised to float32 for that call, then `F.linear`.
+
+Both paths compute in float32 (a bfloat16 activation is exact in float32; the result is rounded to
+bfloat16 once) and differ by summation order only; `tests/test_quantize.py` compares them. The
+kernel's rows are independent of each other (a token's result is bitwise the same alone or in a
+verification block), so greedy speculative decoding still equals greedy plain decoding.
+
+What is quantized: every decoder projection (fused q/k/v, o, fused gate/up, down) and the LM head
+(for the embedded 20M target the largest product, 8192 x 384; for a tied model the head is a copy
+of the embeddings anyway). The LM head's outputs stay float32 (no bfloat16 rounding of logits, so
+no refinement by head_precision.py is needed). The embedding table stays float: a lookup reads one
+row per token. Norms, RoPE, attention and the K/V cache are untouched.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import cpu_kernels
+
+METHODS = ("int8",)
+KERNEL_MAX_ROWS = 16  # more rows (prefill chunks, large batches): the dequantised reference path
+
+
+def check_method(method: str | None) -> str | None:
+    """None or 'none' -> None; a known method -> itself; else a ValueError naming the choices."""
+    if method in (None, "", "none"):
+        return None
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of none, {', '.join(METHODS)}; got {method!r}")
+    return method
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, N] float -> (q [O, N] int8, scale [O] float32): symmetric, per output channel."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0  # [O]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: q = 0, any scale
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(q [O, N] int8, scale [O]) -> the float32 weight [O, N] the products use."""
+    return q.float() * scale[:, None]
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """The pure-PyTorch product: x [.., N] @ dequantised weight, in float32, rounded to out_dtype."""
+    return F.linear(x.float(), dequantize_int8(q, scale), bias).to(out_dtype)
+
+
+class Int8Linear(nn.Module):
+    """Inference-only int8 linear layer, a drop-in for `PackedLinear` (llama.py) after
+    `fuse_projections(quantization="int8")`. Fused projections pass several layers,
+    concatenated along the outputs (each output channel keeps its own scale).
+
+    `float_out`: outputs in float32 whatever the activations' dtype (the LM head: logits).
+    `small = False` and `packed = None` tell llama.py that this is neither a dw_decoder weight nor
+    a oneDNN one (a quantized draft runs layer by layer, its products in dw_linear_q8)."""
+
+    small = False
+    packed = None
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+                 float_out: bool = False):
+        super().__init__()
+        w = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.out_features, self.in_features = w.shape
+        q, scale = quantize_int8(w)
+        self.register_buffer("qweight", q)  # [O, N] int8
+        self.register_buffer("scale", scale)  # [O] float32
+        self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
+        self.float_out = float_out
+
+    @staticmethod
+    def of(*linears: nn.Linear, float_out: bool = False) -> "Int8Linear":
+        has_bias = linears[0].bias is not None
+        return Int8Linear([l.weight.detach() for l in linears],
+                          [l.bias.detach() for l in linears] if has_bias else None, float_out=float_out)
+
+    def forward(self, x):  # [.., N] -> [.., O]
+        out_dtype = torch.float32 if self.float_out else x.dtype
+        rows = x.numel() // self.in_features
+        if (x.device.type == "cpu" and 0 < rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x.dtype)
+                and out_dtype in (torch.float32, torch.bfloat16)):
+            k = cpu_kernels.kernels()
+            x = x.contiguous()
+            out = torch.empty(*x.shape[:-1], self.out_features, dtype=out_dtype)
+            k.linear_q8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
+                        0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
+                        self.in_features, 0, self.out_features, int(x.dtype == torch.bfloat16),
+                        int(out_dtype == torch.bfloat16))
+            return out
+        return int8_linear_reference(x, self.qweight, self.scale, self.bias, out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 per-channel, float_out={self.float_out}"
+

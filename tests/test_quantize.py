@@ -1,0 +1,145 @@
+"""Weight-only int8 quantization (model/quantize.py): the kernel against the dequantised
+reference, row independence, loading, errors, and greedy speculative == greedy plain in int8."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.model import cpu_kernels, load_model
+from draftwise.model.config import ModelLoadError
+from draftwise.model.quantize import Int8Linear, dequantize_int8, int8_linear_reference, quantize_int8
+
+from test_greedy_equality import near_tie, prompts
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: kernels unavailable")
+
+
+def test_quantize_int8_per_channel():
+    torch.manual_seed(0)
+    w = torch.randn(37, 53) * torch.linspace(0.01, 5, 37)[:, None]  # very different row ranges
+    w[3] = 0.0  # an all-zero channel
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (37,) and s.dtype == torch.float32
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert (q[3] == 0).all()
+    nonzero = torch.arange(37) != 3
+    assert (q[nonzero].abs().amax(1) == 127).all()  # each channel uses its full range
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6).all()  # rounding to the nearest step
+
+
+def _layer(O, N, bias, float_out=False, seed=0):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(N, O, bias=bias)
+    return Int8Linear.of(lin, float_out=float_out)
+
+
+SHAPES = [(37, 53), (64, 64), (130, 200), (5, 16), (300, 384)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("O,N", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+def test_kernel_matches_reference(O, N, rows, dtype):
+    for bias, float_out in ((False, False), (True, False), (True, True)):
+        layer = _layer(O, N, bias, float_out)
+        x = torch.randn(rows, N).to(dtype)
+        got = layer(x)
+        out_dtype = torch.float32 if float_out else dtype
+        assert got.dtype == out_dtype and got.shape == (rows, O)
+        ref = int8_linear_reference(x, layer.qweight, layer.scale, layer.bias, torch.float32)
+        if out_dtype == torch.float32:  # float32 sums in another order
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * N ** 0.5)
+        else:  # at most one bfloat16 step apart (the float32 sums round either side)
+            step = ref.abs().clamp_min(1e-3) * 2.0 ** -7
+            assert ((got.float() - ref).abs() <= step).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_are_independent(dtype):
+    """A row's result is bitwise the same alone or in a block of 5 (verification vs decoding)."""
+    for O, N in SHAPES:
+        layer = _layer(O, N, bias=True)
+        x = torch.randn(5, N).to(dtype)
+        block = layer(x)
+        for r in range(5):
+            assert torch.equal(layer(x[r:r + 1]), block[r:r + 1]), (O, N, r)
+        assert torch.equal(layer(x[1:4]), block[1:4])
+
+
+@needs_kernels
+def test_many_rows_take_the_reference_path():
+    layer = _layer(64, 48, bias=True)
+    x = torch.randn(40, 48)
+    ref = int8_linear_reference(x, layer.qweight, layer.scale, layer.bias, torch.float32)
+    assert torch.equal(layer(x), ref)
+    torch.testing.assert_close(layer(x[:16]), ref[:16], rtol=1e-5, atol=1e-5)  # the kernel's rows
+
+
+def test_quantized_model_close_to_float(target_dir):
+    """int8 logits stay close to the float model's (quantization error, not a broken product)."""
+    f = load_model(target_dir, load_tokenizer=False).model
+    q = load_model(target_dir, load_tokenizer=False, quantization="int8").model
+    assert isinstance(q.lm_head, Int8Linear) and q.head_rows is None
+    assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    ids = torch.tensor([prompts(f.cfg.vocab_size, 1)[0] + [5, 6, 7]])
+    with torch.no_grad():
+        lf, lq = f.logits(ids), q.logits(ids)
+    assert lq.dtype == torch.float32
+    rel = float((lf - lq).norm() / lf.norm())
+    assert 0 < rel < 0.05, rel
+
+
+def test_bad_quantization_is_a_clear_error(target_dir):
+    with pytest.raises(ValueError, match="quantization must be one of none, int8; got 'int4'"):
+        LLM(str(target_dir), quantization="int4")
+    r = subprocess.run([sys.executable, "-m", "draftwise.cli.main", "generate", "--model", str(target_dir),
+                        "--quantization", "int3", "hi"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--quantization" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hybrid_model_refused(tmp_path):
+    from tiny_hybrid import make_hybrid_dir
+
+    d = make_hybrid_dir(tmp_path / "hybrid")
+    with pytest.raises(ModelLoadError, match="quantization 'int8' supports Llama-family models"):
+        load_model(d, quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def plain_int8(target_dir):
+    llm = LLM(str(target_dir), quantization="int8")
+    ps = prompts(llm.engine.vocab_size)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return ps, sp, llm.generate(ps, sp)
+
+
+@pytest.mark.parametrize("method,draft,dtype", [("draft", "draft", "float32"), ("draft", "target", "float32"),
+                                                ("ngram", None, "float32"), ("draft", "draft", "bfloat16")])
+def test_greedy_speculative_equals_plain_int8(plain_int8, target_dir, draft_dir, method, draft, dtype):
+    ps, sp, base = plain_int8
+    if dtype == "bfloat16":  # the plain baseline in the same dtype
+        base = LLM(str(target_dir), quantization="int8", dtype=dtype).generate(ps, sp)
+    d = {"target": target_dir, "draft": draft_dir, None: None}[draft]
+    llm = LLM(str(target_dir), draft=str(d) if d else None, spec=SpecConfig(method=method, k=4), dtype=dtype,
+              draft_dtype=dtype if draft == "target" else None, quantization="int8")
+    if d is not None:
+        assert isinstance(llm.engine.proposer.runner.model.lm_head, Int8Linear)
+    outs = llm.generate(ps, sp)
+    target = load_model(target_dir, load_tokenizer=False, quantization="int8").model
+    ties = 0
+    for p, o, b in zip(ps, outs, base):
+        if o.token_ids != b.token_ids:
+            j = next(i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y)
+            assert near_tie(target, p + b.token_ids, len(p) + j), f"mismatch at output position {j} is not a near-tie"
+            ties += 1
+    assert ties <= 1
+    proposed = sum(o.stats.proposed_tokens for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    assert proposed > 0
+    if draft == "target" and dtype == "float32":
+        assert accepted == proposed  # the same int8 model drafting for itself: every proposal accepted
