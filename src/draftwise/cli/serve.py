@@ -75,6 +75,9 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from ..server.heap import limit_arenas
+
+    limit_arenas(2)  # before any thread allocates (server/heap.py): per-thread arenas kept growing RSS
     import torch
     import uvicorn
 

@@ -12,8 +12,9 @@ once more when the engine goes idle after work.
 glibc also gives every thread that allocates its own arena (up to 8 per core), each keeping its
 own high-water mark: the server's threads (engine, tokenizer pool, asyncio's executor, OpenMP
 workers) came one after another, and a 6-minute soak's RSS grew by a new 32 MB arena in 75 s.
-`HeapTrimmer` therefore also caps the arenas (`M_ARENA_MAX`, default 2) before the engine thread
-starts, as setting MALLOC_ARENA_MAX=2 would.
+`draftwise serve` therefore caps the arenas (`limit_arenas(2)`, as MALLOC_ARENA_MAX=2 would) first
+thing, before any thread allocates: glibc fixes its arena limit when the second arena is needed,
+so a later call (tried: when the engine thread starts, after model loading) changes nothing.
 Not glibc (musl, macOS) or trimming disabled: a no-op.
 """
 from __future__ import annotations
@@ -51,11 +52,9 @@ def limit_arenas(n: int) -> bool:
 
 
 class HeapTrimmer:
-    def __init__(self, interval_s: float = 10.0, clock=time.monotonic, max_arenas: int | None = 2):
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
         self.interval_s = interval_s
         self._trim = _malloc_trim() if interval_s > 0 else None
-        if self._trim is not None and max_arenas:
-            limit_arenas(max_arenas)
         self._clock = clock
         self._last = clock()
         self.trims = 0
