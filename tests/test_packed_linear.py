@@ -30,3 +30,24 @@ def test_padding_does_not_change_results(dtype):
         out = lin(x)
         assert out.shape == (rows, 1024)
         assert torch.equal(out, direct)
+
+
+def test_bfloat16_unpacked_products_are_padded_too():
+    torch.manual_seed(0)
+    lin = PackedLinear([torch.randn(96, 40).bfloat16()])  # small: not packed
+    assert lin.packed is None
+    seen = []
+    real = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        seen.append(x.shape[0])
+        return real(x, w, b)
+
+    torch.nn.functional.linear = spy
+    try:
+        for rows in (17, 37, 100):
+            x = torch.randn(rows, 40).bfloat16()
+            assert torch.equal(lin(x), real(x, lin.weight))
+    finally:
+        torch.nn.functional.linear = real
+    assert seen == [padded_rows(r) for r in (17, 37, 100)]

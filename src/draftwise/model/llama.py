@@ -80,9 +80,11 @@ PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (measure
 # 4-13%.
 PACK_MIN_NUMEL = 160_000
 KERNEL_LINEAR_MAX_NUMEL = PACK_MIN_NUMEL
-# oneDNN keeps compiled code for every (rows, weight shape) it has run, ~0.5 MB each, and never
-# gives it back (ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY do not bound it; measured:
-# 120 distinct row counts x 4 weights -> +280 MB RSS after malloc_trim, the same rows again -> +0).
+# oneDNN keeps ~0.5 MB for every (rows, weight shape) it has run, and never gives it back
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY do not bound it; measured: 120 distinct
+# row counts x 4 weights -> +280 MB RSS after malloc_trim, the same rows again -> +0). The same
+# holds for bfloat16 `F.linear` (oneDNN's matmul: 128 row counts x the draft's 4 small weights
+# -> +300 MB), not for float32 `F.linear` (MKL: +10 MB).
 # A server meets every row count from 1 to max_num_batched_tokens over hours, so products of more
 # than EXACT_ROWS rows are padded to the next of 8 sizes per octave (16, 18, 20, ..., 30, 32, 36,
 # ...): at most 12.5% more rows, ~70 shapes per weight up to 4096 rows, all met during warm-up.
@@ -138,14 +140,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x):
         if self.packed is not None:
-            rows = x.numel() // self.in_features
-            padded = padded_rows(rows)
-            if padded == rows:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            xp = x.new_zeros(padded, self.in_features)  # [padded, in]: zero rows, results dropped
-            xp[:rows] = x.reshape(rows, self.in_features)
-            out = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
-            return out[:rows].view(*x.shape[:-1], self.out_features)
+            return self._padded(x, lambda xp: torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], ""))
         if self.small and x.dtype == self.weight.dtype and x.is_contiguous() and x.numel() <= 16 * self.in_features:
             k = cpu_kernels.kernels()
             if k is not None:
@@ -154,7 +149,20 @@ class PackedLinear(nn.Module):
                          out.data_ptr(), x.numel() // self.in_features, self.out_features, self.in_features,
                          int(x.dtype == torch.bfloat16))
                 return out
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":  # oneDNN's matmul: see EXACT_ROWS
+            return self._padded(x, lambda xp: F.linear(xp, self.weight, self.bias))
         return F.linear(x, self.weight, self.bias)
+
+    def _padded(self, x, product):
+        """`product` of x's rows padded with zero rows to `padded_rows` (a bounded set of shapes
+        for oneDNN, see EXACT_ROWS); the padding's results are dropped."""
+        rows = x.numel() // self.in_features
+        padded = padded_rows(rows)
+        if padded == rows:
+            return product(x)
+        xp = x.new_zeros(padded, self.in_features)  # [padded, in]
+        xp[:rows] = x.reshape(rows, self.in_features)
+        return product(xp)[:rows].view(*x.shape[:-1], self.out_features)
 
 
 def apply_rope(x, cos, sin_signed):
