@@ -72,6 +72,24 @@ def test_kernel_rows_are_independent(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_threads_do_not_change_results(dtype):
+    """A weight large enough for the OpenMP split (Q8_MIN_PARALLEL) gives bitwise the same outputs on
+    1 and 2 threads: each thread owns whole outputs."""
+    layer = _layer(301, 512, bias=True)  # 154K elements, 301 = 75 blocks of 4 + 1
+    x = torch.randn(7, 512).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernels
 def test_many_rows_take_the_reference_path():
     layer = _layer(64, 48, bias=True)
     x = torch.randn(40, 48)

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+# dw_linear_q8 splits its outputs across an OpenMP team (libgomp, which torch has loaded already:
+# one thread pool); a compiler without OpenMP builds the same kernels single-threaded
+OPENMP = ["-fopenmp"]
 _LIB: "Kernels | None | bool" = False  # False: not tried yet
 
 
@@ -46,7 +49,7 @@ def _build(source: Path = SOURCE) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang)")
     src = source.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
+    key = hashlib.sha256(src + " ".join(FLAGS + OPENMP).encode() + _cpu_flags().encode() + platform.machine().encode())
     cache = Path(os.environ.get("DRAFTWISE_CACHE") or Path.home() / ".cache" / "draftwise")
     lib = cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -55,7 +58,11 @@ def _build(source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=120)
+        try:
+            subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
+                           timeout=120)
+        except subprocess.CalledProcessError:
+            subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
     finally:
         if os.path.exists(tmp):
@@ -76,7 +83,7 @@ class Kernels:
             "dw_attend": [p, i, i, i, i, p, p, i, i, i, f, p, ctypes.c_int],
             "dw_silu_mul": [p, p, i, i, ctypes.c_int],
             "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
-            "dw_linear_q8": [p, p, p, p, p, i, i, i, i, i, ctypes.c_int, ctypes.c_int],
+            "dw_linear_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, i, f, p, ctypes.c_int],
             "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), p, f, p, p, p, p, i, i, i, i, p, i, p, p,
                            i, f, ctypes.c_int],

@@ -459,7 +459,7 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
  * channel), x [rows, N] float32 or bfloat16 (bf), out float32 or bfloat16 (obf). Batch-1 decoding
  * and verification are bound by reading the weights: one byte each here (float32 reads 4). Each
  * 16-byte run of q is widened to 16 floats in registers and multiplied into float32 accumulators;
- * 4 outputs x up to 4 rows share each load (16 accumulators). A (row, output)'s sum runs in one
+ * 4 outputs x up to 6 rows share each load (24 accumulators). A (row, output)'s sum runs in one
  * fixed order (16 lanes over the inputs, fused multiply-adds, hsum16, the tail, then the scale and
  * the bias) whatever the rows around it: a row's result is bitwise the same alone or in a block. */
 typedef int8_t v16c __attribute__((vector_size(16)));
@@ -479,12 +479,12 @@ static inline v16f q8x16(const int8_t *p) {
 static inline v16f fma16(v16f a, v16f b, v16f c) { return a * b + c; } /* the same order, two roundings */
 #endif
 
-/* NR rows (1..4, a constant after inlining) x NO outputs (1 or 4) from row r0, output o0. */
+/* NR rows (1..6, a constant after inlining) x NO outputs (1 or 4) from row r0, output o0. */
 static inline __attribute__((always_inline)) void q8_block(const float *xf, const int8_t *q, const float *scale,
                                                            const float *bias, void *out, long r0, long o0, long O,
                                                            long N, int NR, int NO, int obf) {
     long Nv = N & ~15L;
-    v16f acc[4][4];
+    v16f acc[6][4]; /* NR x NO <= 24 accumulators + 4 weight vectors: within 32 registers */
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NO; j++) acc[r][j] = (v16f){0};
     const int8_t *qo = q + o0 * N;
@@ -510,8 +510,10 @@ static inline __attribute__((always_inline)) void q8_block(const float *xf, cons
 }
 
 #define Q8_ROWS(NO)                                                                              \
-    for (long r0 = 0; r0 < rows; r0 += 4) {                                                      \
-        switch (rows - r0 < 4 ? rows - r0 : 4) {                                                 \
+    for (long r0 = 0; r0 < rows; r0 += 6) {                                                      \
+        switch (rows - r0 < 6 ? rows - r0 : 6) {                                                 \
+        case 6: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 6, NO, obf); break;              \
+        case 5: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 5, NO, obf); break;              \
         case 4: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 4, NO, obf); break;              \
         case 3: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 3, NO, obf); break;              \
         case 2: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 2, NO, obf); break;              \
@@ -519,14 +521,31 @@ static inline __attribute__((always_inline)) void q8_block(const float *xf, cons
         }                                                                                        \
     }
 
-/* Outputs o_begin .. o_end - 1 of the product (a caller may split the outputs across threads). */
-void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
-                  long O, long N, long o_begin, long o_end, int bf, int obf) {
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
-    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+/* Q8_MIN_PARALLEL: weights of fewer elements run on the calling thread alone (a fork of the OpenMP
+ * team costs a few microseconds: more than a draft-sized product). The outputs are split into
+ * `threads` ranges of whole 4-output blocks; a (row, output)'s arithmetic does not depend on it. */
+#ifndef Q8_MIN_PARALLEL
+#define Q8_MIN_PARALLEL (1L << 17)
+#endif
+
+static void q8_range(const float *xf, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
+                     long O, long N, long o_begin, long o_end, int obf) {
     long o0 = o_begin;
     for (; o0 + 4 <= o_end; o0 += 4) Q8_ROWS(4)
     for (; o0 < o_end; o0++) Q8_ROWS(1)
+}
+
+void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
+                  long O, long N, int threads, int bf, int obf) {
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
+    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1, blocks = (O + 3) / 4;
+    if (nt > blocks) nt = blocks;
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
+    for (long t = 0; t < nt; t++) {
+        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        q8_range(xf, q, scale, bias, out, rows, O, N, 4 * b0, 4 * b1 < O ? 4 * b1 : O, obf);
+    }
     free(xf);
 }
 #undef Q8_ROWS

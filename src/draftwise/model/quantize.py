@@ -103,7 +103,7 @@ class Int8Linear(nn.Module):
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=out_dtype)
             k.linear_q8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
                         0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
-                        self.in_features, 0, self.out_features, int(x.dtype == torch.bfloat16),
+                        self.in_features, torch.get_num_threads(), int(x.dtype == torch.bfloat16),
                         int(out_dtype == torch.bfloat16))
             return out
         return int8_linear_reference(x, self.qweight, self.scale, self.bias, out_dtype)
