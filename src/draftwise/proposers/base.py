@@ -35,7 +35,6 @@ class DraftBlock:
         return DraftBlock(self.token_ids[:n], None if self.probs is None else self.probs[:n],
                           None if self.confidence is None else self.confidence[:n])
 
-
     def extended(self, forced: list[int], vocab: int) -> "DraftBlock":
         """The block followed by grammar-forced proposals: q a point mass, confidence 1."""
         if not forced:
