@@ -13,6 +13,16 @@ from draftwise.model.quantize import Int8Linear, dequantize_int8, int8_linear_re
 
 from test_greedy_equality import near_tie, prompts
 
+@pytest.fixture(autouse=True, scope="module")
+def quantize_every_projection():
+    """The tiny test models' projections are below QUANT_MIN_NUMEL: quantize them all anyway."""
+    import draftwise.model.llama as llama
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama, "QUANT_MIN_NUMEL", 0)
+        yield
+
+
 needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: kernels unavailable")
 
 
@@ -110,6 +120,16 @@ def test_quantized_model_close_to_float(target_dir):
     assert lq.dtype == torch.float32
     rel = float((lf - lq).norm() / lf.norm())
     assert 0 < rel < 0.05, rel
+
+
+def test_small_projections_stay_float(target_dir, monkeypatch):
+    import draftwise.model.llama as llama
+
+    monkeypatch.setattr(llama, "QUANT_MIN_NUMEL", 64 * 64 + 1)  # the 64x64 o_proj stays float
+    m = load_model(target_dir, load_tokenizer=False, quantization="int8").model
+    a = m.model.layers[0].self_attn
+    assert isinstance(a.qkv_proj, Int8Linear) and not isinstance(a.o_proj, Int8Linear)
+    assert isinstance(m.lm_head, Int8Linear)
 
 
 def test_bad_quantization_is_a_clear_error(target_dir):

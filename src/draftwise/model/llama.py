@@ -80,6 +80,10 @@ PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (measure
 # 4-13%.
 PACK_MIN_NUMEL = 160_000
 KERNEL_LINEAR_MAX_NUMEL = PACK_MIN_NUMEL
+# --quantization int8 quantizes the projections of at least this many elements (and the LM head):
+# smaller ones cost their call, not their bytes, and a draft whose projections all stay float keeps
+# its one-call dw_decoder (the embedded draft: only its 8192x160 head becomes int8)
+QUANT_MIN_NUMEL = PACK_MIN_NUMEL
 # oneDNN keeps ~0.5 MB for every (rows, weight shape) it has run, and never gives it back
 # (ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY do not bound it; measured: 120 distinct
 # row counts x 4 weights -> +280 MB RSS after malloc_trim, the same rows again -> +0). The same
@@ -452,14 +456,19 @@ class LlamaModel(nn.Module):
     def fuse_projections(self, quantization: str | None = None) -> "LlamaModel":
         """Prepare for inference: q/k/v and gate/up become one matmul each (fewer calls per
         layer), and every projection and the output layer become a `PackedLinear`, or with
-        `quantization="int8"` an `Int8Linear` (quantize.py; the head's logits then stay float32).
+        `quantization="int8"` an `Int8Linear` (quantize.py; the head's logits then stay float32;
+        projections below QUANT_MIN_NUMEL stay float).
 
         The result keeps its outputs but not Hugging Face parameter names: save unprepared models.
         """
         quantization = check_method(quantization)
         make, head = PackedLinear.of, PackedLinear.of
         if quantization is not None:
-            make, head = Int8Linear.of, (lambda lin: Int8Linear.of(lin, float_out=True))
+            def make(*lins):  # smaller weights stay float: see QUANT_MIN_NUMEL
+                big = sum(lin.weight.numel() for lin in lins) >= QUANT_MIN_NUMEL
+                return Int8Linear.of(*lins) if big else PackedLinear.of(*lins)
+
+            head = lambda lin: Int8Linear.of(lin, float_out=True)  # noqa: E731
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             a.qkv_proj = make(a.q_proj, a.k_proj, a.v_proj)
