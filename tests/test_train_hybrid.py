@@ -1,6 +1,9 @@
 """`draftwise train target --arch hybrid`: the hybrid preset's size, and a few training steps of a
 small hybrid config lower the loss, export to a directory that draftwise loads with the same
 logits (bfloat16 weights)."""
+from pathlib import Path
+
+import pytest
 import torch
 
 from draftwise.model import load_model
@@ -37,3 +40,19 @@ def test_small_hybrid_trains_and_exports(tmp_path, target_dir):
     with torch.no_grad():
         want = model.to(torch.bfloat16).float().logits(data[:1])
     assert (loaded.model.logits(data[:1]) - want).abs().max() < 1e-3
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "hybrid"
+
+
+@pytest.mark.skipif(not (SHIPPED / "model.safetensors").is_file(), reason="models/hybrid not present")
+def test_shipped_hybrid_matches_transformers_and_shares_the_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    assert (SHIPPED / "tokenizer.json").read_bytes() == (SHIPPED.parent / "target" / "tokenizer.json").read_bytes()
+    ours = load_model(SHIPPED, dtype="float32")
+    assert ours.config.arch == "qwen3_next" and ours.config.hybrid.attention_layers == [3, 7]
+    ids = torch.tensor([ours.tokenizer.encode("def add(a, b):\n    return a + b\n").ids])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(SHIPPED), dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = ours.model.logits(ids), hf(ids).logits.float()
+    assert (a - b).abs().max() < 1e-3
