@@ -29,7 +29,8 @@ A measured check on top (`_choose_mode`): per batch size (powers of two), the po
 decayed committed-tokens-per-second figures of three arms: the steps it ran as planned ("spec"),
 steps where every row drafted and verified all it may, as the fixed policy does ("full"), and
 steps it ran without verifying ("plain"); it runs the best, trying another on 1 step in 16 to 64
-(more often when the best two are close; the choice uses its own random numbers and the history
+(more often when the best two are close; "full" is tried only there, never in the warm-up:
+where the plan drafts little it can cost several plain steps; the choice uses its own random numbers and the history
 only: causal, and "full" admits every proposal, reading none). A profile that is off
 (measured on a loaded machine, or missing the step's Python work) then costs at most the
 exploration, not the operating point.
@@ -159,10 +160,12 @@ class GoodputPolicy:
 
     def _choose_mode(self, bucket: int) -> str:
         arms = self._arms_of(bucket)
-        for arm in self.ARMS:
-            if arms[arm][2] < 3:  # each arm measured a few times first
+        for arm in ("spec", "plain"):
+            if arms[arm][2] < 3:  # as planned and plain measured a few times first
                 return arm
-        rate = {a: v[0] / max(v[1], 1e-12) for a, v in arms.items()}
+        # "full" is only tried when exploring (it can cost several plain steps where the plan
+        # drafts little): never measured, it ranks last
+        rate = {a: v[0] / max(v[1], 1e-12) if v[2] > 0 else -1.0 for a, v in arms.items()}
         ranked = sorted(self.ARMS, key=lambda a: -rate[a])
         best, second = ranked[0], ranked[1]
         margin = rate[best] / max(rate[second], 1e-12)
