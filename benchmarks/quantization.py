@@ -87,13 +87,13 @@ def main() -> int:
           f"x {args.rounds} rounds", flush=True)
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = None if name == "target" else name
-        llms = {label: LLM(model, spec=SpecConfig(method=None), dtype=dt, quantization=q, kv_cache_memory="64MiB")
+        small = dict(kv_cache_memory="64MiB", max_model_len=1024)  # several engines in one process
+        llms = {label: LLM(model, spec=SpecConfig(method=None), dtype=dt, quantization=q, **small)
                 for label, dt, q in SETTINGS}
         if model is None:  # the pair: float targets + the default (bfloat16) draft, int8 target + int8 draft
             for label, dt, q in [("spec float32", "float32", None), ("spec bfloat16", "bfloat16", None),
                                  ("spec int8 (f32 act)", "float32", "int8"), ("spec int8 (bf16 act)", "bfloat16", "int8")]:
-                llms[label] = LLM(None, spec=SpecConfig(method="draft", k=4), dtype=dt, quantization=q,
-                                  kv_cache_memory="64MiB")
+                llms[label] = LLM(None, spec=SpecConfig(method="draft", k=4), dtype=dt, quantization=q, **small)
         tok = next(iter(llms.values())).tokenizer
         prompts = [tok.encode(p).ids for p in PROMPTS]
         for llm in llms.values():  # warm-up (kernels, oneDNN primitives)

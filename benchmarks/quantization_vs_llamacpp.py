@@ -1,0 +1,88 @@
+"""draftwise int8 (and bfloat16) beside llama.cpp Q8_0 on SmolLM2: batch-1 greedy decoding, one process.
+
+    .venv/bin/python benchmarks/quantization_vs_llamacpp.py GGUF [--threads 1] [--tokens 64] [--rounds 2]
+
+GGUF: SmolLM2 in Q8_0, converted from the same directory draftwise loads (models/smollm2) with
+the llama.cpp sdist's converter (benchmark-only; see /work/shared/peers/README.md):
+
+    cd <sdist>/vendor/llama.cpp && PYTHONPATH=gguf-py python convert_hf_to_gguf.py \
+        models/smollm2 --outtype q8_0 --outfile smollm2-q8_0.gguf
+
+(the converter imports `sentencepiece` before finding no tokenizer.model; a stub module with an
+empty `SentencePieceProcessor` class on PYTHONPATH lets it fall back to tokenizer.json).
+llama-completion comes from $LLAMACPP or ~/.cache/draftwise/llamacpp/build/bin. Its rate is its
+`eval time` perf line; draftwise's is tokens after the first over their seconds (quantization.py's
+`decode`). Each round runs every prompt in llama.cpp and in each draftwise setting, in alternation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quantization import PROMPTS, decode  # noqa: E402
+
+
+def llamacpp(binary: str, gguf: str, prompt: str, tokens: int, threads: int) -> tuple[int, float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    r = subprocess.run([binary, "-m", gguf, "-f", f.name, "-n", str(tokens), "--ignore-eos", "--temp", "0",
+                        "-t", str(threads), "-tb", str(threads), "-c", "512", "-no-cnv", "--no-display-prompt",
+                        "--perf"], capture_output=True, text=True)
+    os.unlink(f.name)
+    m = re.findall(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", r.stderr)
+    if not m:
+        raise RuntimeError(f"llama-completion printed no eval time: {r.stderr[-500:]}")
+    return int(m[-1][1]), float(m[-1][0]) / 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    binary = os.environ.get("LLAMACPP") or str(Path.home() / ".cache/draftwise/llamacpp/build/bin/llama-completion")
+    if not Path(binary).is_file() or not Path(args.gguf).is_file():
+        print(f"skipped: llama-completion ({binary}) or the GGUF ({args.gguf}) not found")
+        return 0
+    torch.set_num_threads(args.threads)
+    from draftwise import LLM, SpecConfig
+
+    print(f"load at start {os.getloadavg()}, threads {args.threads}", flush=True)
+    small = dict(spec=SpecConfig(method=None), kv_cache_memory="64MiB", max_model_len=1024)
+    llms = {"draftwise int8 (f32 act)": LLM(args.model, dtype="float32", quantization="int8", **small),
+            "draftwise int8 (bf16 act)": LLM(args.model, dtype="bfloat16", quantization="int8", **small),
+            "draftwise bfloat16": LLM(args.model, dtype="bfloat16", **small)}
+    ids = [next(iter(llms.values())).tokenizer.encode(p).ids for p in PROMPTS]
+    for llm in llms.values():
+        decode(llm, ids[0], 8)
+    llamacpp(binary, args.gguf, PROMPTS[0], 8, args.threads)
+    sums = {k: [0, 0.0] for k in ["llama.cpp Q8_0", *llms]}
+    for _ in range(args.rounds):
+        for i, p in enumerate(PROMPTS):
+            n, t = llamacpp(binary, args.gguf, p, args.tokens, args.threads)
+            sums["llama.cpp Q8_0"][0] += n
+            sums["llama.cpp Q8_0"][1] += t
+            for k, llm in llms.items():
+                n, t = decode(llm, ids[i], args.tokens)
+                sums[k][0] += n
+                sums[k][1] += t
+    base = sums["llama.cpp Q8_0"][0] / sums["llama.cpp Q8_0"][1]
+    for k, (n, t) in sums.items():
+        print(f"{k:28s} {n / t:7.1f} tok/s  {n / t / base:4.2f}x llama.cpp Q8_0", flush=True)
+    print(f"load at end {os.getloadavg()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
