@@ -381,25 +381,6 @@ def test_goodput_probes_back_off_with_a_useless_drafter():
     assert probes and policy._probe_interval.get(0, GoodputPolicy.probe_every) == GoodputPolicy.probe_every
 
 
-def test_goodput_plain_steps_chosen_by_the_clock_do_not_probe():
-    """When the measured check overrules a plan that drafts, the step is plain: no row probes."""
-    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)  # COST says: speculate
-    policy.model.observe = lambda *a, **k: None  # the plan keeps drafting: only the check says no
-    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(4)]
-    plain_lengths = []
-    for step in range(600):
-        lengths = policy.plan(seqs, [4] * 4)
-        blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
-        admitted = policy.admit(seqs, blocks, 0.0)
-        tokens = 4 + sum(admitted)
-        for s, blk, n in zip(seqs, blocks, admitted):
-            policy.observe(s, blk, n, min(n, 2))
-        policy.observe_step(4, tokens, 50.0, list(lengths), 0.005 + 0.010 * (tokens - 4))  # spec never pays
-        if step >= 200 and policy._mode == "plain":
-            plain_lengths.append(sum(lengths))
-    assert len(plain_lengths) > 300 and sum(plain_lengths) == 0
-
-
 def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
     """A plan that truncates (low calibrated gains) while the clock rewards long blocks: the
     measured check settles on the "full" arm (every row drafts and verifies k), as fixed would."""

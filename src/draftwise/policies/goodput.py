@@ -15,8 +15,7 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   verifies one proposal (a probe: its estimate can recover); so does one row of the batch when
   no row has verified for `probe_every` steps (the engine-wide estimate, which new requests start
   from, can recover too). A probe that accepts nothing doubles that interval (up to
-  `max_probe_every`); one that accepts resets it. When the measured check below overrules a
-  plan that drafts (it runs a plain step), nobody probes: its exploration steps measure. The optimum's value, lambda
+  `max_probe_every`); one that accepts resets it. The optimum's value, lambda
   (expected committed tokens per second of the planned step), is kept for `admit`.
 - `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
   the confidences of q_1..q_j, pays for its marginal verification time at the planned rate:
@@ -141,10 +140,8 @@ class GoodputPolicy:
         lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
         self._bucket = b.bit_length()
         if any(n > p for n, p in zip(lengths, probes)):
-            self._mode = self._choose_mode(self._bucket)
-            if self._mode == "plain":  # the measured check overrules the plan: no row drafts, probes
-                self._probes = set()  # neither (the check's own exploration steps measure speculation)
-                probes = [0] * b
+            self._mode = self._choose_mode(self._bucket)  # "plain": only the probes verify (they also
+            # keep the drafter's catch-up short for the steps that speculate again)
         else:
             self._mode = "plain"  # the plan drafts nothing: only the probes verify
         if self._mode == "plain":
