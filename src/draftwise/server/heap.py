@@ -13,8 +13,10 @@ glibc also gives every thread that allocates its own arena (up to 8 per core), e
 own high-water mark: the server's threads (engine, tokenizer pool, asyncio's executor, OpenMP
 workers) came one after another, and a 6-minute soak's RSS grew by a new 32 MB arena in 75 s.
 `draftwise serve` therefore caps the arenas (`limit_arenas(2)`, as MALLOC_ARENA_MAX=2 would) first
-thing, before any thread allocates: glibc fixes its arena limit when the second arena is needed,
-so a later call (tried: when the engine thread starts, after model loading) changes nothing.
+thing, before any thread allocates: glibc reads the limit once, when it first has to decide
+whether a thread gets an arena of its own, so the call must come before the engine thread
+(which loads the models) runs. The soak after both fixes (and the padding in model/llama.py)
+held RSS within +0.5% over 8 minutes (README, "Soak").
 Not glibc (musl, macOS) or trimming disabled: a no-op.
 """
 from __future__ import annotations
