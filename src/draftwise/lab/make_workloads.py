@@ -50,6 +50,16 @@ FUNCTION_SCHEMA = {
 }
 
 
+def _parsed(files: list[tuple[str, str]]):
+    """(path, syntax tree, lines with their ends, dotted module stem) of every file that parses."""
+    for rel, text in files:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        yield rel, tree, text.splitlines(keepends=True), rel.removesuffix(".py").replace("/", ".")
+
+
 def _functions(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
@@ -77,13 +87,7 @@ def _docstring_node(fn) -> ast.Constant | None:
 def candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, str, int, float]]]:
     """(id, prompt, max_tokens, temperature) candidates per workload, in path/line order."""
     easy, hard, grounded, as_json = [], [], [], []
-    for rel, text in files:
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        lines = text.splitlines(keepends=True)
-        stem = rel.removesuffix(".py").replace("/", ".")
+    for rel, tree, lines, stem in _parsed(files):
         for fn in _functions(tree):
             start = (fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno) - 1
             end = fn.end_lineno
@@ -151,13 +155,7 @@ def chat_candidates(files: list[tuple[str, str]]) -> dict[str, list[tuple[str, s
     """(id, kind, fields) candidates of the chat workloads, in path/line order; `chat_messages`
     turns a picked one into messages (the ask rotates with the request's index)."""
     grounded, open_ = [], []
-    for rel, text in files:
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        lines = text.splitlines(keepends=True)
-        stem = rel.removesuffix(".py").replace("/", ".")
+    for rel, tree, lines, stem in _parsed(files):
         module = stem.removesuffix(".__init__")
         mod_doc = ast.get_docstring(tree)
         if mod_doc and len(mod_doc) >= 300:
