@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantization import decode  # noqa: E402  (the engine stepped by hand, timestamps per step)
+
 QUESTIONS = [
     "Explain what a Python dictionary is, with an example.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -81,26 +84,6 @@ def llamacpp_decode(binary: Path, gguf_path: Path, prompt: str, tokens: int, thr
     return n, ms / 1e3
 
 
-def draftwise_decode(llm, ids: list[int], tokens: int) -> tuple[int, float]:
-    """(tokens after the first, their seconds): the engine stepped by hand, timestamps per step."""
-    from draftwise import SamplingParams
-
-    eng = llm.engine
-    eng.add_request("peer", ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    first = None
-    n = 0
-    while eng.has_unfinished():
-        outs = eng.step()
-        t = time.perf_counter()
-        for o in outs:
-            n += len(o.new_token_ids)
-            if first is None and o.new_token_ids:
-                first, n_first = t, n
-            if o.finished:
-                eng.release(o.seq.request_id)
-    return n - n_first, t - first
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llamacpp", default=None, help="llama-completion binary or llama.cpp build folder (or $LLAMACPP)")
@@ -128,7 +111,7 @@ def main() -> int:
     chat = ChatTemplate(any_llm.engine.target.tokenizer_config)
     texts = [chat.render([{"role": "user", "content": q}]) for q in QUESTIONS]
     ids = [any_llm.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
-    draftwise_decode(llms[dtypes[0]], ids[0], 16)  # warm-up
+    decode(llms[dtypes[0]], ids[0], 16)  # warm-up
     llamacpp_decode(binary, args.gguf, texts[0], 16, args.threads)
     engines = ["llama.cpp"] + [f"draftwise {d}" for d in dtypes]
     n = {e: 0 for e in engines}
@@ -139,7 +122,7 @@ def main() -> int:
                 if e == "llama.cpp":
                     k, sec = llamacpp_decode(binary, args.gguf, text, args.tokens, args.threads)
                 else:
-                    k, sec = draftwise_decode(llms[e.split()[1]], p, args.tokens)
+                    k, sec = decode(llms[e.split()[1]], p, args.tokens)
                 n[e] += k
                 s[e] += sec
     wbytes = {"llama.cpp": gguf_weight_bytes(args.gguf)}
