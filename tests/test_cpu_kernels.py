@@ -175,7 +175,7 @@ def run_batch_rounds(loaded) -> list[torch.Tensor]:
     n = {s: n[s] + 1 for s in ids}  # only the first of the three kept: the rest rolled back
     out.append(runner.run(ids, [seqs[s][n[s]: n[s] + 3] for s in ids], [n[s] for s in ids], [3] * 3))
     n = {s: n[s] + 2 for s in ids}
-    k = {0: 2, 1: 4, 2: 1}  # unequal blocks: the batch is padded to 4 rows a sequence
+    k = {0: 2, 1: 4, 2: 1}  # unequal blocks: packed on the fused path (7 rows), padded to 4 a sequence in PyTorch
     out.append(runner.run(ids, [seqs[s][n[s]: n[s] + k[s]] for s in ids], [n[s] for s in ids], [k[s] for s in ids]))
     n = {s: n[s] + k[s] for s in ids}
     out.append(runner.run(ids, [[seqs[s][n[s]]] for s in ids], [n[s] for s in ids], [1] * 3))
@@ -201,7 +201,7 @@ def test_fused_batches_match_pytorch_path(name, dtype, whole, tmp_path, tokenize
 
     monkeypatch.setattr(LlamaModel, "_fused_forward", spy)
     on = run_batch_rounds(load_with_distinct_norms(path, dtype))
-    assert {(3, 1), (3, 3), (3, 4)} <= set(shapes), "batches, padded ones too, take the fused path"
+    assert {(3, 1), (3, 3), (1, 7)} <= set(shapes), "batches, unequal (packed) ones too, take the fused path"
     kernels_switch(False)
     shapes.clear()
     off = run_batch_rounds(load_with_distinct_norms(path, dtype))

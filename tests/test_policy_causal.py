@@ -386,6 +386,7 @@ def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
     measured check settles on the "full" arm (every row drafts and verifies k), as fixed would."""
     policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
     policy.model.observe = lambda *a, **k: None
+    policy.calibration.observe = lambda *a, **k: None  # and it keeps believing it: the plan keeps truncating
     for table_ in policy.calibration.tables:  # the calibration believes proposals are poor
         for cell in table_:
             cell[0] = cell[1] * 0.35

@@ -192,7 +192,7 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
-        self._prefill_seconds = 0.0
+        self._prefill_seconds = self._catch_up_seconds = 0.0
         self.isolation.before_step()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -241,6 +241,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if any(plan):
             drafted = self.proposer.propose(seqs, plan, forced)
+            self._catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
         else:  # no row drafts: the drafter does not run
             drafted = [_NO_DRAFT] * len(seqs)
         admitted = self.policy.admit(seqs, drafted, time.perf_counter() - t0)
@@ -262,9 +263,10 @@ class LLMEngine:
         ctx = sum(s.seq.num_tokens for s in scheduled) / b
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
-        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds)
-        if predicted is not None:
-            self.stats.record_prediction(*predicted, seconds)
+        catch_up = self._catch_up_seconds
+        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up)
+        if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
+            self.stats.record_prediction(*predicted, seconds - catch_up)
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:

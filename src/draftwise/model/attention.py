@@ -34,6 +34,9 @@ class AttentionMetadata:
     # of its rows are padding); set by the runner, read by the fused CPU path (LlamaModel._fusable)
     seq_lens: list[int] | None = None
     seq_new: list[int] | None = None
+    # packed rows (the fused CPU path only, see LlamaModel.packs): the B sequences' new tokens are
+    # one flat run of rows [1, sum(seq_new)], sequence b's from row row_offsets[b] (B + 1 offsets)
+    row_offsets: list[int] | None = None
 
     @staticmethod
     def build(
@@ -136,7 +139,7 @@ class ConsecutiveMetadata(AttentionMetadata):
 
     def __init__(self, start_slot: int, start: int, T: int, positions: torch.Tensor, sliding_window: int | None):
         self.gather_start = start_slot
-        self.seq_lens = self.seq_new = None
+        self.seq_lens = self.seq_new = self.row_offsets = None
         self._args = (start_slot, start, T, positions, sliding_window)
         self._built: AttentionMetadata | None = None
 

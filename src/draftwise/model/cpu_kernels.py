@@ -84,9 +84,9 @@ class Kernels:
             "dw_silu_mul": [p, p, i, i, ctypes.c_int],
             "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_linear_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
-            "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, i, f, p, ctypes.c_int],
+            "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int],
             "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), p, f, p, p, p, p, i, i, i, i, p, i, p, p,
-                           i, f, ctypes.c_int],
+                           p, i, f, ctypes.c_int],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

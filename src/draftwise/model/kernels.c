@@ -345,15 +345,17 @@ void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void
  * news[b] rows; the rows after them are padding (their outputs are set to zero, nothing written).
  * qkv [B * T, (H + 2 Hkv) * D], out [B * T, H * D]. */
 void dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
-                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, long window,
-                     float scale, void *out, int bf) {
+                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
+                     const int64_t *offs, long window, float scale, void *out, int bf) {
+    /* offs NULL: sequence b's rows are b*T.. (padded to T, the padding rows zeroed); else packed:
+     * its news[b] rows start at row offs[b] (offs[B] rows in all, no padding) */
     long es = bf ? 2 : 4;
     for (long b = 0; b < B; b++) {
-        long n = news ? news[b] : T;
-        char *ob = (char *)out + b * T * H * D * es;
-        attend_seq((const char *)qkv + b * T * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+        long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
+        char *ob = (char *)out + r0 * H * D * es;
+        attend_seq((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
                    lens[b], window, scale, ob, bf);
-        memset(ob + n * H * D * es, 0, (T - n) * H * D * es);
+        if (!offs) memset(ob + n * H * D * es, 0, (T - n) * H * D * es);
     }
 }
 
@@ -414,9 +416,9 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 
 /* Every decoder layer of a model whose projections are all small enough for dw_linear (a draft
  * model), for B sequences of T rows (one sequence on consecutive slots: slots NULL, slot0 and L;
- * else paged, with padding rows, as dw_attend_batch): the calls LlamaModel._fused_forward makes
- * per layer, in one call. x [B * T, hid] is the residual stream (updated in place), h [B * T, hid]
- * receives the final-normalised hidden states. w holds 10 pointers per layer: ln1, qkv weight,
+ * else paged, with padding rows or packed by offs, as dw_attend_batch): the calls
+ * LlamaModel._fused_forward makes per layer, in one call. x [R, hid] is the residual stream (updated
+ * in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised hidden states. w holds 10 pointers per layer: ln1, qkv weight,
  * qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down weight, down bias (weights
  * transposed, as dw_linear takes them; biases may be NULL). Caches: layer l's K at cache + l *
  * layer_stride elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not
@@ -424,10 +426,10 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, long Hkv, long D, long I,
                void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,
                const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
-               const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, long window, float scale,
-               int bf) {
+               const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, const int64_t *offs,
+               long window, float scale, int bf) {
     long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
-    long R = B * T; /* rows */
+    long R = offs ? offs[B] : B * T; /* rows (packed: offs[B]) */
     char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
     if (!buf) return -1;
     char *qkv = buf, *y = qkv + es * R * qkvw, *o = y + es * R * H * D, *gu = o + es * R * hid;
@@ -439,8 +441,8 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
         dw_linear(h, W[1], W[2], qkv, R, qkvw, hid, bf);
         dw_rope(qkv, R, qkvw, H + Hkv, D, pos, cos, sin, bf);
         if (slots)
-            dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, news, window, scale,
-                            y, bf);
+            dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, news, offs, window,
+                            scale, y, bf);
         else
             dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf);
         dw_linear(y, W[3], W[4], o, R, hid, H * D, bf);

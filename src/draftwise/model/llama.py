@@ -365,14 +365,26 @@ class LlamaModel(nn.Module):
         `gather_start` only then, with positions L-T..L-1) or a batch whose sequences' key counts
         and new-token counts the runner gave (`seq_lens`, `seq_new`: sequence b's new tokens are
         its last keys, in its first rows; the other rows are padding)."""
-        cfg = self.cfg
         B, T = input_ids.shape
+        if meta.row_offsets is not None:  # packed rows: the runner asked `packs` first
+            return True
         if T > self.FUSED_MAX_TOKENS or input_ids.device.type != "cpu":
             return False
         if not ((B == 1 and meta.gather_start is not None) or (meta.seq_lens is not None and len(meta.seq_lens) == B)):
             return False
-        return (not cfg.qk_norm and cfg.head_dim <= 1024 and kv_cache.dtype == self.model.norm.weight.dtype
-                and kv_cache.is_contiguous() and cpu_kernels.usable(kv_cache.dtype))
+        return self._kernels_fit(kv_cache)
+
+    def _kernels_fit(self, kv_cache) -> bool:
+        cfg = self.cfg
+        return (self.plan is not None and not cfg.qk_norm and cfg.head_dim <= 1024
+                and kv_cache.dtype == self.model.norm.weight.dtype and kv_cache.is_contiguous()
+                and kv_cache.device.type == "cpu" and cpu_kernels.usable(kv_cache.dtype))
+
+    def packs(self, max_new_tokens: int, kv_cache) -> bool:
+        """Can a batch of sequences feeding different numbers of tokens run packed (one row per real
+        token, no padding: `AttentionMetadata.row_offsets`)? Only on the fused CPU path, which
+        attends each sequence's rows where they are; the PyTorch path takes a padded [B, T] batch."""
+        return max_new_tokens <= self.FUSED_MAX_TOKENS and self._kernels_fit(kv_cache)
 
     def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position):
         """`paged_layer`'s computation in 5 kernel calls per layer besides the 4 products: RMSNorm,
@@ -382,6 +394,10 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         B, T = input_ids.shape
         R = B * T
+        offs_p = 0
+        if meta.row_offsets is not None:  # packed: [1, R] rows, sequence b's at row_offsets[b]..
+            offs = torch.tensor(meta.row_offsets, dtype=torch.long)
+            offs_p, B, T = offs.data_ptr(), len(meta.seq_lens), 0
         H, Hkv, D, hid, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                cfg.hidden_size, cfg.rms_norm_eps)
         bf = int(kv_cache.dtype == torch.bfloat16)
@@ -408,7 +424,7 @@ class LlamaModel(nn.Module):
             rc = k.decoder(x.data_ptr(), h.data_ptr(), B, T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
                            self._small_layers, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
                            sin.data_ptr(), cache, layer_stride, kv_stride, slot0, L, slots_p, Lmax, lens_p, news_p,
-                           window, scale, bf)
+                           offs_p, window, scale, bf)
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
             return h
@@ -416,18 +432,18 @@ class LlamaModel(nn.Module):
         for i, w in enumerate(plan):
             qkv = w.qkv(h)  # [B, T, (H + 2 Hkv) * D]
             k.rope(qkv.data_ptr(), R, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
-            y = torch.empty(B, T, H * D, dtype=x.dtype)
+            y = torch.empty(*x.shape[:-1], H * D, dtype=x.dtype)
             kc = cache + i * layer_stride * es
             if slots is None:
                 k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale,
                          y.data_ptr(), bf)
             else:
                 k.attend_batch(qkv.data_ptr(), B, T, H, Hkv, D, kc, kc + kv_stride * es, slots_p, Lmax, lens_p,
-                               news_p, window, scale, y.data_ptr(), bf)
+                               news_p, offs_p, window, scale, y.data_ptr(), bf)
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
             k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), R, hid, eps, bf)
             gu = w.gate_up(h)
-            a = torch.empty(B, T, gu.shape[-1] // 2, dtype=x.dtype)
+            a = torch.empty(*x.shape[:-1], gu.shape[-1] // 2, dtype=x.dtype)
             k.silu_mul(gu.data_ptr(), a.data_ptr(), R, a.shape[-1], bf)
             nxt = plan[i + 1].ln1 if i + 1 < len(plan) else self.model.norm.weight
             d = w.down(a)

@@ -2,7 +2,8 @@
 
 `run(seq_ids, new_tokens, starts, num_logits)` places each sequence's new tokens at absolute
 positions `start .. start+T-1` (K/V capacity must already be reserved), runs one forward over the
-padded batch `[B, Tmax]`, and returns logits only for the last `num_logits[b]` positions of each
+padded batch `[B, Tmax]` (or, on the fused CPU path, packed: one row per real token, when the
+sequences feed different numbers of tokens: `_run_packed`), and returns logits only for the last `num_logits[b]` positions of each
 sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
 chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`.
 
@@ -58,6 +59,9 @@ class ModelRunner:
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
         T = max(lens)
+        if B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu" \
+                and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
+            return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden)
         # plain lists, one tensor each (per-element tensor writes cost more than the forward of a
         # small draft); padding: token 0 at position 0, marked invalid
         ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)
@@ -94,6 +98,26 @@ class ModelRunner:
             rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
             sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
+        if return_hidden:
+            return logits, sel
+        return logits
+
+    def _run_packed(self, seq_ids, new_tokens, starts, num_logits, lens, return_hidden):
+        """`run` for sequences feeding different numbers of tokens, without padding: one row per
+        real token (a verification batch where rows verify 0..k proposals, a drafter's catch-up
+        beside single tokens), so the products cost the tokens fed, not B x the longest."""
+        ends = [s + n for s, n in zip(starts, lens)]
+        offs = [0]
+        for n in lens:
+            offs.append(offs[-1] + n)
+        ids = torch.tensor([[t for row in new_tokens for t in row]], dtype=torch.long)  # [1, N]
+        pos = torch.tensor([[p for s, n in zip(starts, lens) for p in range(s, s + n)]], dtype=torch.long)
+        gather = self.kv.slots(seq_ids, ends)  # [B, L]: the fused kernels write each new token's K/V there
+        meta = AttentionMetadata(None, None, gather, None, seq_lens=ends, seq_new=lens, row_offsets=offs)
+        hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [1, N, hidden]
+        rows = [offs[b] + t for b in range(len(lens)) for t in range(lens[b] - num_logits[b], lens[b])]
+        sel = hidden[0].index_select(0, torch.tensor(rows, dtype=torch.long))
+        logits = self.model.compute_logits(sel)  # [sum(num_logits), V]
         if return_hidden:
             return logits, sel
         return logits

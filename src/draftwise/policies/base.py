@@ -53,10 +53,12 @@ class Policy(Protocol):
         """The request finished: drop its state."""
 
     def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
-                     seconds: float) -> tuple[float, float] | None:
+                     seconds: float, catch_up_seconds: float = 0.0) -> tuple[float, float] | None:
         """A decode step took `seconds` (its prefill chunks' forward left out; B rows, T tokens fed,
-        mean context, tokens drafted per row). Returns what the policy's cost model predicted for
-        it, and what the hardware profile alone predicted (None: it has no cost model)."""
+        mean context, tokens drafted per row), of which `catch_up_seconds` went to the drafter's
+        long catch-ups (a new prompt: the drafter's prefill). Returns what the policy's cost model
+        predicted for the step without those, and what the hardware profile alone predicted (None:
+        it has no cost model)."""
 
 
 POLICIES = Registry("policy")
@@ -91,7 +93,8 @@ class _Stateless:
     def forget(self, seq_id: int) -> None:
         pass
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds) -> tuple[float, float] | None:
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds,
+                     catch_up_seconds=0.0) -> tuple[float, float] | None:
         return None
 
 

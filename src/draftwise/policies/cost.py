@@ -51,14 +51,16 @@ class OnlineCost:
     a drafter step costs what the profile's isolated timing does not say, and the machine's speed
     drifts. The residual r = measured step - profile's prediction of every decode step is fitted as
     e0 + e1 * B + e2 * T + e3 * D (D = drafter steps) by exponentially weighted least squares on
-    centred features: the slopes come only from how B, T and D varied among the steps seen (a
-    slope the data cannot tell is 0, so a run that never drafted does not learn that a verified
-    token costs the whole residual), and the intercept takes the mean. `step_seconds` is the
+    centred features, slopes constrained to be >= 0: the slopes come only from how B, T and D
+    varied among the steps seen (a slope the data cannot tell is 0, so a run that never drafted
+    does not learn that a verified token costs the whole residual), and the intercept takes the
+    mean. `step_seconds` is the
     profile's prediction plus that residual; the goodput policy optimises against it.
     """
 
     DECAY = 0.98  # per observed step: the fit follows the last ~50 steps
     RIDGE = 1e-3  # in units of B^2, T^2, D^2 per unit of weight: slopes need real variation
+    REFIT_EVERY = 4  # steps (after the first 8): the solve costs more than the rest of the update
 
     def __init__(self, cost: CostModel):
         self.cost = cost
@@ -68,6 +70,7 @@ class OnlineCost:
         self._sxx = np.zeros((3, 3))
         self._sxy = np.zeros(3)
         self._coef = (0.0, 0.0, 0.0, 0.0)  # e0, e1 (per row), e2 (per token), e3 (per drafter step)
+        self._seen = 0  # steps observed
 
     @staticmethod
     def draft_lengths_seconds(cost: CostModel, lengths, context: float) -> float:
@@ -103,11 +106,30 @@ class OnlineCost:
         self._sx = self._sx * d + x
         self._sxy = self._sxy * d + x * r
         self._sxx = self._sxx * d + np.outer(x, x)
+        self._seen += 1
+        if self._seen > 8 and self._seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
+            return
         mx, my = self._sx / self._w, self._sy / self._w
         cxx = self._sxx / self._w - np.outer(mx, mx) + self.RIDGE * np.eye(3)
         cxy = self._sxy / self._w - mx * my
-        slopes = np.linalg.solve(cxx, cxy)
+        slopes = self._nonnegative_solve(cxx, cxy)
         self._coef = (float(my - slopes @ mx), *(float(v) for v in slopes))
+
+    @staticmethod
+    def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """a x = b with x >= 0 (active set): more rows, tokens or drafter steps never cost less.
+        Unconstrained, collinear features (at batch 1, tokens = 1 + drafter steps) split the
+        residual into a large negative and a large positive slope, e.g. verification looking
+        cheaper than free and each drafter step three times its cost."""
+        free = np.ones(len(b), dtype=bool)
+        x = np.zeros(len(b))
+        while free.any():
+            x[:] = 0.0
+            x[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            if (x[free] >= 0).all():
+                break
+            free &= x >= 0  # drop the negative slopes and solve again for the rest
+        return x
 
 
 class GridCost(CostModel):
@@ -132,6 +154,7 @@ class GridCost(CostModel):
                 table.setdefault(b, {})[t] = s
         self._bs = sorted(table)
         self._rows = {b: sorted(table[b].items()) for b in self._bs}
+        self._base: dict[tuple[int, int], float] = {}  # (B, T) -> interpolated seconds at context0
 
     @staticmethod
     def _lerp(xs: list[tuple[float, float]], x: float) -> float:
@@ -145,7 +168,9 @@ class GridCost(CostModel):
 
     def target_seconds(self, num_seqs: int, num_tokens: int, context: float = 0.0) -> float:
         b = max(1, num_seqs)
-        per_seq = num_tokens / b
-        by_b = [(bb, self._lerp(self._rows[bb], per_seq)) for bb in self._bs]
-        base = max(0.0, self._lerp(by_b, b))
+        base = self._base.get((b, num_tokens))
+        if base is None:  # the policy asks the same few (B, T) every step
+            per_seq = num_tokens / b
+            by_b = [(bb, self._lerp(self._rows[bb], per_seq)) for bb in self._bs]
+            base = self._base[(b, num_tokens)] = max(0.0, self._lerp(by_b, b))
         return base + self.target[3] * b * (context - self.context0)

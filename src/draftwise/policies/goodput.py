@@ -11,10 +11,13 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
 - `plan` (before drafting) solves the whole problem with a_{i,m} = the engine's conditional
   acceptance at position m scaled by the request's recent rate (`choose_lengths`); the drafting time is part of the objective (one drafter
   step per position, over the rows that draft that far), so a loaded step or a useless drafter
-  drafts little or nothing. A row that has not verified for `probe_every` steps drafts and
-  verifies one proposal (a probe: its estimate can recover); so does one row of the batch when
-  no row has verified for `probe_every` steps (the engine-wide estimate, which new requests start
-  from, can recover too). A probe that accepts nothing doubles that interval (up to
+  drafts little or nothing. While the plan drafts for some rows, a row it leaves out that has not
+  verified for `probe_every` steps drafts and verifies one proposal (a probe: its estimate can
+  recover); when the plan drafts for no row (the load or the engine-wide estimate stops them
+  all), only one row of the batch probes, when no row has verified for the engine-wide interval
+  (the engine-wide estimate, which new requests start from, can recover too; per-row probes there
+  would each pay the drafter's catch-up over the row's whole context for nothing). A probe that
+  accepts nothing doubles that interval (up to
   `max_probe_every`); one that accepts resets it. The optimum's value, lambda
   (expected committed tokens per second of the planned step), is kept for `admit`.
 - `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
@@ -24,15 +27,17 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   their confidences) and plan-time figures, never x_j nor anything drafted after it (a rule that
   picked the best prefix from all the row's confidences would read q_{j+1}, a function of x_j).
 
-A measured check on top (`_choose_mode`): per batch size (powers of two), the policy keeps
+A measured check on top (`_choose_mode`, `_Arms`): per batch size (half octaves, `batch_bucket`),
+the policy keeps
 decayed committed-tokens-per-second figures of three arms: the steps it ran as planned ("spec"),
 steps where every row drafted and verified all it may, as the fixed policy does ("full"), and
-steps it ran without verifying ("plain"); it runs the best, trying another on 1 step in 16 to 64
-(more often when the best two are close; "full" is tried only there, never in the warm-up:
-where the plan drafts little it can cost several plain steps; the choice uses its own random numbers and the history
-only: causal, and "full" admits every proposal, reading none). A profile that is off
-(measured on a loaded machine, or missing the step's Python work) then costs at most the
-exploration, not the operating point.
+steps it ran without verifying ("plain", no probes either); it runs the best and tries the others
+in bursts of a few steps, less and less often while they stay clearly behind. The choice reads the
+history only (causal; "full" admits every proposal, reading none). A profile that is off (measured
+on a loaded machine, or missing the step's Python work) then costs at most the exploration, not
+the operating point. A drafting step right after plain ones pays the drafter's catch-up: a cost
+of switching, left out of the arm's figures. Once the check prefers "plain" or "full" at a batch
+size, `plan` skips the optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32).
 
 `choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
@@ -41,7 +46,6 @@ for a cost linear in tokens, and it accounts for the jump of a new drafter step.
 from __future__ import annotations
 
 import math
-import random
 from typing import Callable, Sequence
 
 from .base import causal_lengths, register_policy
@@ -85,6 +89,13 @@ def choose_lengths(
     return out, best
 
 
+def batch_bucket(num_seqs: int) -> int:
+    """Batch sizes the measured check rates together: half octaves (1, 2, 3, 4, 5-6, 7-9, 10-13,
+    14-18, 19-26, 27-38, ...): a level's batch and the smaller ones of its tail (requests ending,
+    others arriving) stay apart, where the best arm can differ (e.g. speculation at 16, not at 32)."""
+    return int(2 * math.log2(max(1, num_seqs)) + 0.5)
+
+
 @register_policy("goodput")
 class GoodputPolicy:
     needs_cost_model = True
@@ -92,7 +103,6 @@ class GoodputPolicy:
     probe_every = 32
     ARMS = ("spec", "full", "plain")  # planned lengths, every row its maximum (fixed k), no drafting
     max_probe_every = 512
-    arm_decay = 0.8  # per step of that arm: the figures follow the last ~5 of its steps
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
         if cost is None:
@@ -109,19 +119,29 @@ class GoodputPolicy:
         # to probe_every after one that accepted: a useless drafter costs ever fewer probes
         self._probe_interval: dict[int, int] = {}  # seq_id -> steps
         self._engine_probe_interval = self.probe_every
-        self._arms: dict[int, dict[str, list[float]]] = {}  # batch bucket -> arm -> [tokens, seconds, steps]
+        self._arms: dict[int, _Arms] = {}  # batch bucket (batch_bucket(B)) -> the measured check's figures
+        self._last_mode = "plain"  # the previous step's arm (a drafting arm after plain steps catches up)
         self._mode = "spec"  # this step's arm
         self._bucket = 0
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
-        self._rng = random.Random(0)  # exploration only: independent of every proposal
 
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
 
     def plan(self, seqs, max_draft):
-        b, ctx = len(seqs), self._context(seqs)
+        b = len(seqs)
+        self._bucket = batch_bucket(b)
+        arms = self._arms.get(self._bucket)
+        chosen = arms.choose() if arms is not None and arms.warm else None
+        if chosen == "plain":  # the measured check says plain at this batch size: no plan to make
+            self._mode, self._rate, self._probes = "plain", math.inf, set()
+            return [0] * b
+        if chosen == "full":  # ... or every row its maximum, every proposal verified (admit reads nothing)
+            self._mode, self._rate, self._probes = "full", 0.0, set()
+            return list(max_draft)
+        ctx = self._context(seqs)
         cal = self.calibration
-        gains, probes = [], []
+        gains, due = [], []
         for s, m in zip(seqs, max_draft):
             row, g = [], 1.0
             for a in cal.position_rates(s.seq_id, m):
@@ -130,48 +150,43 @@ class GoodputPolicy:
             gains.append(row)
             r = cal.requests.get(s.seq_id)
             every = self._probe_interval.get(s.seq_id, self.probe_every)
-            probes.append(1 if m and r is not None and r.steps_without_verifying >= every else 0)
-        if self._idle_steps >= self._engine_probe_interval and not any(probes):  # engine-wide probe: one row
-            i = next((i for i, m in enumerate(max_draft) if m), None)
-            if i is not None:
-                probes[i] = 1
-        self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
+            due.append(1 if m and r is not None and r.steps_without_verifying >= every else 0)
         draft = (lambda n: self.model.draft_step_seconds(n, ctx)) if self.has_draft_model else None
-        lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft, probes)
-        self._bucket = b.bit_length()
-        if any(n > p for n, p in zip(lengths, probes)):
-            self._mode = self._choose_mode(self._bucket)  # "plain": only the probes verify (they also
-            # keep the drafter's catch-up short for the steps that speculate again)
-        else:
-            self._mode = "plain"  # the plan drafts nothing: only the probes verify
+        lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft)
+        if any(lengths):  # the rows the plan leaves out probe when due (their estimates may be stale)
+            probes = due
+        else:  # the load or the engine-wide estimate stops every row: one engine-wide probe now and then
+            probes = [0] * b
+            i = next((i for i, m in enumerate(max_draft) if m), None)
+            if self._idle_steps >= self._engine_probe_interval and i is not None:
+                probes[i] = 1
+        lengths = [max(n, p) for n, p in zip(lengths, probes)]
+        self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
+        planned_plain = not any(n > p for n, p in zip(lengths, probes))
+        self._mode = "plain" if planned_plain else chosen or self._choose_mode(self._bucket)
         if self._mode == "plain":
             self._rate = math.inf
-            lengths = [min(n, p) for n, p in zip(lengths, probes)]
+            # only a plan that drafts nothing probes; chosen by the measured check, a plain step has
+            # no probes (the estimates are not what stops speculation there: the "spec" arm's
+            # steps probe the rows that are due)
+            lengths = [min(n, p) for n, p in zip(lengths, probes)] if planned_plain else [0] * b
+            self._probes = {s.seq_id for s, n in zip(seqs, lengths) if n}
         elif self._mode == "full":  # every row drafts and verifies all it may: fixed speculation
             self._rate = 0.0
             lengths = list(max_draft)
         return lengths
 
-    def _arms_of(self, bucket: int) -> dict[str, list[float]]:
-        return self._arms.setdefault(bucket, {arm: [0.0, 0.0, 0.0] for arm in self.ARMS})
-
     def _choose_mode(self, bucket: int) -> str:
-        arms = self._arms_of(bucket)
-        for arm in ("spec", "plain"):
-            if arms[arm][2] < 3:  # as planned and plain measured a few times first
-                return arm
-        # "full" is only tried when exploring (it can cost several plain steps where the plan
-        # drafts little): never measured, it ranks last
-        rate = {a: v[0] / max(v[1], 1e-12) if v[2] > 0 else -1.0 for a, v in arms.items()}
-        ranked = sorted(self.ARMS, key=lambda a: -rate[a])
-        best, second = ranked[0], ranked[1]
-        margin = rate[best] / max(rate[second], 1e-12)
-        explore = 1 / 16 if margin < 1.2 else 1 / 32 if margin < 1.5 else 1 / 64  # close arms: look more often
-        if self._rng.random() < explore:
-            return self._rng.choice(ranked[1:])
-        return best
+        """The measured check: the best arm at this batch size, explored in bursts (`_Arms`).
+        Reads only past step times and its own random numbers (causal)."""
+        arms = self._arms.get(bucket)
+        if arms is None:
+            arms = self._arms[bucket] = _Arms(self.ARMS)
+        return arms.choose()
 
     def admit(self, seqs, blocks, draft_seconds):
+        if self._mode == "full" or not any(blk.token_ids for blk in blocks):  # all, or nothing drafted
+            return [len(blk.token_ids) for blk in blocks]
         b, ctx = len(seqs), self._context(seqs)
         cal = self.calibration
         # marginal seconds of one more verified token, and the rate it must pay for
@@ -210,17 +225,93 @@ class GoodputPolicy:
         self.calibration.forget(seq_id)
         self._probe_interval.pop(seq_id, None)
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds):
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds, catch_up_seconds=0.0):
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
-        # the arms count every step, a drafter's catch-up after plain steps included: it is what
-        # switching costs (leaving those steps out let a loaded batch never measure speculation)
-        arm = self._arms_of(self._bucket)[self._mode]
-        d = self.arm_decay
-        arm[0], arm[1], arm[2] = arm[0] * d + committed, arm[1] * d + seconds, arm[2] * d + 1.0
+        # a drafting step right after plain ones also feeds the drafter everything it missed: a cost
+        # of switching, not of the arm (counted, a burst of exploration after a long plain run would
+        # rate speculation by its catch-up)
+        catch_up = self._mode != "plain" and self._last_mode == "plain" and self.has_draft_model
+        if self._mode != "plain" or not self._probes:  # the plan's probing plain steps rate nothing
+            self._arms.setdefault(self._bucket, _Arms(self.ARMS)).record(self._mode, committed, seconds, catch_up)
+        self._last_mode = self._mode
         lengths = draft_lengths if self.has_draft_model else ()
         predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
-        self.model.observe(num_seqs, num_tokens, context, lengths, seconds)
+        # the cost model is of the decode step proper; the arms pay for everything (a drafting
+        # arm is what makes the drafter prefill new prompts)
+        self.model.observe(num_seqs, num_tokens, context, lengths, seconds - catch_up_seconds)
         return predicted, profile_only
+
+
+class _Arms:
+    """The measured check at one batch size: decayed committed tokens and seconds of each arm's
+    steps, and when to look at the others again.
+
+    The best-rated arm runs; another is tried in a burst of `BURST` consecutive steps (one step is
+    too noisy a sample, and its first step may pay the drafter's catch-up) when its turn is due:
+    every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
+    5% behind (`MARGIN`; four times when more than 20% behind, `FAR`), up to `MAX_EXPLORE_EVERY`,
+    back to `EXPLORE_EVERY` after one that came close. A clearly worse arm (speculation at a high load, plain decoding at batch 1) so costs
+    ever less exploration. "spec" and "plain" are measured first (one burst each); "full", which
+    can cost several plain steps where the plan drafts little, waits for its first turn."""
+
+    BURST = 4
+    DECAY = 0.85  # per recorded step of that arm: its rate follows the last ~7 of its steps
+    EXPLORE_EVERY = 16
+    MAX_EXPLORE_EVERY = 1024
+    MARGIN = 0.95
+    FAR = 0.8
+
+    def __init__(self, arms: Sequence[str]):
+        self.arms = tuple(arms)
+        self.figures = {a: [0.0, 0.0, 0.0] for a in arms}  # tokens, seconds, steps (decayed)
+        self.steps = 0  # decisions made
+        self.current = arms[0]
+        self.burst_left = 0
+        self.exploring: str | None = None  # the arm of the running exploration burst
+        self.interval = {a: self.EXPLORE_EVERY for a in arms}
+        self.due = {a: self.EXPLORE_EVERY for a in arms}
+
+    @property
+    def warm(self) -> bool:  # "spec" and "plain" measured: `choose` may run before the plan
+        return self.figures["spec"][2] > 0 and self.figures["plain"][2] > 0
+
+    def rate(self, arm: str) -> float:
+        tok, sec, n = self.figures[arm]
+        return tok / sec if n > 0 and sec > 0 else -1.0
+
+    def choose(self) -> str:
+        self.steps += 1
+        if self.burst_left > 0:
+            self.burst_left -= 1
+            return self.current
+        if self.exploring is not None:  # a burst has ended: when to look at that arm again
+            arm, self.exploring = self.exploring, None
+            others = max(self.rate(a) for a in self.arms if a != arm)
+            if self.rate(arm) < self.MARGIN * others:  # behind: look later (far behind: much later)
+                grow = 4 if self.rate(arm) < self.FAR * others else 2
+                self.interval[arm] = min(self.MAX_EXPLORE_EVERY, grow * self.interval[arm])
+            else:
+                self.interval[arm] = self.EXPLORE_EVERY
+            self.due[arm] = self.steps + self.interval[arm]
+        for arm in ("spec", "plain"):  # measured first
+            if self.figures[arm][2] == 0:
+                return self._burst(arm)
+        best = max(self.arms, key=self.rate)
+        for arm in self.arms:
+            if arm != best and self.steps >= self.due[arm]:
+                return self._burst(arm)
+        self.current = best
+        return best
+
+    def _burst(self, arm: str) -> str:
+        self.current, self.exploring, self.burst_left = arm, arm, self.BURST - 1
+        return arm
+
+    def record(self, arm: str, committed: float, seconds: float, catch_up: bool) -> None:
+        if catch_up and self.figures[arm][2] > 0:  # (the very first figure of an arm counts anyway)
+            return
+        f, d = self.figures[arm], self.DECAY
+        f[0], f[1], f[2] = f[0] * d + committed, f[1] * d + seconds, f[2] * d + 1.0

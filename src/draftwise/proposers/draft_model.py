@@ -21,6 +21,8 @@ num_draft[i]: with num_forced 0 they only save draft forwards).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..model.runner import ModelRunner
@@ -48,6 +50,7 @@ class DraftModelProposer:
         self.vocab = draft.config.vocab_size
         self._fed: dict[int, int] = {}  # seq_id -> proposals the last round fed to the draft cache
         self.confidence = True  # compute max q_j per proposal (the engine turns it off when unused)
+        self.catch_up_seconds = 0.0  # the last propose's long catch-ups (see _catch_up_long)
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
@@ -56,6 +59,7 @@ class DraftModelProposer:
         active = [i for i, n in enumerate(num_draft) if n > 0]
         feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
         starts = {i: seqs[i].draft_computed for i in active}
+        self._catch_up_long(seqs, feeds, starts)
         cursors = {i: seqs[i].grammar.cursor() for i in active if getattr(seqs[i], "grammar", None) is not None}
         # [drafted, forced budget left] per row: forced tokens spend the forced budget first
         left = {i: [num_draft[i], num_forced[i] if num_forced else 0] for i in active}
@@ -118,6 +122,24 @@ class DraftModelProposer:
                 b.probs = torch.stack(probs[i])  # [k_b, V]
             b.forced_done = i in cursors and (cursors[i].done or short[i])  # the engine need not look again
         return blocks
+
+    LONG_CATCH_UP = 32  # committed tokens a row feeds before its first proposal; more: fed on its own
+
+    def _catch_up_long(self, seqs, feeds, starts) -> None:
+        """A row far behind (a new prompt, many steps without drafting) feeds its committed tokens
+        but the last in a forward of its own, so that the batch's first step is not padded (or
+        packed) to its length; its K/V (a hybrid drafter: its checkpoint) then reach the last
+        committed token, which the first step feeds as usual. Its time (`catch_up_seconds`: the
+        drafter's prefill, in effect) is left out of the decode-step cost model, as the target's
+        prefill chunks are."""
+        t0 = time.perf_counter()
+        for i, feed in list(feeds.items()):
+            if len(feed) > self.LONG_CATCH_UP:
+                seq, pre = seqs[i], feed[:-1]
+                self.runner.run([seq.seq_id], [pre], [starts[i]], [1])
+                seq.draft_computed = starts[i] + len(pre)
+                starts[i], feeds[i] = seq.draft_computed, feed[-1:]
+        self.catch_up_seconds = time.perf_counter() - t0
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         n = len(block.token_ids)
