@@ -121,3 +121,26 @@ def test_find_capacity_search_and_report(target_dir, tmp_path):
         assert c["requests_per_s"] >= 50 and c["probes"][0]["held"]
     assert "requests/s at the latency limit" in (out / "report.md").read_text()
     assert main(["bench", "--model", str(target_dir), "--find-capacity", "--out", str(out)]) == 2  # no --slo
+
+
+def test_bench_repeats_reports_the_median_round(target_dir, draft_dir, tmp_path):
+    """--repeats 3: three rounds of every config per level; the figures are the median round's."""
+    out = tmp_path / "rep"
+    assert main(["bench", "--model", str(target_dir), "--draft", str(draft_dir), "--workload", "code-hard",
+                 "--configs", "none,draft:k=2", "--concurrency", "2", "--max-tokens", "8", "--repeats", "3",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["repeats"] == 3
+    for r in res["workloads"][0]["runs"]:
+        rates = r["rounds"]["output_tokens_per_s"]
+        assert len(rates) == 3 and r["output_tokens_per_s"] == sorted(rates)[1]
+        assert r["rounds"]["greedy_outputs_identical"] is True
+    assert main(["bench", "--model", str(target_dir), "--configs", "none", "--repeats", "0", "--out", str(out)]) == 2
+
+
+def test_median_trial_picks_the_lower_middle():
+    from draftwise.lab.runner import median_trial
+
+    trials = [({"output_tokens_per_s": v}, v) for v in (5.0, 1.0, 3.0, 9.0)]
+    assert median_trial(trials)[1] == 3.0
+    assert median_trial(trials[:3])[1] == 3.0

@@ -39,6 +39,9 @@ def add_parser(sub):
     p.add_argument("--output-len", type=int, default=None,
                    help="every request generates exactly this many tokens (e.g. 128-256: long outputs, where "
                         "decoding rather than prefill dominates; prompts keep their tails to fit the context)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every config per level, the config order rotated each round; each config's "
+                        "figures are its median round by output tokens/s (noisy machines; default 1)")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
                                                "(keys: ttft, tpot, itl, e2e)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -112,6 +115,10 @@ def run(args) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if args.output_len is not None and args.output_len < 1:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats > 1 and args.url:
+        raise ValueError("--repeats is for in-process runs (with --url, run bench again)")
     if args.dollars_per_hour is not None and args.dollars_per_hour < 0:
         raise ValueError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
     if args.model and not resolve_model(args.model).is_dir():  # a name under models/ counts
@@ -126,6 +133,7 @@ def run(args) -> int:
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
+        repeats=args.repeats,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
     if plan.find_capacity and not plan.slo:
@@ -137,7 +145,7 @@ def run(args) -> int:
     results = run_bench(plan, console)
     settings = {
         "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
-        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "prefix_caching": args.prefix_caching,
+        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "repeats": args.repeats, "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
         "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": args.quantization, "device": args.device, "seed": args.seed, "quick": args.quick,

@@ -106,6 +106,7 @@ class BenchPlan:
     output_len: int | None = None  # every request generates exactly this many tokens (--output-len)
     seed: int = 0
     warmup_requests: int = 2
+    repeats: int = 1  # rounds of every config per level; figures from each config's median round
     dist_prompts: int = 3
     dist_samples: int = 200
     dist_horizon: int = 4
@@ -192,7 +193,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
 
     runs, outputs, dist = [], {}, {}
     ref_counts = None
-    total = len(plan.configs) * len(plan.levels) * len(reqs)
+    total = len(plan.configs) * len(plan.levels) * len(reqs) * plan.repeats
     with _progress(console) as progress:
         task = progress.add_task(f"{wl.name}", total=total)
         backends = {}
@@ -202,22 +203,37 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
             n_w = min(plan.warmup_requests, len(reqs))
             backend.run(reqs[:n_w], prompts[:n_w], [sampling_params(r, 0, 8) for r in reqs[:n_w]],
                         LoadLevel("concurrency", max(1, n_w)))
-        # configs interleaved level by level, so that drifting background load biases no config
+        # configs interleaved level by level, so that drifting background load biases no config; with
+        # --repeats N each level runs N rounds of every config (the order rotated each round) and a
+        # config's figures are those of its median round by output tokens/s
+        n_cfg = len(plan.configs)
         for level in plan.levels:
+            trials: dict[str, list[tuple[dict, object]]] = {cfg.label: [] for cfg in plan.configs}
+            for rnd in range(plan.repeats):
+                for cfg in plan.configs[rnd % n_cfg:] + plan.configs[: rnd % n_cfg]:
+                    progress.update(task, description=f"{wl.name} {cfg.label} {level.label}"
+                                    + (f" (round {rnd + 1}/{plan.repeats})" if plan.repeats > 1 else ""))
+                    memory.reset_peak()
+                    out = backends[cfg.label].run(reqs, prompts, params, level, seed=plan.seed,
+                                                  on_done=lambda: progress.advance(task))
+                    summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
+                    run = {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
+                           "level": level.to_dict(), "level_label": level.label, **summary,
+                           "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
+                           "memory": memory.peak_memory(),
+                           "recurrent": _recurrent_memory(backends[cfg.label].engine),
+                           "structured_output": correctness.constraint_validity(
+                               backends[cfg.label].engine, reqs, out.records)}
+                    trials[cfg.label].append((run, out.records))
             for cfg in plan.configs:
-                progress.update(task, description=f"{wl.name} {cfg.label} {level.label}")
-                memory.reset_peak()
-                out = backends[cfg.label].run(reqs, prompts, params, level, seed=plan.seed,
-                                              on_done=lambda: progress.advance(task))
-                summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
-                runs.append({"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
-                             "level": level.to_dict(), "level_label": level.label, **summary,
-                             "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
-                             "memory": memory.peak_memory(),
-                             "recurrent": _recurrent_memory(backends[cfg.label].engine),
-                             "structured_output": correctness.constraint_validity(
-                                 backends[cfg.label].engine, reqs, out.records)})
-                outputs[(cfg.label, level.label)] = out.records
+                run, records = median_trial(trials[cfg.label])
+                if plan.repeats > 1:
+                    run["rounds"] = {"output_tokens_per_s": [t["output_tokens_per_s"] for t, _ in trials[cfg.label]],
+                                     "greedy_outputs_identical": all(
+                                         [x.token_ids for x in recs] == [x.token_ids for x in records]
+                                         for _, recs in trials[cfg.label])}
+                runs.append(run)
+                outputs[(cfg.label, level.label)] = records
         capacity = {}
         if plan.find_capacity:
             for cfg in plan.configs:
@@ -242,6 +258,12 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
             "truncated_prompts": truncated, "runs": runs, "distribution": dist, "capacity": capacity,
             "distribution_settings": {"prompts": len(dist_ids), "samples": plan.dist_samples,
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
+
+
+def median_trial(trials: list[tuple[dict, object]]) -> tuple[dict, object]:
+    """The round whose output tokens/s is the median (the lower middle one of an even count)."""
+    ranked = sorted(trials, key=lambda t: t[0]["output_tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def _capacity(plan: BenchPlan, backend, reqs, prompts, params) -> dict:
