@@ -18,7 +18,7 @@ import torch
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.policies import CostModel, register_policy
 from draftwise.policies.base import _Stateless, causal_lengths
-from draftwise.policies.goodput import GoodputPolicy, choose_lengths
+from draftwise.policies.goodput import GoodputPolicy, _Arms, batch_bucket, choose_lengths
 from draftwise.proposers import DraftBlock
 from draftwise.sampling import VerifyMetadata, accept_probability, residual_distribution, verify
 
@@ -403,3 +403,30 @@ def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
         policy.observe_step(2, tokens, 50.0, list(lengths), 0.005 + 0.0002 * (tokens - 2))
         modes.append(policy._mode)
     assert modes[300:].count("full") / 300 > 0.85
+
+
+def test_goodput_new_batch_size_starts_from_its_neighbour():
+    """Once plain wins at 4 rows, 5 rows start plain too (no warm-up bursts of speculation), and
+    the exploration there follows the neighbour's (long) intervals."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)  # COST says: speculate
+    policy.model.observe = lambda *a, **k: None  # ... and keeps saying it: only the measured check knows
+
+    def run(b, steps):
+        seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(b)]
+        modes = []
+        for _ in range(steps):
+            lengths = policy.plan(seqs, [4] * b)
+            blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+            admitted = policy.admit(seqs, blocks, 0.0)
+            for s, blk, n in zip(seqs, blocks, admitted):
+                policy.observe(s, blk, n, min(n, 2))
+            tokens = b + sum(admitted)
+            policy.observe_step(b, tokens, 50.0, list(lengths), 0.005 + 0.010 * (tokens - b))  # verifying costs
+            modes.append(policy._mode)
+        return modes
+
+    run(4, 300)
+    assert policy._arms[batch_bucket(4)].interval["spec"] > _Arms.EXPLORE_EVERY
+    modes = run(5, 40)
+    assert batch_bucket(5) != batch_bucket(4)
+    assert modes[:12] == ["plain"] * 12, modes

@@ -179,10 +179,17 @@ class GoodputPolicy:
     def _choose_mode(self, bucket: int) -> str:
         """The measured check: the best arm at this batch size, explored in bursts (`_Arms`).
         Reads only past step times and its own random numbers (causal)."""
+        return self._arms_at(bucket).choose()
+
+    def _arms_at(self, bucket: int) -> "_Arms":
+        """The bucket's figures; a new bucket starts from its nearest measured neighbour's (the
+        best arm rarely changes between neighbouring batch sizes: warming every bucket up again,
+        bursts of each arm, cost more than the neighbour's figures, which its own steps replace)."""
         arms = self._arms.get(bucket)
         if arms is None:
-            arms = self._arms[bucket] = _Arms(self.ARMS)
-        return arms.choose()
+            near = min(self._arms, key=lambda b: (abs(b - bucket), b), default=None)
+            arms = self._arms[bucket] = _Arms(self.ARMS, seed=self._arms[near] if near is not None else None)
+        return arms
 
     def admit(self, seqs, blocks, draft_seconds):
         if self._mode == "full" or not any(blk.token_ids for blk in blocks):  # all, or nothing drafted
@@ -234,7 +241,7 @@ class GoodputPolicy:
         # rate speculation by its catch-up)
         catch_up = self._mode != "plain" and self._last_mode == "plain" and self.has_draft_model
         if self._mode != "plain" or not self._probes:  # the plan's probing plain steps rate nothing
-            self._arms.setdefault(self._bucket, _Arms(self.ARMS)).record(self._mode, committed, seconds, catch_up)
+            self._arms_at(self._bucket).record(self._mode, committed, seconds, catch_up)
         self._last_mode = self._mode
         lengths = draft_lengths if self.has_draft_model else ()
         predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
@@ -255,7 +262,8 @@ class _Arms:
     5% behind (`MARGIN`; four times when more than 20% behind, `FAR`), up to `MAX_EXPLORE_EVERY`,
     back to `EXPLORE_EVERY` after one that came close. A clearly worse arm (speculation at a high load, plain decoding at batch 1) so costs
     ever less exploration. "spec" and "plain" are measured first (one burst each); "full", which
-    can cost several plain steps where the plan drafts little, waits for its first turn."""
+    can cost several plain steps where the plan drafts little, waits for its first turn. A new
+    batch size starts from a neighbour's figures (`seed`) instead."""
 
     BURST = 4
     DECAY = 0.85  # per recorded step of that arm: its rate follows the last ~7 of its steps
@@ -264,7 +272,7 @@ class _Arms:
     MARGIN = 0.95
     FAR = 0.8
 
-    def __init__(self, arms: Sequence[str]):
+    def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
         self.arms = tuple(arms)
         self.figures = {a: [0.0, 0.0, 0.0] for a in arms}  # tokens, seconds, steps (decayed)
         self.steps = 0  # decisions made
@@ -272,7 +280,12 @@ class _Arms:
         self.burst_left = 0
         self.exploring: str | None = None  # the arm of the running exploration burst
         self.interval = {a: self.EXPLORE_EVERY for a in arms}
-        self.due = {a: self.EXPLORE_EVERY for a in arms}
+        if seed is not None:  # a neighbour's rates, at the weight of one step each, and its intervals
+            for a, (tok, sec, n) in seed.figures.items():
+                if n > 0:
+                    self.figures[a] = [tok / n, sec / n, 1.0]
+            self.interval = dict(seed.interval)
+        self.due = dict(self.interval)
 
     @property
     def warm(self) -> bool:  # "spec" and "plain" measured: `choose` may run before the plan

@@ -123,22 +123,27 @@ class DraftModelProposer:
             b.forced_done = i in cursors and (cursors[i].done or short[i])  # the engine need not look again
         return blocks
 
-    LONG_CATCH_UP = 32  # committed tokens a row feeds before its first proposal; more: fed on its own
+    LONG_CATCH_UP = 32  # committed tokens a row feeds with its first proposal step; more: fed before it
 
     def _catch_up_long(self, seqs, feeds, starts) -> None:
         """A row far behind (a new prompt, many steps without drafting) feeds its committed tokens
-        but the last in a forward of its own, so that the batch's first step is not padded (or
-        packed) to its length; its K/V (a hybrid drafter: its checkpoint) then reach the last
+        but the last before the round (rows up to 64 behind together, packed; longer ones each in
+        a forward of its own), so that the batch's first step is not padded (or packed) to its length; its K/V (a hybrid drafter: its checkpoint) then reach the last
         committed token, which the first step feeds as usual. Its time (`catch_up_seconds`: the
         drafter's prefill, in effect) is left out of the decode-step cost model, as the target's
         prefill chunks are."""
         t0 = time.perf_counter()
-        for i, feed in list(feeds.items()):
-            if len(feed) > self.LONG_CATCH_UP:
-                seq, pre = seqs[i], feed[:-1]
-                self.runner.run([seq.seq_id], [pre], [starts[i]], [1])
-                seq.draft_computed = starts[i] + len(pre)
-                starts[i], feeds[i] = seq.draft_computed, feed[-1:]
+        long = [i for i, feed in feeds.items() if len(feed) > self.LONG_CATCH_UP]
+        # rows up to FUSED_MAX_TOKENS behind go in one (packed) forward; longer ones one by one
+        limit = getattr(self.runner.model, "FUSED_MAX_TOKENS", 0)
+        batch = [i for i in long if len(feeds[i]) - 1 <= limit]
+        groups = ([batch] if batch else []) + [[i] for i in long if i not in batch]
+        for group in groups:
+            pre = [feeds[i][:-1] for i in group]
+            self.runner.run([seqs[i].seq_id for i in group], pre, [starts[i] for i in group], [1] * len(group))
+            for i, p in zip(group, pre):
+                seqs[i].draft_computed = starts[i] + len(p)
+                starts[i], feeds[i] = seqs[i].draft_computed, feeds[i][-1:]
         self.catch_up_seconds = time.perf_counter() - t0
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
