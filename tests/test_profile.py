@@ -171,6 +171,26 @@ def test_cache_key_follows_settings(target_dir, draft_dir):
     assert a != profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 1)
     assert a != profile_cache_path(target_dir, None, "float32", None, "cpu", 2)
     assert a != profile_cache_path(target_dir, draft_dir, "bfloat16", "bfloat16", "cpu", 2)
+    assert a != profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2, "int8")
+
+
+def test_a_float_profile_does_not_serve_int8_weights(pair, target_dir, tmp_path, monkeypatch):
+    """int8 weights time differently: their own cache file, and a float profile given explicitly
+    is used with a warning naming the difference."""
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof_mod, "CACHE_GRID", (2, 2))
+    target, draft = pair
+    q8 = load_model(target_dir, quantization="int8")
+    kw = dict(max_num_seqs=1, k=1, budget_seconds=3)
+    float_prof = load_or_measure(target, draft, log=lambda m: None, **kw)
+    assert float_prof.models["target"]["quantization"] is None
+    logs = []
+    q8_prof = load_or_measure(q8, draft, log=logs.append, **kw)
+    assert any("measuring" in line for line in logs) and q8_prof.models["target"]["quantization"] == "int8"
+    float_cache = profile_cache_path(target.path, draft.path, "float32", "bfloat16", "cpu", float_prof.threads)
+    logs.clear()
+    load_or_measure(q8, draft, path=float_cache, log=logs.append, **kw)
+    assert any("target weights float != int8" in line for line in logs), logs
 
 
 def test_cli_writes_profile_and_plot(target_dir, draft_dir, tmp_path, capsys):

@@ -111,3 +111,8 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel, float_out={self.float_out}"
 
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """The weight-only quantization a prepared model runs with ("int8"), or None (float weights)."""
+    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else None

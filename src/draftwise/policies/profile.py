@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from ..model.loader import LoadedModel
+from ..model.quantize import quantization_of
 from ..model.runner import ModelRunner
 from .cost import CostModel, GridCost
 from .fit import fit_cost_model, fit_errors, predict_target  # noqa: F401 (re-exported)
@@ -185,15 +186,18 @@ def cache_dir() -> Path:
 
 
 def profile_cache_path(target_path: str | Path, draft_path: str | Path | None, dtype: str, draft_dtype: str | None,
-                       device: str, threads: int) -> Path:
+                       device: str, threads: int, quantization: str | None = None) -> Path:
     """The cache file of a pair and run settings: keyed by the models' fingerprints (not their
-    paths: a copy reuses the profile), dtypes, device, threads and the CPU model."""
+    paths: a copy reuses the profile), dtypes, weight quantization, device, threads and the CPU
+    model."""
     key = {
         "target": model_fingerprint(target_path),
         "draft": model_fingerprint(draft_path) if draft_path is not None else None,
         "dtype": str(dtype), "draft_dtype": str(draft_dtype) if draft_path is not None else None,
         "device": str(device), "threads": int(threads), "cpu": machine_info()["cpu"],
     }
+    if quantization is not None:  # (absent for float weights: the caches written before stay valid)
+        key["quantization"] = quantization
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / f"{Path(target_path).name}-{digest}.json"
 
@@ -203,7 +207,9 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def _model_entry(m: LoadedModel | None) -> dict | None:
-    return None if m is None else {"path": str(m.path), "fingerprint": model_fingerprint(m.path)}
+    if m is None:
+        return None
+    return {"path": str(m.path), "fingerprint": model_fingerprint(m.path), "quantization": quantization_of(m.model)}
 
 
 # ---- measurement --------------------------------------------------------------------------------
@@ -372,6 +378,9 @@ def _mismatch(prof: HardwareProfile, want: dict, max_num_seqs: int, k: int) -> s
         have = (prof.models.get(role) or {}).get("fingerprint")
         if have != want[role]:
             return f"{role} model fingerprint changed"
+        quant = (prof.models.get(role) or {}).get("quantization")
+        if want[role] is not None and quant != want[f"{role}_quantization"]:
+            return f"{role} weights {quant or 'float'} != {want[f'{role}_quantization'] or 'float'}"
     if prof.machine.get("cpu") != want["cpu"]:
         return "another CPU"
     if prof.settings.get("max_num_seqs", 0) < max_num_seqs or prof.settings.get("k", 0) < k:
@@ -411,6 +420,8 @@ def load_or_measure(
         "threads": torch.get_num_threads(),
         "target": model_fingerprint(target.path),
         "draft": None if draft is None else model_fingerprint(draft.path),
+        "target_quantization": quantization_of(target.model),
+        "draft_quantization": None if draft is None else quantization_of(draft.model),
         "cpu": machine_info()["cpu"],
     }
     given = {"dtype": dtype, "draft_dtype": draft_dtype if draft is not None else None, "threads": threads}
@@ -426,7 +437,8 @@ def load_or_measure(
             log(f"draftwise: warning: hardware profile {path} was measured for other settings ({why}); using it")
         return prof
     cache = profile_cache_path(target.path, None if draft is None else draft.path, want["dtype"],
-                               want["draft_dtype"], want["device"], want["threads"])
+                               want["draft_dtype"], want["device"], want["threads"],
+                               want["target_quantization"] or want["draft_quantization"])
     if cache.is_file():
         try:
             prof = HardwareProfile.load(cache)
