@@ -138,9 +138,10 @@ def test_bench_repeats_reports_the_median_round(target_dir, draft_dir, tmp_path)
     assert main(["bench", "--model", str(target_dir), "--configs", "none", "--repeats", "0", "--out", str(out)]) == 2
 
 
-def test_median_trial_picks_the_lower_middle():
+def test_median_trial_picks_the_upper_middle():
     from draftwise.lab.runner import median_trial
 
     trials = [({"output_tokens_per_s": v}, v) for v in (5.0, 1.0, 3.0, 9.0)]
-    assert median_trial(trials)[1] == 3.0
+    assert median_trial(trials)[1] == 5.0
     assert median_trial(trials[:3])[1] == 3.0
+    assert median_trial(trials[:2])[1] == 5.0
