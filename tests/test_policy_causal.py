@@ -382,27 +382,33 @@ def test_goodput_probes_back_off_with_a_useless_drafter():
 
 
 def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
-    """A plan that truncates (low calibrated gains) while the clock rewards long blocks: the
-    measured check settles on the "full" arm (every row drafts and verifies k), as fixed would."""
-    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
-    policy.model.observe = lambda *a, **k: None
-    policy.calibration.observe = lambda *a, **k: None  # and it keeps believing it: the plan keeps truncating
-    for table_ in policy.calibration.tables:  # the calibration believes proposals are poor
-        for cell in table_:
-            cell[0] = cell[1] * 0.35
-    policy.calibration.total = [35.0, 100.0]
+    """A profile that overstates verification (0.8 ms a token) makes the plan truncate blocks
+    while the clock charges 0.2 ms: the measured check, which corrects each arm's predicted
+    seconds by what its steps took, settles on the "full" arm (every row drafts and verifies k)."""
+    import random
+
+    cost = CostModel((0.003, 0.0002, 0.0008, 0.0), (0.0003, 0.00005, 0.0))
+    policy = GoodputPolicy(k=4, cost=cost, has_draft_model=True)
+    policy.model.observe = lambda *a, **k: None  # the online residual would learn it too: keep the profile's view
+    rng = random.Random(0)
     seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(2)]
-    modes = []
+    modes, spec_lengths = [], []
     for step in range(600):
         lengths = policy.plan(seqs, [4] * 2)
-        blocks = [DraftBlock([1] * n, None, [0.3] * n) for n in lengths]
+        blocks = [DraftBlock([1] * n, None, [0.8] * n) for n in lengths]
         admitted = policy.admit(seqs, blocks, 0.0)
         for s, blk, n in zip(seqs, blocks, admitted):
-            policy.observe(s, blk, n, n)  # in truth every proposal is accepted
+            acc = 0
+            while acc < n and rng.random() < 0.8:  # each proposal accepted with probability 0.8
+                acc += 1
+            policy.observe(s, blk, n, acc)
         tokens = 2 + sum(admitted)
         policy.observe_step(2, tokens, 50.0, list(lengths), 0.005 + 0.0002 * (tokens - 2))
         modes.append(policy._mode)
-    assert modes[300:].count("full") / 300 > 0.85
+        if policy._mode == "spec":
+            spec_lengths.append(sum(lengths))
+    assert spec_lengths and max(spec_lengths) < 8, "the plan truncates"
+    assert modes[300:].count("full") / 300 > 0.8, modes[300:]
 
 
 def test_goodput_new_batch_size_starts_from_its_neighbour():

@@ -121,6 +121,7 @@ class GoodputPolicy:
         self._engine_probe_interval = self.probe_every
         self._arms: dict[int, _Arms] = {}  # batch bucket (batch_bucket(B)) -> the measured check's figures
         self._last_mode = "plain"  # the previous step's arm (a drafting arm after plain steps catches up)
+        self._pred: tuple[float, float] | None = None  # the model's (tokens, seconds) for this step's arm
         self._mode = "spec"  # this step's arm
         self._bucket = 0
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
@@ -131,14 +132,10 @@ class GoodputPolicy:
     def plan(self, seqs, max_draft):
         b = len(seqs)
         self._bucket = batch_bucket(b)
-        arms = self._arms.get(self._bucket)
-        chosen = arms.choose() if arms is not None and arms.warm else None
-        if chosen == "plain":  # the measured check says plain at this batch size: no plan to make
-            self._mode, self._rate, self._probes = "plain", math.inf, set()
+        arms = self._arms_at(self._bucket)
+        if arms.coast(sum(s.seq_id for s in seqs)):  # plain by a wide margin here: no plan for a few steps
+            self._mode, self._rate, self._probes, self._pred = "plain", math.inf, set(), None
             return [0] * b
-        if chosen == "full":  # ... or every row its maximum, every proposal verified (admit reads nothing)
-            self._mode, self._rate, self._probes = "full", 0.0, set()
-            return list(max_draft)
         ctx = self._context(seqs)
         cal = self.calibration
         gains, due = [], []
@@ -163,7 +160,12 @@ class GoodputPolicy:
         lengths = [max(n, p) for n, p in zip(lengths, probes)]
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
         planned_plain = not any(n > p for n, p in zip(lengths, probes))
-        self._mode = "plain" if planned_plain else chosen or self._choose_mode(self._bucket)
+        # what the model expects of each arm now (committed tokens, seconds): the measured check
+        # corrects these by what each arm's steps actually gave at this batch size
+        pred = {"spec": self._predict(gains, lengths, b, ctx), "full": self._predict(gains, max_draft, b, ctx),
+                "plain": self._predict(gains, [0] * b, b, ctx)}
+        self._mode = "plain" if planned_plain else arms.choose(pred)
+        self._pred = pred["spec"] if planned_plain else pred[self._mode]
         if self._mode == "plain":
             self._rate = math.inf
             # only a plan that drafts nothing probes; chosen by the measured check, a plain step has
@@ -176,10 +178,14 @@ class GoodputPolicy:
             lengths = list(max_draft)
         return lengths
 
-    def _choose_mode(self, bucket: int) -> str:
-        """The measured check: the best arm at this batch size, explored in bursts (`_Arms`).
-        Reads only past step times and its own random numbers (causal)."""
-        return self._arms_at(bucket).choose()
+    def _predict(self, gains, lengths, b: int, ctx: float) -> tuple[float, float]:
+        """Expected committed tokens and seconds of a step drafting `lengths`: the estimates', and
+        the hardware profile's alone (fixed: the online residual moves, and ratios to a moving
+        prediction would not compare)."""
+        expected = b + sum(sum(row[:n]) for row, n in zip(gains, lengths))
+        fed = b + sum(lengths)
+        seconds = self.model.profile_seconds(b, fed, ctx, lengths if self.has_draft_model else ())
+        return expected, seconds
 
     def _arms_at(self, bucket: int) -> "_Arms":
         """The bucket's figures; a new bucket starts from its nearest measured neighbour's (the
@@ -240,8 +246,10 @@ class GoodputPolicy:
         # of switching, not of the arm (counted, a burst of exploration after a long plain run would
         # rate speculation by its catch-up)
         catch_up = self._mode != "plain" and self._last_mode == "plain" and self.has_draft_model
-        if self._mode != "plain" or not self._probes:  # the plan's probing plain steps rate nothing
-            self._arms_at(self._bucket).record(self._mode, committed, seconds, catch_up)
+        # a coasting plain step had no prediction (nothing to correct); a plan's probing plain step
+        # pays the probes' catch-ups over whole contexts, which plain decoding never does
+        if self._pred is not None and not (self._mode == "plain" and self._probes):
+            self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], seconds, self._pred[1], catch_up)
         self._last_mode = self._mode
         lengths = draft_lengths if self.has_draft_model else ()
         predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
@@ -253,68 +261,109 @@ class GoodputPolicy:
 
 
 class _Arms:
-    """The measured check at one batch size: decayed committed tokens and seconds of each arm's
-    steps, and when to look at the others again.
+    """The measured check at one batch size: how far each arm's steps fell from what the model
+    expected of them, and when to look at the others again.
+
+    Each arm keeps decayed sums of its steps' seconds, measured and as the hardware profile
+    predicted them (and of committed tokens, measured and expected, for the record); an arm's
+    rating now is the expected committed tokens of this step over the profile's seconds corrected
+    by that arm's ratio: E_arm / (S_arm * seconds measured / predicted). The expectation follows
+    the batch (a request with a poor drafter expects little from speculating, the next one more:
+    the calibrated estimates, which learn acceptance), the ratio what the profile misses at this
+    batch size (a drafting step's Python work, the drafter's prefill of new prompts, a profile
+    measured on a loaded machine). Ratios to the fixed profile, not to the online model: ratios to
+    a prediction that moves (the online residual, the estimates early on) would not compare. An
+    arm never run is rated by the profile alone.
 
     The best-rated arm runs; another is tried in a burst of `BURST` consecutive steps (one step is
     too noisy a sample, and its first step may pay the drafter's catch-up) when its turn is due:
     every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
     5% behind (`MARGIN`; four times when more than 20% behind, `FAR`), up to `MAX_EXPLORE_EVERY`,
-    back to `EXPLORE_EVERY` after one that came close. A clearly worse arm (speculation at a high load, plain decoding at batch 1) so costs
-    ever less exploration. "spec" and "plain" are measured first (one burst each); "full", which
-    can cost several plain steps where the plan drafts little, waits for its first turn. A new
-    batch size starts from a neighbour's figures (`seed`) instead."""
+    back to `EXPLORE_EVERY` after one that came close; an arm never run that the model rates more
+    than 20% behind waits four times as long for its first look. A clearly worse arm (speculation at a high
+    load, plain decoding at batch 1) so costs ever less exploration. While plain leads by more
+    than `COAST` and no burst is due, `plan` is skipped for up to `COAST_STEPS` steps of the same
+    batch (`coast`). A new batch size starts from a
+    neighbour's ratios and intervals (`seed`)."""
 
     BURST = 4
-    DECAY = 0.85  # per recorded step of that arm: its rate follows the last ~7 of its steps
+    DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
     EXPLORE_EVERY = 16
     MAX_EXPLORE_EVERY = 1024
     MARGIN = 0.95
     FAR = 0.8
+    COAST = 1.1
+    COAST_STEPS = 8
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
         self.arms = tuple(arms)
-        self.figures = {a: [0.0, 0.0, 0.0] for a in arms}  # tokens, seconds, steps (decayed)
+        # tokens measured, tokens predicted, seconds measured, seconds predicted, steps (decayed)
+        self.figures = {a: [0.0, 0.0, 0.0, 0.0, 0.0] for a in arms}
         self.steps = 0  # decisions made
-        self.current = arms[0]
+        self.current = "spec"
         self.burst_left = 0
         self.exploring: str | None = None  # the arm of the running exploration burst
         self.interval = {a: self.EXPLORE_EVERY for a in arms}
-        if seed is not None:  # a neighbour's rates, at the weight of one step each, and its intervals
-            for a, (tok, sec, n) in seed.figures.items():
-                if n > 0:
-                    self.figures[a] = [tok / n, sec / n, 1.0]
+        self.plain_lead = 0.0  # the best other arm's rating / plain's, at the last decision
+        self.coasted = 0  # plain steps since the last decision
+        self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
+        self.batch_key = -1  # the batch of the last step (sum of its seq_ids)
+        if seed is not None:  # a neighbour's ratios, at the weight of one step each, and its intervals
+            for a, f in seed.figures.items():
+                if f[4] > 0:
+                    self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
             self.interval = dict(seed.interval)
         self.due = dict(self.interval)
 
-    @property
-    def warm(self) -> bool:  # "spec" and "plain" measured: `choose` may run before the plan
-        return self.figures["spec"][2] > 0 and self.figures["plain"][2] > 0
+    def rating(self, arm: str, pred: tuple[float, float]) -> float:
+        _, _, sec_m, sec_p, n = self.figures[arm]
+        expected, seconds = pred
+        if n > 0 and sec_p > 0:
+            seconds *= sec_m / sec_p
+        return expected / max(seconds, 1e-12)
 
-    def rate(self, arm: str) -> float:
-        tok, sec, n = self.figures[arm]
-        return tok / sec if n > 0 and sec > 0 else -1.0
-
-    def choose(self) -> str:
+    def coast(self, batch_key: int) -> bool:
+        """Plain again without planning: it led by more than COAST at the last decision, made for
+        the same batch (`batch_key`: a request that joins or leaves can change the best arm, e.g.
+        a new request at batch 1) at most COAST_STEPS ago; it is not exploring and no other arm's
+        turn is due."""
+        same = batch_key == self.batch_key
+        self.batch_key = batch_key
+        if self.current != "plain" or self.burst_left > 0 or self.exploring is not None or not same:
+            return False
+        if (self.plain_lead * self.COAST > 1.0 or self.coasted >= self.COAST_STEPS
+                or any(self.steps + 1 >= self.due[a] for a in self.arms if a != "plain")):
+            return False
         self.steps += 1
+        self.coasted += 1
+        return True
+
+    def choose(self, pred: dict[str, tuple[float, float]]) -> str:
+        self.steps += 1
+        self.coasted = 0
+        rate = {a: self.rating(a, pred[a]) for a in self.arms}
         if self.burst_left > 0:
             self.burst_left -= 1
             return self.current
         if self.exploring is not None:  # a burst has ended: when to look at that arm again
             arm, self.exploring = self.exploring, None
-            others = max(self.rate(a) for a in self.arms if a != arm)
-            if self.rate(arm) < self.MARGIN * others:  # behind: look later (far behind: much later)
-                grow = 4 if self.rate(arm) < self.FAR * others else 2
+            others = max(rate[a] for a in self.arms if a != arm)
+            if rate[arm] < self.MARGIN * others:  # behind: look later (far behind: much later)
+                grow = 4 if rate[arm] < self.FAR * others else 2
                 self.interval[arm] = min(self.MAX_EXPLORE_EVERY, grow * self.interval[arm])
             else:
                 self.interval[arm] = self.EXPLORE_EVERY
             self.due[arm] = self.steps + self.interval[arm]
-        for arm in ("spec", "plain"):  # measured first
-            if self.figures[arm][2] == 0:
-                return self._burst(arm)
-        best = max(self.arms, key=self.rate)
+        best = max(self.arms, key=lambda a: rate[a])
+        self.plain_lead = max(rate[a] for a in self.arms if a != "plain") / max(rate["plain"], 1e-12)
         for arm in self.arms:
             if arm != best and self.steps >= self.due[arm]:
+                if self.figures[arm][4] == 0 and rate[arm] < self.FAR * rate[best] and arm not in self.deferred:
+                    # never run, and the model puts it far behind: its first look waits longer
+                    self.deferred.add(arm)
+                    self.interval[arm] = min(self.MAX_EXPLORE_EVERY, 4 * self.interval[arm])
+                    self.due[arm] = self.steps + self.interval[arm]
+                    continue
                 return self._burst(arm)
         self.current = best
         return best
@@ -323,8 +372,10 @@ class _Arms:
         self.current, self.exploring, self.burst_left = arm, arm, self.BURST - 1
         return arm
 
-    def record(self, arm: str, committed: float, seconds: float, catch_up: bool) -> None:
-        if catch_up and self.figures[arm][2] > 0:  # (the very first figure of an arm counts anyway)
+    def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
+               catch_up: bool) -> None:
+        if catch_up and self.figures[arm][4] > 0:  # (the very first figure of an arm counts anyway)
             return
         f, d = self.figures[arm], self.DECAY
-        f[0], f[1], f[2] = f[0] * d + committed, f[1] * d + seconds, f[2] * d + 1.0
+        for i, v in enumerate((committed, expected, seconds, predicted, 1.0)):
+            f[i] = f[i] * d + v
