@@ -45,7 +45,8 @@ def simulate(policy: str, c: int, cost, *, requests: int, output_len: int, accep
     def new_row():
         nonlocal next_id, started
         a = min(0.95, max(0.05, rng.gauss(acceptance, spread)))
-        r = SimpleNamespace(seq_id=next_id, params=greedy, num_tokens=PROMPT, out=0, a=a, behind=PROMPT)
+        r = SimpleNamespace(seq_id=next_id, params=greedy, num_tokens=PROMPT, out=0, a=a, behind=PROMPT,
+                            draft_computed=0)
         next_id += 1
         started += 1
         return r
@@ -63,11 +64,15 @@ def simulate(policy: str, c: int, cost, *, requests: int, output_len: int, accep
             blocks.append(DraftBlock([1] * n, None, [min(1.0, max(0.0, r.a + rng.gauss(0.0, 0.1))) for _ in range(n)]))
         admitted = [0] * b if pol is None else pol.admit(rows, blocks, 0.0)
         drafting = [r for r, n in zip(rows, lengths) if n]
-        catch_up_tokens = sum(r.behind for r in drafting)
+        per_token = cost.target[2] / 15
+        # a row more than 32 behind feeds all but its last token in forwards of their own (timed
+        # apart, as the engine does), a shorter lag in the first drafter step
+        long_s = sum(r.behind - 1 for r in drafting if r.behind > 32) * per_token
+        short_s = sum(r.behind - 1 for r in drafting if r.behind <= 32) * per_token
         draft_s = sum(cost.draft_seconds(sum(n > j for n in lengths), ctx) for j in range(max(lengths, default=0)))
-        catch_up_s = catch_up_tokens * cost.target[2] / 15
+        catch_up_s = long_s
         fed = b + sum(admitted)
-        seconds = (cost.target_seconds(b, fed, ctx) + draft_s + catch_up_s + 0.0002 + 0.00002 * b)
+        seconds = (cost.target_seconds(b, fed, ctx) + draft_s + long_s + short_s + 0.0002 + 0.00002 * b)
         seconds *= math.exp(rng.gauss(0.0, noise))
         clock += seconds
         done = []
@@ -80,6 +85,7 @@ def simulate(policy: str, c: int, cost, *, requests: int, output_len: int, accep
             r.num_tokens += committed
             tokens += committed
             r.behind = 1 if blk.token_ids else r.behind + committed  # the drafter saw the round's tokens
+            r.draft_computed = r.num_tokens - r.behind
             if pol is not None:
                 pol.observe(r, blk, n, acc)
             if r.out >= output_len:

@@ -407,7 +407,7 @@ def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
         modes.append(policy._mode)
         if policy._mode == "spec":
             spec_lengths.append(sum(lengths))
-    assert spec_lengths and max(spec_lengths) < 8, "the plan truncates"
+    assert spec_lengths and sum(spec_lengths) / len(spec_lengths) < 7, "the plan truncates (8: every row k)"
     assert modes[300:].count("full") / 300 > 0.8, modes[300:]
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from ..proposers.draft_model import DraftModelProposer
 from .base import causal_lengths, register_policy
 from .calibration import Calibration, RequestEstimate
 from .cost import CostModel, OnlineCost
@@ -58,6 +59,7 @@ def choose_lengths(
     step_seconds: Callable[[int], float],  # total tokens fed -> seconds of the target forward (+ fixed costs)
     draft_step_seconds: Callable[[int], float] | None = None,  # rows in a drafter step -> seconds
     minimum: Sequence[int] | None = None,  # [B] lengths that must be kept (probes)
+    first_cost: Sequence[float] | None = None,  # [B] seconds a row's first proposal adds (its drafter catch-up)
 ) -> tuple[list[int], float]:  # lengths [B], the objective's value (expected tokens per second)
     b = len(gains)
     order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)), key=lambda t: (-t[0], t[1]))
@@ -74,6 +76,8 @@ def choose_lengths(
         if lengths[i] != j:  # cannot happen with non-increasing gains; keep prefixes regardless
             continue
         lengths[i] += 1
+        if first_cost is not None and j == 0:
+            draft_s += first_cost[i]
         if draft_step_seconds is not None:
             c = count_ge.get(j, 0) + 1
             count_ge[j] = c
@@ -103,6 +107,8 @@ class GoodputPolicy:
     probe_every = 32
     ARMS = ("spec", "full", "plain")  # planned lengths, every row its maximum (fixed k), no drafting
     max_probe_every = 512
+    CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
+    LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
         if cost is None:
@@ -121,7 +127,11 @@ class GoodputPolicy:
         self._engine_probe_interval = self.probe_every
         self._arms: dict[int, _Arms] = {}  # batch bucket (batch_bucket(B)) -> the measured check's figures
         self._last_mode = "plain"  # the previous step's arm (a drafting arm after plain steps catches up)
-        self._pred: tuple[float, float] | None = None  # the model's (tokens, seconds) for this step's arm
+        self._pred: tuple[float, float, float] | None = None  # (tokens, seconds, catch-up) predicted for this step
+        # seconds per token of the drafter's catch-up, learned from the long ones (timed by the
+        # proposer); at first the profile's per-sequence cost of a drafter step
+        self._catch_up_per_token = cost.draft[1] if cost.draft[1] > 0 else 2e-5
+        self._long_catch_up = 0  # tokens this step's long catch-ups feed
         self._mode = "spec"  # this step's arm
         self._bucket = 0
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
@@ -134,7 +144,7 @@ class GoodputPolicy:
         self._bucket = batch_bucket(b)
         arms = self._arms_at(self._bucket)
         if arms.coast(sum(s.seq_id for s in seqs)):  # plain by a wide margin here: no plan for a few steps
-            self._mode, self._rate, self._probes, self._pred = "plain", math.inf, set(), None
+            self._mode, self._rate, self._probes, self._pred, self._long_catch_up = "plain", math.inf, set(), None, 0
             return [0] * b
         ctx = self._context(seqs)
         cal = self.calibration
@@ -149,7 +159,13 @@ class GoodputPolicy:
             every = self._probe_interval.get(s.seq_id, self.probe_every)
             due.append(1 if m and r is not None and r.steps_without_verifying >= every else 0)
         draft = (lambda n: self.model.draft_step_seconds(n, ctx)) if self.has_draft_model else None
-        lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft)
+        # the drafter's catch-up before a row's first proposal (a new prompt, steps without
+        # drafting), spread over the steps it serves (CATCH_UP_HORIZON): what starting costs
+        lag = [max(0, s.num_tokens - getattr(s, "draft_computed", s.num_tokens)) if self.has_draft_model else 0
+               for s in seqs]
+        catch = [(n - 1) * self._catch_up_per_token / self.CATCH_UP_HORIZON if n > 1 else 0.0 for n in lag]
+        lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft,
+                                             first_cost=catch)
         if any(lengths):  # the rows the plan leaves out probe when due (their estimates may be stale)
             probes = due
         else:  # the load or the engine-wide estimate stops every row: one engine-wide probe now and then
@@ -162,8 +178,9 @@ class GoodputPolicy:
         planned_plain = not any(n > p for n, p in zip(lengths, probes))
         # what the model expects of each arm now (committed tokens, seconds): the measured check
         # corrects these by what each arm's steps actually gave at this batch size
-        pred = {"spec": self._predict(gains, lengths, b, ctx), "full": self._predict(gains, max_draft, b, ctx),
-                "plain": self._predict(gains, [0] * b, b, ctx)}
+        pred = {"spec": self._predict(gains, lengths, b, ctx, catch),
+                "full": self._predict(gains, max_draft, b, ctx, catch),
+                "plain": self._predict(gains, [0] * b, b, ctx, catch)}
         self._mode = "plain" if planned_plain else arms.choose(pred)
         self._pred = pred["spec"] if planned_plain else pred[self._mode]
         if self._mode == "plain":
@@ -176,16 +193,18 @@ class GoodputPolicy:
         elif self._mode == "full":  # every row drafts and verifies all it may: fixed speculation
             self._rate = 0.0
             lengths = list(max_draft)
+        # the tokens the proposer will feed in forwards of their own (see observe_step)
+        self._long_catch_up = sum(n - 1 for n, m in zip(lag, lengths) if m and n > self.LONG_CATCH_UP)
         return lengths
 
-    def _predict(self, gains, lengths, b: int, ctx: float) -> tuple[float, float]:
-        """Expected committed tokens and seconds of a step drafting `lengths`: the estimates', and
-        the hardware profile's alone (fixed: the online residual moves, and ratios to a moving
-        prediction would not compare)."""
+    def _predict(self, gains, lengths, b: int, ctx: float, catch) -> tuple[float, float, float]:
+        """Expected committed tokens and seconds of a step drafting `lengths`: the estimates', the
+        hardware profile's alone (fixed: the online residual moves, and ratios to a moving
+        prediction would not compare), and the drafting rows' catch-up (amortised)."""
         expected = b + sum(sum(row[:n]) for row, n in zip(gains, lengths))
         fed = b + sum(lengths)
         seconds = self.model.profile_seconds(b, fed, ctx, lengths if self.has_draft_model else ())
-        return expected, seconds
+        return expected, seconds, sum(c for c, n in zip(catch, lengths) if n)
 
     def _arms_at(self, bucket: int) -> "_Arms":
         """The bucket's figures; a new bucket starts from its nearest measured neighbour's (the
@@ -249,7 +268,11 @@ class GoodputPolicy:
         # a coasting plain step had no prediction (nothing to correct); a plan's probing plain step
         # pays the probes' catch-ups over whole contexts, which plain decoding never does
         if self._pred is not None and not (self._mode == "plain" and self._probes):
-            self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], seconds, self._pred[1], catch_up)
+            self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], seconds - catch_up_seconds,
+                                               self._pred[1], catch_up)
+        if catch_up_seconds > 0 and self._long_catch_up > 0:
+            per = catch_up_seconds / self._long_catch_up
+            self._catch_up_per_token += 0.2 * (per - self._catch_up_per_token)
         self._last_mode = self._mode
         lengths = draft_lengths if self.has_draft_model else ()
         predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
@@ -267,7 +290,9 @@ class _Arms:
     Each arm keeps decayed sums of its steps' seconds, measured and as the hardware profile
     predicted them (and of committed tokens, measured and expected, for the record); an arm's
     rating now is the expected committed tokens of this step over the profile's seconds corrected
-    by that arm's ratio: E_arm / (S_arm * seconds measured / predicted). The expectation follows
+    by that arm's ratio, plus the drafting rows' catch-up spread over `CATCH_UP_HORIZON` steps:
+    E_arm / (S_arm * seconds measured / predicted + C_arm) (the measured seconds leave the long
+    catch-ups out: they are C's, whose per-token cost is learned from them). The expectation follows
     the batch (a request with a poor drafter expects little from speculating, the next one more:
     the calibrated estimates, which learn acceptance), the ratio what the profile misses at this
     batch size (a drafting step's Python work, the drafter's prefill of new prompts, a profile
@@ -286,9 +311,9 @@ class _Arms:
     batch (`coast`). A new batch size starts from a
     neighbour's ratios and intervals (`seed`)."""
 
-    BURST = 4
+    BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
-    EXPLORE_EVERY = 16
+    EXPLORE_EVERY = 32
     MAX_EXPLORE_EVERY = 1024
     MARGIN = 0.95
     FAR = 0.8
@@ -315,12 +340,12 @@ class _Arms:
             self.interval = dict(seed.interval)
         self.due = dict(self.interval)
 
-    def rating(self, arm: str, pred: tuple[float, float]) -> float:
+    def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
         _, _, sec_m, sec_p, n = self.figures[arm]
-        expected, seconds = pred
+        expected, seconds, catch_up = pred
         if n > 0 and sec_p > 0:
             seconds *= sec_m / sec_p
-        return expected / max(seconds, 1e-12)
+        return expected / max(seconds + catch_up, 1e-12)
 
     def coast(self, batch_key: int) -> bool:
         """Plain again without planning: it led by more than COAST at the last decision, made for
@@ -338,7 +363,7 @@ class _Arms:
         self.coasted += 1
         return True
 
-    def choose(self, pred: dict[str, tuple[float, float]]) -> str:
+    def choose(self, pred: dict[str, tuple[float, float, float]]) -> str:
         self.steps += 1
         self.coasted = 0
         rate = {a: self.rating(a, pred[a]) for a in self.arms}
