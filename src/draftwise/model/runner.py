@@ -3,8 +3,8 @@
 `run(seq_ids, new_tokens, starts, num_logits)` places each sequence's new tokens at absolute
 positions `start .. start+T-1` (K/V capacity must already be reserved), runs one forward over the
 padded batch `[B, Tmax]` (or, on the fused CPU path, packed: one row per real token, when the
-sequences feed different numbers of tokens: `_run_packed`), and returns logits only for the last `num_logits[b]` positions of each
-sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
+sequences feed different numbers of tokens: `_run_packed`), and returns logits only for the last
+`num_logits[b]` positions of each sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
 chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`.
 
 A hybrid model (model/hybrid.py) has K/V for its attention layers only and a recurrent state per
@@ -59,8 +59,8 @@ class ModelRunner:
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
         T = max(lens)
-        if B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu" \
-                and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
+        ragged = B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu"
+        if ragged and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
             return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden)
         # plain lists, one tensor each (per-element tensor writes cost more than the forward of a
         # small draft); padding: token 0 at position 0, marked invalid
