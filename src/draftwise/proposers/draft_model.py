@@ -2,7 +2,8 @@
 
 Each round the drafter first catches up on committed tokens it has not seen
 (`all_ids[draft_computed:]`: the last committed token, or more after a prefill, a preemption, a
-fully accepted round or steps without drafting), then runs num_draft - 1 more single-token steps.
+fully accepted round or steps without drafting; more than 32: fed before the round,
+`_catch_up_long`), then runs num_draft - 1 more single-token steps.
 Each proposal carries its confidence, max_x q_j(x), computed from q_j before x_j is drawn (what
 a causal verification policy may read). At every proposed position q is
 produced by the same `process_logits` as the target's p, with the proposed tokens before that
@@ -128,8 +129,9 @@ class DraftModelProposer:
     def _catch_up_long(self, seqs, feeds, starts) -> None:
         """A row far behind (a new prompt, many steps without drafting) feeds its committed tokens
         but the last before the round (rows up to 64 behind together, packed; longer ones each in
-        a forward of its own), so that the batch's first step is not padded (or packed) to its length; its K/V (a hybrid drafter: its checkpoint) then reach the last
-        committed token, which the first step feeds as usual. Its time (`catch_up_seconds`: the
+        a forward of its own), so that the batch's first step is not padded (or packed) to its
+        length; its K/V (a hybrid drafter: its checkpoint) then reach the last committed token,
+        which the first step feeds as usual. Its time (`catch_up_seconds`: the
         drafter's prefill, in effect) is left out of the decode-step cost model, as the target's
         prefill chunks are."""
         t0 = time.perf_counter()
