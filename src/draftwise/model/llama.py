@@ -104,7 +104,10 @@ def padded_rows(rows: int) -> int:
 
 
 def _packable(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.numel() >= PACK_MIN_NUMEL
+    """oneDNN's packed layout: float32 on any CPU, bfloat16 only where the CPU multiplies it natively
+    (`cpu_kernels.bf16_native`: oneDNN refuses to reorder a bfloat16 weight on an AVX2-only CPU)."""
+    return (w.device.type == "cpu" and w.numel() >= PACK_MIN_NUMEL
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and cpu_kernels.bf16_native()))
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 

@@ -158,6 +158,12 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
+    # the vector extension torch dispatches to: the same CPU name covers AVX2-only and AVX-512 parts
+    # (this project's machines are both "AMD EPYC"), whose step times differ several-fold in bfloat16
+    try:
+        cpu = f"{cpu} [{torch.backends.cpu.get_cpu_capability()}]"
+    except (AttributeError, RuntimeError):
+        pass
     return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()}
 
 

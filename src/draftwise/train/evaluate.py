@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..model.cpu_kernels import bf16_native
 from .data import eval_windows
 
 
@@ -15,7 +16,7 @@ def val_loss(model, stream: torch.Tensor, seq_len: int = 512, max_windows: int |
     total, n = 0.0, 0
     for i in range(0, len(windows), batch_size):
         b = windows[i:i + batch_size]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and bf16_native()):
             logits = model.logits(b[:, :-1])
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b[:, 1:].reshape(-1),
                                        reduction="sum"))

@@ -1,7 +1,8 @@
 """The training loop shared by the target and the drafts.
 
 AdamW (fused on CPU when available) with decoupled weight decay on matrices only, linear
-warm-up then cosine decay to `min_lr_ratio * lr`, bfloat16 autocast on CPU, gradient clipping,
+warm-up then cosine decay to `min_lr_ratio * lr`, bfloat16 autocast on CPU (where the CPU multiplies
+bfloat16 natively: `cpu_kernels.bf16_native`; float32 elsewhere), gradient clipping,
 seeded. Budgets: `max_tokens` fixes the number of steps and the cosine runs over steps (fully
 deterministic); with `minutes` the cosine runs over the measured training time (the sum of step
 times, saved in checkpoints), so the schedule ends when the time is spent even when other
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..model.cpu_kernels import bf16_native
 from .data import Batches
 
 
@@ -104,6 +106,9 @@ class Trainer:
         self.history: list[dict] = []
         self.ckpt_path = Path(cfg.ckpt_dir) / "ckpt.pt"
         self.log = log or (lambda msg: print(msg, flush=True))
+        self.autocast = cfg.autocast and bf16_native()
+        if cfg.autocast and not self.autocast:
+            self.log("this CPU has no native bfloat16 products: training in float32")
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
@@ -145,7 +150,7 @@ class Trainer:
     def train_step(self, batch: torch.Tensor, lr: float) -> float:
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.loss_fn(self.model, batch)
         loss.backward()
         if self.cfg.grad_clip:
