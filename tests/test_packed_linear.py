@@ -51,3 +51,22 @@ def test_bfloat16_unpacked_products_are_padded_too():
     finally:
         torch.nn.functional.linear = real
     assert seen == [padded_rows(r) for r in (17, 37, 100)]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_packed_only_where_the_cpu_multiplies_it(monkeypatch, native):
+    """On an AVX2-only CPU oneDNN refuses to reorder a bfloat16 weight: the layer must fall back to
+    F.linear there (same products) instead of failing at load."""
+    from draftwise.model import cpu_kernels
+    if native and not cpu_kernels.bf16_native():
+        pytest.skip("this CPU has no native bfloat16 products")
+    monkeypatch.setattr(cpu_kernels, "bf16_native", lambda: native)
+    torch.manual_seed(0)
+    w = torch.randn(1024, 256).bfloat16()
+    lin = PackedLinear([w])
+    assert (lin.packed is not None) == (native and torch.backends.mkldnn.is_available())
+    x = torch.randn(3, 256).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert torch.allclose(lin(x).float(), ref, rtol=2e-2, atol=2e-1)
+    f32 = PackedLinear([w.float()])  # float32 is packed on any CPU
+    assert (f32.packed is not None) == torch.backends.mkldnn.is_available()

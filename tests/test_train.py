@@ -114,6 +114,27 @@ def test_trainer_resume_gives_identical_state(tmp_path):
             assert torch.equal(sa[i][key], sb[i][key])
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_autocast_only_where_the_cpu_multiplies_it(tmp_path, monkeypatch, native):
+    """bfloat16 autocast without native bfloat16 products runs torch's generic matmul (~7x slower
+    than float32 on an AVX2-only CPU): the trainer must train in float32 there, and say so."""
+    import draftwise.train.trainer as trainer_mod
+    monkeypatch.setattr(trainer_mod, "bf16_native", lambda: native)
+    seen = []
+    model = build_model(llama_config(PRESETS["tiny"], 64, 0), seed=0)
+    cfg = TrainConfig(ckpt_dir=str(tmp_path), batch_size=2, seq_len=16, warmup_steps=2, max_tokens=2 * 2 * 16,
+                      log_every_s=1e9, ckpt_every_s=1e9)
+    stream = torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(0)).to(torch.int16)
+    dtypes = []
+    t = Trainer(model, Batches(stream, 2, 16, seed=3), cfg, log=seen.append,
+                loss_fn=lambda m, b: (dtypes.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                                    else None), trainer_mod.ce_loss(m, b))[1])
+    assert t.autocast is native
+    assert any("float32" in m for m in seen) is (not native)
+    t.run()
+    assert dtypes == [torch.bfloat16 if native else None] * 2
+
+
 def test_batches_are_a_pure_function_of_the_step():
     stream = torch.arange(1000).to(torch.int16)
     a, b = Batches(stream, 4, 8, seed=1), Batches(stream, 4, 8, seed=1)
