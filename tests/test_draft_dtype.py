@@ -1,5 +1,7 @@
-"""The draft's dtype: bfloat16 on CPU by default (also under a float32 target), or as asked;
+"""The draft's dtype: bfloat16 on a CPU with native bfloat16 products by default (also under a
+float32 target), float32 on other CPUs, or as asked;
 greedy speculative output stays the target's own whatever the draft's precision."""
+import pytest
 import torch
 
 from draftwise import LLM, SamplingParams
@@ -12,8 +14,12 @@ def _dtype(llm, which):
     return next(runner.model.parameters()).dtype
 
 
-def test_draft_dtype_rule():
-    assert draft_dtype_for("float32", "cpu") == "bfloat16"
+@pytest.mark.parametrize("native", [True, False])
+def test_draft_dtype_rule(monkeypatch, native):
+    from draftwise.model import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "bf16_native", lambda: native)
+    assert draft_dtype_for("float32", "cpu") == ("bfloat16" if native else "float32")
+    assert draft_dtype_for("bfloat16", "cpu") == ("bfloat16" if native else "float32")
     assert draft_dtype_for("float32", "cuda") == "float32"
     assert draft_dtype_for("float32", "cpu", "float32") == "float32"
 
@@ -22,9 +28,11 @@ def test_mixed_dtypes(target_dir, draft_dir):
     spec = SpecConfig(method="draft", k=4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41]]
-    # a float32 target gets a bfloat16 draft by default on CPU, or the dtype asked for
+    # a float32 target gets a bfloat16 draft by default on a CPU with native bfloat16, or the dtype asked for
+    from draftwise.model.cpu_kernels import bf16_native
     llm = LLM(target_dir, draft=draft_dir, spec=spec, dtype="float32")
-    assert _dtype(llm, "target") == torch.float32 and _dtype(llm, "draft") == torch.bfloat16
+    want_draft = torch.bfloat16 if bf16_native() else torch.float32
+    assert _dtype(llm, "target") == torch.float32 and _dtype(llm, "draft") == want_draft
     asked = LLM(target_dir, draft=draft_dir, spec=spec, dtype="bfloat16", draft_dtype="float32")
     assert _dtype(asked, "draft") == torch.float32
     assert all(len(o.token_ids) == 24 for o in asked.generate(prompts, sp))

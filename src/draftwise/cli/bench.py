@@ -64,7 +64,7 @@ def add_parser(sub):
                         "the greedy outputs of --url are compared token by token with the reference's")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
-                   help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
+                   help="draft model dtype (default: bfloat16 on a CPU with native bfloat16 products, float32 on other CPUs, else --dtype)")
     add_quantization_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")

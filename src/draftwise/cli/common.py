@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--k", type=int, default=4, help="proposals per round (default 4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
-                   help="draft model dtype (default: bfloat16 on CPU, else --dtype)")
+                   help="draft model dtype (default: bfloat16 on a CPU with native bfloat16 products, float32 on other CPUs, else --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
     if not engine:

@@ -97,7 +97,7 @@ class BenchPlan:
     reference_url: str | None = None  # with url: a plain server to compare greedy outputs against
     served_model: str | None = None
     dtype: str = "float32"
-    draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on CPU)
+    draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on a CPU with native bfloat16)
     quantization: str | None = None  # "int8": weight-only, both models (model/quantize.py)
     device: str = "cpu"
     slo: dict = field(default_factory=dict)

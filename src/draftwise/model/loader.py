@@ -8,6 +8,7 @@ under `models/` (`paths.resolve_model`). Every failure is a `ModelLoadError` nam
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +17,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..paths import models_dir, resolve_model
+from . import cpu_kernels
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
 from .llama import LlamaModel
 from .quantize import check_method
+
+
+log = logging.getLogger(__name__)
 
 
 def model_class(cfg: ModelConfig):
@@ -86,6 +91,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         raise ModelLoadError(f"{path}: quantization {quantization!r} supports Llama-family models, not the hybrid "
                              f"architecture {cfg.arch}")
     dt = resolve_dtype(dtype)
+    if dt == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_kernels.bf16_native():
+        log.warning("draftwise: this CPU has no native bfloat16 products (%s): bfloat16 weights run through "
+                    "torch's generic matmul, slower than float32 here; consider --dtype float32",
+                    torch.backends.cpu.get_cpu_capability())
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     expected = dict(model.state_dict())
