@@ -153,9 +153,15 @@ def test_load_or_measure_uses_the_cache_and_remeasures_on_a_changed_model(pair, 
     assert remeasured.models["target"]["fingerprint"] == model_fingerprint(target.path)
     assert HardwareProfile.load(cache).models["target"]["fingerprint"] == model_fingerprint(target.path)
 
-    logs.clear()  # an explicit file is used as it is, with a warning when it does not match
-    explicit = load_or_measure(target, None, path=cache, **kw)
-    assert explicit.to_dict() == remeasured.to_dict() and "warning" in logs[0]
+    logs.clear()  # an explicit file is used as it is: one measured with a drafter serves a run
+    explicit = load_or_measure(target, None, path=cache, **kw)  # without one (n-gram, plain) silently,
+    assert explicit.to_dict() == remeasured.to_dict() and logs == []
+    d = json.loads(cache.read_text())  # one from another machine with a warning
+    d["machine"]["cpu"] = "another CPU model"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(d))
+    assert load_or_measure(target, draft, path=other, **kw).machine["cpu"] == "another CPU model"
+    assert len(logs) == 1 and "warning" in logs[0] and "another CPU" in logs[0]
 
     # settings that disagree with the loaded models would key a cache file never found again
     with pytest.raises(ValueError, match="dtype='bfloat16'.*'float32'"):

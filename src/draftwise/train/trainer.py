@@ -237,6 +237,7 @@ class Trainer:
                 "train_seconds": round(self.elapsed, 1), "peak_rss_mb": round(peak_rss_mb()),
                 "tokens_per_second": round(self.step * self.tokens_per_step / max(self.elapsed, 1e-9)),
                 "final_train_loss": next((h["loss"] for h in reversed(self.history) if "loss" in h), None),
+                "bfloat16_autocast": self.autocast,  # cfg.autocast, where the CPU has native bfloat16
                 "config": asdict(self.cfg)}
 
 
