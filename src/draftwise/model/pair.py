@@ -39,8 +39,9 @@ def draft_dtype_for(dtype: str, device: str, draft_dtype: str | None = None) -> 
     640x160, 8 to 256 rows, 1 thread), so the draft runs in float32."""
     if draft_dtype:
         return draft_dtype
-    return "bfloat16" if str(device).startswith("cpu") and cpu_kernels.bf16_native() else (
-        "float32" if str(device).startswith("cpu") else dtype)
+    if not str(device).startswith("cpu"):
+        return dtype
+    return "bfloat16" if cpu_kernels.bf16_native() else "float32"
 
 
 class ModelPair(NamedTuple):
