@@ -377,15 +377,12 @@ def _stderr(msg: str) -> None:
 
 def _mismatch(prof: HardwareProfile, want: dict, max_num_seqs: int, k: int) -> str | None:
     """Why a cached profile does not serve this run (None: it does)."""
-    no_draft = want["draft"] is None  # (n-gram, plain): a profile with a drafter serves it too
-    for key in ("dtype", "draft_dtype", "device", "threads"):
-        if key == "draft_dtype" and no_draft:
-            continue
+    # a run without a drafter (n-gram, plain): a profile measured with one serves it too
+    drafter = want["draft"] is not None
+    for key in ("dtype", "draft_dtype", "device", "threads") if drafter else ("dtype", "device", "threads"):
         if getattr(prof, key) != want[key]:
             return f"{key} {getattr(prof, key)!r} != {want[key]!r}"
-    for role in ("target", "draft"):
-        if role == "draft" and no_draft:
-            continue
+    for role in ("target", "draft") if drafter else ("target",):
         have = (prof.models.get(role) or {}).get("fingerprint")
         if have != want[role]:
             return f"{role} model fingerprint changed"
