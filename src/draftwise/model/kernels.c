@@ -153,7 +153,7 @@ void dw_rope(void *qkv, long T, long row, long heads, long D, const int64_t *pos
 }
 
 /* The 16 lanes of a vector summed as a tree: (0..7 + 8..15), then (0..3 + 4..7), then pairs. The
- * attention's 16-key blocks repeat this order lane-wise (see attend_seq). */
+ * attention's scores repeat this order on two 8-lane halves (tree16, see qk_scores). */
 static inline float hsum16(v16f acc) {
     float t[16];
     memcpy(t, &acc, 64);
@@ -195,17 +195,73 @@ static inline float sum_f32(const float *s, long n) {
     return z;
 }
 
+/* 8-lane vectors: one AVX register on AVX2 machines, half of one with AVX-512; the attention
+ * below keeps its 16-lane arithmetic (hsum16's order) as pairs of them, so a 16-lane
+ * accumulator is two registers and nothing spills on AVX2. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline v8f load8(const void *p, long i, int bf) {
+    v8f r;
+    if (bf) {
+        v8h h;
+        memcpy(&h, (const uint16_t *)p + i, 16);
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&r, &u, 32);
+    } else {
+        memcpy(&r, (const float *)p + i, 32);
+    }
+    return r;
+}
+
+/* hsum16 of the 16 lanes lo[0..7], hi[0..7]: (l + l+8), then (l + l+4), then pairs */
+static inline float tree16(v8f lo, v8f hi) {
+    v8f u = lo + hi;
+    float a0 = u[0] + u[4], a1 = u[1] + u[5], a2 = u[2] + u[6], a3 = u[3] + u[7];
+    return (a0 + a2) + (a1 + a3);
+}
+
+/* Scores of the nq queries Q [nq, DD] against keys j = lo .. L-1 (query r only up to its
+ * position first + r / group): S[r * L + j] = scale * dot_f32(q_r, k_j). Each key is read (and
+ * converted) once for all queries. DD a compile-time constant where it can be (64, 128). */
+static inline __attribute__((always_inline)) void qk_scores(const float *Q, long nq, long group, long first,
+                                                              const void *kc, long slot0, const int64_t *slots,
+                                                              long kv, long goff, long lo, long L, long DD,
+                                                              float scale, float *S, int bf) {
+    float kbuf[1024] __attribute__((aligned(32)));
+    for (long j = lo; j < L; j++) {
+        long off = (slots ? slots[j] : slot0 + j) * kv + goff;
+        for (long c = 0; c < DD; c += 8) {
+            v8f v = load8(kc, off + c, bf);
+            memcpy(kbuf + c, &v, 32);
+        }
+        long r0 = j > first ? (j - first) * group : 0; /* queries before position j do not see key j */
+        for (long r = r0; r < nq; r++) {
+            const float *q = Q + r * DD;
+            v8f plo = {0}, phi = {0};
+            for (long c = 0; c < DD; c += 16) {
+                v8f a, b, a2, b2;
+                memcpy(&a, q + c, 32);
+                memcpy(&b, kbuf + c, 32);
+                memcpy(&a2, q + c + 8, 32);
+                memcpy(&b2, kbuf + c + 8, 32);
+                plo += a * b;
+                phi += a2 * b2;
+            }
+            S[r * L + j] = tree16(plo, phi) * scale;
+        }
+    }
+}
+
 /* Attention of one sequence: key position j in cache slot slots[j], or slot0 + j when slots is
  * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied),
  * its T tokens at positions L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]),
  * then for each query t and head h attends keys max(0, p - window + 1) .. p (p = its position;
  * window 0 = none) with float32 scores and softmax; out: [T, H * D] in the dtype (grouped-query:
  * head h reads K/V head h / (H / Hkv)). The T * H / Hkv queries that share a K/V head are done
- * together: each key and value is read (and converted from bfloat16) once for all of them. */
-#ifndef QK_BLOCK_MIN_QUERIES
-#define QK_BLOCK_MIN_QUERIES 8
-#endif
-
+ * together: each key and value is read (and converted from bfloat16) once for all of them, and a
+ * query's scores and output do not depend on how many queries came with it (bitwise). */
 static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
                        const int64_t *slots, long L, long window, float scale, void *out, int bf) {
     long row = (H + 2 * Hkv) * D, kv = Hkv * D, es = bf ? 2 : 4;
@@ -216,9 +272,8 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
         memcpy((char *)vc + slot * kv * es, (const char *)qkv + (t * row + (H + Hkv) * D) * es, kv * es);
     }
     long group = H / Hkv, nq = T * group;
-    float *S = (float *)malloc(sizeof(float) * (nq * L + 2 * nq * D + D + 16 * D + 16)); /* scores [nq, L] */
-    float *Q = S + nq * L, *A = Q + nq * D, *x = A + nq * D;  /* queries, outputs, one key or value row */
-    float *Kt = x + D, *Sb = Kt + 16 * D;                      /* a block of 16 keys transposed [D, 16] */
+    float *S = (float *)aligned_alloc(32, sizeof(float) * ((nq * L + 2 * nq * D + D + 8) / 8 * 8 + 8));
+    float *Q = S + nq * L, *A = Q + nq * D, *x = A + nq * D; /* scores [nq, L], queries, outputs, a key */
     long first = L - T; /* position of the first query */
     long lo_all = (window > 0 && first - window + 1 > 0) ? first - window + 1 : 0;
     for (long g = 0; g < Hkv; g++) {
@@ -226,48 +281,20 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
             long t = r / group, h = g * group + r % group;
             for (long i = 0; i < D; i++) Q[r * D + i] = ld(qkv, t * row + h * D + i, bf);
         }
-        if (nq >= QK_BLOCK_MIN_QUERIES && (D & 15) == 0) { /* 16 keys at a time, transposed */
-            for (long jb = lo_all; jb < L; jb += 16) {
-                long nb = L - jb < 16 ? L - jb : 16;
-                for (long i = 0; i < D; i++) {
-                    v16f col = {0};
-                    for (long l = 0; l < nb; l++) col[l] = ld(kc, SLOT(jb + l) * kv + g * D + i, bf);
-                    memcpy(Kt + i * 16, &col, 64);
-                }
-                for (long r = 0; r < nq; r++) {
-                    if (jb > first + r / group) continue; /* every key of the block is after it */
-                    /* lane l of A[m] sums q[i] k[i] over i = m mod 16, in order, then hsum16's tree
-                     * across the A[m]: each key's score is bitwise what dot_f32 gives */
-                    v16f A[16];
-                    for (int m = 0; m < 16; m++) A[m] = (v16f){0};
-                    const float *qr = Q + r * D;
-                    for (long c = 0; c < D; c += 16)
-                        for (int m = 0; m < 16; m++) {
-                            v16f col;
-                            memcpy(&col, Kt + (c + m) * 16, 64);
-                            A[m] += qr[c + m] * col;
-                        }
-                    for (int m = 0; m < 8; m++) A[m] += A[m + 8];
-                    for (int m = 0; m < 4; m++) A[m] += A[m + 4];
-                    v16f acc = ((A[0] + A[2]) + (A[1] + A[3])) * scale;
-                    memcpy(Sb, &acc, 64);
-                    for (long l = 0; l < nb; l++) S[r * L + jb + l] = Sb[l]; /* read only within lo .. p */
-                }
-            }
-        } else {
+        if (D == 64) {
+            qk_scores(Q, nq, group, first, kc, slot0, slots, kv, g * D, lo_all, L, 64, scale, S, bf);
+        } else if (D == 128) {
+            qk_scores(Q, nq, group, first, kc, slot0, slots, kv, g * D, lo_all, L, 128, scale, S, bf);
+        } else if ((D & 15) == 0 && D <= 1024) {
+            qk_scores(Q, nq, group, first, kc, slot0, slots, kv, g * D, lo_all, L, D, scale, S, bf);
+        } else { /* dot_f32's sequential order */
             for (long j = lo_all; j < L; j++) {
-                const float *k;
-                if (bf) {
-                    const uint16_t *kb = (const uint16_t *)kc + SLOT(j) * kv + g * D;
-                    for (long i = 0; i < D; i++) x[i] = bf2f(kb[i]);
-                    k = x;
-                } else {
-                    k = (const float *)kc + SLOT(j) * kv + g * D;
-                }
-                for (long r = 0; r < nq; r++) {
-                    long p = first + r / group;
-                    if (j > p || (window > 0 && j <= p - window)) continue;
-                    S[r * L + j] = dot_f32(Q + r * D, k, D) * scale;
+                for (long i = 0; i < D; i++) x[i] = ld(kc, SLOT(j) * kv + g * D + i, bf);
+                long r0 = j > first ? (j - first) * group : 0;
+                for (long r = r0; r < nq; r++) {
+                    float s = 0.0f;
+                    for (long i = 0; i < D; i++) s += Q[r * D + i] * x[i];
+                    S[r * L + j] = s * scale;
                 }
             }
         }
@@ -293,16 +320,19 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
             float *a = A + r * D;
             long i0 = 0;
             for (; i0 + 64 <= D; i0 += 64) {
-                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
 #define PV_STEP(BF)                                                                      \
     for (long j = lo; j <= p; j++) {                                                     \
         long off = SLOT(j) * kv + g * D + i0;                                            \
-        v16f v0 = load16(vc, off, BF), v1 = load16(vc, off + 16, BF);                    \
-        v16f v2 = load16(vc, off + 32, BF), v3 = load16(vc, off + 48, BF);               \
-        a0 += sr[j] * v0;                                                                \
-        a1 += sr[j] * v1;                                                                \
-        a2 += sr[j] * v2;                                                                \
-        a3 += sr[j] * v3;                                                                \
+        float w = sr[j];                                                                 \
+        a0 += w * load8(vc, off, BF);                                                    \
+        a1 += w * load8(vc, off + 8, BF);                                                \
+        a2 += w * load8(vc, off + 16, BF);                                               \
+        a3 += w * load8(vc, off + 24, BF);                                               \
+        a4 += w * load8(vc, off + 32, BF);                                               \
+        a5 += w * load8(vc, off + 40, BF);                                               \
+        a6 += w * load8(vc, off + 48, BF);                                               \
+        a7 += w * load8(vc, off + 56, BF);                                               \
     }
                 if (bf) { /* the dtype's branch outside the loop */
                     PV_STEP(1)
@@ -310,15 +340,19 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
                     PV_STEP(0)
                 }
 #undef PV_STEP
-                memcpy(a + i0, &a0, 64);
-                memcpy(a + i0 + 16, &a1, 64);
-                memcpy(a + i0 + 32, &a2, 64);
-                memcpy(a + i0 + 48, &a3, 64);
+                memcpy(a + i0, &a0, 32);
+                memcpy(a + i0 + 8, &a1, 32);
+                memcpy(a + i0 + 16, &a2, 32);
+                memcpy(a + i0 + 24, &a3, 32);
+                memcpy(a + i0 + 32, &a4, 32);
+                memcpy(a + i0 + 40, &a5, 32);
+                memcpy(a + i0 + 48, &a6, 32);
+                memcpy(a + i0 + 56, &a7, 32);
             }
-            for (; i0 + 16 <= D; i0 += 16) {
-                v16f a0 = {0};
-                for (long j = lo; j <= p; j++) a0 += sr[j] * load16(vc, SLOT(j) * kv + g * D + i0, bf);
-                memcpy(a + i0, &a0, 64);
+            for (; i0 + 8 <= D; i0 += 8) {
+                v8f a0 = {0};
+                for (long j = lo; j <= p; j++) a0 += sr[j] * load8(vc, SLOT(j) * kv + g * D + i0, bf);
+                memcpy(a + i0, &a0, 32);
             }
             for (long i = i0; i < D; i++) {
                 float acc = 0.0f;
@@ -334,6 +368,7 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
     free(S);
 }
 #undef SLOT
+
 
 void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
                long window, float scale, void *out, int bf) {
