@@ -58,3 +58,22 @@ def test_proposer_blocks_carry_no_q_and_respect_num_draft():
 def test_proposer_rejects_bad_sizes(max_n, min_n):
     with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
         NgramProposer(ngram_max=max_n, ngram_min=min_n)
+
+
+def test_match_length_counts_past_max_n():
+    from draftwise.proposers.ngram import ngram_match
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4, 5]  # the suffix [9 .. 5] (6 tokens) occurred at 0
+    assert ngram_match(tokens, 2, max_n=2) == ([6, 7], 6)
+    assert ngram_match([1, 2, 1], 1) == ([2], 1)
+    assert ngram_match([1, 2, 3], 1) == ([], 0)
+
+
+def test_proposer_confidence_grows_with_the_match_and_along_the_block():
+    short = [5, 1, 8, 7, 2, 1]  # [1] matched once (then 8, 7)
+    long = [3, 4, 5, 1, 8, 7, 6, 3, 4, 5, 1]  # [3, 4, 5, 1] matched (then 8, 7)
+    prop = NgramProposer(ngram_max=4, ngram_min=1)
+    a, b = prop.propose([History(short), History(long)], [2, 2])
+    assert a.token_ids == b.token_ids == [8, 7]
+    assert a.confidence == [1 - 1 / 2, 1 - 1 / 3] and b.confidence == [1 - 1 / 5, 1 - 1 / 6]
+    prop.confidence = False  # what the engine sets when the policy never reads it
+    assert prop.propose([History(long)], [2])[0].confidence is None

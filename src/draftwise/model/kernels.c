@@ -202,6 +202,41 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
+/* a * b + c: one rounding (FMA) where the CPU has it (every x86-64 CPU with AVX2), else two. The
+ * attention's products use it: its scores and outputs are draftwise's own (the PyTorch path's
+ * SDPA rounds differently anyway), and one build gives one answer whatever the batch. */
+#ifdef __FMA__
+#include <immintrin.h>
+static inline v8f fma8(v8f a, v8f b, v8f c) { return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
+#endif
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8f vsel8(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
+
+/* exp16's formula on 8 lanes (bitwise the same results): GCC scalarised exp16's 16-lane
+ * conversions on AVX2, the softmax's largest cost there. */
+static inline v8f exp8(v8f x) {
+    const v8f lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    x = vsel8(x < lo, lo, x);
+    x = vsel8(x > hi, hi, x);
+    v8f t = x * 1.44269504088896341f + 0.5f;
+    v8i ni = __builtin_convertvector(t, v8i);
+    v8f n = __builtin_convertvector(ni, v8f);
+    v8i below = n > t;
+    ni += below;
+    n = __builtin_convertvector(ni, v8f);
+    x = x - n * 0.693359375f;
+    x = x - n * -2.12194440e-4f;
+    v8f z = x * x;
+    v8f y = ((((x * 1.9875691500e-4f + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+             + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    return y * (v8f)((ni + 127) << 23);
+}
+
+
 static inline v8f load8(const void *p, long i, int bf) {
     v8f r;
     if (bf) {
@@ -220,6 +255,22 @@ static inline float tree16(v8f lo, v8f hi) {
     v8f u = lo + hi;
     float a0 = u[0] + u[4], a1 = u[1] + u[5], a2 = u[2] + u[6], a3 = u[3] + u[7];
     return (a0 + a2) + (a1 + a3);
+}
+
+/* sum_f32 on two 8-lane halves (bitwise the same) */
+static inline float sum8_f32(const float *s, long n) {
+    v8f lo = {0}, hi = {0};
+    long j = 0;
+    for (; j + 16 <= n; j += 16) {
+        v8f a, b;
+        memcpy(&a, s + j, 32);
+        memcpy(&b, s + j + 8, 32);
+        lo += a;
+        hi += b;
+    }
+    float z = tree16(lo, hi);
+    for (; j < n; j++) z += s[j];
+    return z;
 }
 
 /* Scores of the nq queries Q [nq, DD] against keys j = lo .. L-1 (query r only up to its
@@ -246,8 +297,8 @@ static inline __attribute__((always_inline)) void qk_scores(const float *Q, long
                 memcpy(&b, kbuf + c, 32);
                 memcpy(&a2, q + c + 8, 32);
                 memcpy(&b2, kbuf + c + 8, 32);
-                plo += a * b;
-                phi += a2 * b2;
+                plo = fma8(a, b, plo);
+                phi = fma8(a2, b2, phi);
             }
             S[r * L + j] = tree16(plo, phi) * scale;
         }
@@ -262,6 +313,24 @@ static inline __attribute__((always_inline)) void qk_scores(const float *Q, long
  * head h reads K/V head h / (H / Hkv)). The T * H / Hkv queries that share a K/V head are done
  * together: each key and value is read (and converted from bfloat16) once for all of them, and a
  * query's scores and output do not depend on how many queries came with it (bitwise). */
+/* max(s[0..n)), as the loop m = s[j] > m ? s[j] : m from m = s[0] gives it (NaNs after s[0] are
+ * passed over), 8 lanes at a time: a chain of scalar maxima waited ~4 cycles an element. */
+static inline float max_f32(const float *s, long n) {
+    float m = s[0];
+    long j = 1;
+    if (n >= 9) {
+        v8f m8 = (v8f){0} + m;
+        for (; j + 8 <= n; j += 8) {
+            v8f v;
+            memcpy(&v, s + j, 32);
+            m8 = vsel8(v > m8, v, m8);
+        }
+        for (int l = 0; l < 8; l++) m = m8[l] > m ? m8[l] : m;
+    }
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
                        const int64_t *slots, long L, long window, float scale, void *out, int bf) {
     long row = (H + 2 * Hkv) * D, kv = Hkv * D, es = bf ? 2 : 4;
@@ -301,17 +370,16 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
         for (long r = 0; r < nq; r++) { /* softmax over each query's own keys lo .. p */
             long p = first + r / group, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p + 1 - lo;
             float *s = S + r * L + lo;
-            float m = s[0];
-            for (long j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+            float m = max_f32(s, n);
             long j = 0;
-            for (; j + 16 <= n; j += 16) {
-                v16f v;
-                memcpy(&v, s + j, 64);
-                v = exp16(v - m);
-                memcpy(s + j, &v, 64);
+            for (; j + 8 <= n; j += 8) {
+                v8f v;
+                memcpy(&v, s + j, 32);
+                v = exp8(v - m);
+                memcpy(s + j, &v, 32);
             }
             for (; j < n; j++) s[j] = exp1(s[j] - m);
-            float z = sum_f32(s, n);
+            float z = sum8_f32(s, n);
             for (long jj = 0; jj < n; jj++) s[jj] /= z;
         }
         for (long r = 0; r < nq; r++) { /* out = sum_j s_j v_j, 64 outputs at a time in registers */
@@ -324,15 +392,15 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
 #define PV_STEP(BF)                                                                      \
     for (long j = lo; j <= p; j++) {                                                     \
         long off = SLOT(j) * kv + g * D + i0;                                            \
-        float w = sr[j];                                                                 \
-        a0 += w * load8(vc, off, BF);                                                    \
-        a1 += w * load8(vc, off + 8, BF);                                                \
-        a2 += w * load8(vc, off + 16, BF);                                               \
-        a3 += w * load8(vc, off + 24, BF);                                               \
-        a4 += w * load8(vc, off + 32, BF);                                               \
-        a5 += w * load8(vc, off + 40, BF);                                               \
-        a6 += w * load8(vc, off + 48, BF);                                               \
-        a7 += w * load8(vc, off + 56, BF);                                               \
+        v8f w = (v8f){0} + sr[j];                                                        \
+        a0 = fma8(w, load8(vc, off, BF), a0);                                            \
+        a1 = fma8(w, load8(vc, off + 8, BF), a1);                                        \
+        a2 = fma8(w, load8(vc, off + 16, BF), a2);                                       \
+        a3 = fma8(w, load8(vc, off + 24, BF), a3);                                       \
+        a4 = fma8(w, load8(vc, off + 32, BF), a4);                                       \
+        a5 = fma8(w, load8(vc, off + 40, BF), a5);                                       \
+        a6 = fma8(w, load8(vc, off + 48, BF), a6);                                       \
+        a7 = fma8(w, load8(vc, off + 56, BF), a7);                                       \
     }
                 if (bf) { /* the dtype's branch outside the loop */
                     PV_STEP(1)
@@ -351,7 +419,7 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
             }
             for (; i0 + 8 <= D; i0 += 8) {
                 v8f a0 = {0};
-                for (long j = lo; j <= p; j++) a0 += sr[j] * load8(vc, SLOT(j) * kv + g * D + i0, bf);
+                for (long j = lo; j <= p; j++) a0 = fma8((v8f){0} + sr[j], load8(vc, SLOT(j) * kv + g * D + i0, bf), a0);
                 memcpy(a + i0, &a0, 32);
             }
             for (long i = i0; i < D; i++) {

@@ -1,9 +1,9 @@
 """Acceptance estimates for the goodput policy, calibrated online from observed acceptances.
 
 a(conf) = the probability that a proposal is accepted given that every proposal before it was,
-as a function of the drafter's confidence max_x q_j(x) at its position (greedy and sampled rows
-apart: their acceptance rules differ). Engine-wide: 20 confidence bins (one more for drafters
-without a confidence, e.g. n-gram lookup), each a decayed count of accepted / observed proposals
+as a function of the drafter's confidence at its position (max_x q_j(x); n-gram lookup's from its
+match length; greedy and sampled rows apart: their acceptance rules differ). Engine-wide: 20
+confidence bins (one more for drafters without a confidence), each a decayed count of accepted / observed proposals
 with a weak prior (acceptance = confidence). Per request: a correction ratio (observed / predicted
 acceptances over its recent rounds) and its recent acceptance rate (what `plan` uses before
 anything is drafted). Only the proposals up to the first rejection are observations: the others

@@ -25,7 +25,10 @@ from ..sampling import SamplingParams
 class DraftBlock:
     token_ids: list[int]  # [num_draft] proposed tokens
     probs: torch.Tensor | None  # [num_draft, vocab] q at each proposed position, or None (point mass)
-    confidence: list[float] | None = None  # [num_draft] max_x q_j(x), a function of q_j only; None: unknown
+    # [num_draft] how far to trust proposal j: max_x q_j(x) (a function of q_j only), or for a drafter
+    # whose proposals are a function of the history (n-gram lookup), a function of the history and
+    # x_1..x_{j-1} (e.g. the match length); None: unknown
+    confidence: list[float] | None = None
     forced_done: bool = False  # the proposer found that the grammar forces no token after the block
 
     def truncated(self, n: int) -> "DraftBlock":
