@@ -257,6 +257,15 @@ static inline float tree16(v8f lo, v8f hi) {
     return (a0 + a2) + (a1 + a3);
 }
 
+/* each lane rounded to bfloat16 and back (round to nearest even; NaN stays NaN), as f2bf */
+static inline v8f round8f(v8f f) {
+    v8u u = (v8u)f;
+    v8u r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+    v8i nan = (v8i)(u & 0x7fffffffu) > 0x7f800000;
+    r = (v8u)(((v8i)r & ~nan) | ((v8i)(((u >> 16) | 0x40u) << 16) & nan));
+    return (v8f)r;
+}
+
 /* sum_f32 on two 8-lane halves (bitwise the same) */
 static inline float sum8_f32(const float *s, long n) {
     v8f lo = {0}, hi = {0};
@@ -467,11 +476,16 @@ void dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, 
 void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf) {
     for (long r = 0; r < rows; r++) {
         long g = r * 2 * I, u = g + I, o = r * I, i = 0;
-        for (; i + 16 <= I; i += 16) {
-            v16f x = load16(gu, g + i, bf);
-            v16f sx = x / (1.0f + exp16(-x));
-            if (bf) sx = (v16f)(__builtin_convertvector(round16(sx), v16u) << 16); /* silu's result rounded */
-            store16(out, o + i, sx * load16(gu, u + i, bf), bf);
+        for (; i + 8 <= I; i += 8) { /* 8 lanes: exp8 (exp16 was scalarised on AVX2), same results */
+            v8f x = load8(gu, g + i, bf);
+            v8f sx = x / (1.0f + exp8(-x));
+            if (bf) sx = round8f(sx); /* silu's result rounded */
+            v8f y = sx * load8(gu, u + i, bf);
+            if (bf) {
+                for (int l = 0; l < 8; l++) ((uint16_t *)out)[o + i + l] = f2bf(y[l]);
+            } else {
+                memcpy((float *)out + o + i, &y, 32);
+            }
         }
         for (; i < I; i++) {
             float x = ld(gu, g + i, bf);
