@@ -4,7 +4,7 @@ Every module under src/draftwise is parsed with `ast`; every import counts, thos
 functions too (a deferred import is still a dependency, and still closes a circle). Layers,
 bottom to top:
 
-    0  model/, kv/, sampling/, and the package-root leaves paths.py, corpus.py
+    0  model/, kv/, sampling/, and the package-root leaves paths.py, corpus.py, chat_prompts.py
     1  proposers/, policies/
     2  engine/
     3  llm.py, server/, lab/, train/   (side by side: none imports another, see ALLOWED)
@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "draftwise"
 
 LAYERS = {
-    "model": 0, "kv": 0, "sampling": 0, "paths": 0, "corpus": 0, "registry": 0,
+    "model": 0, "kv": 0, "sampling": 0, "paths": 0, "corpus": 0, "chat_prompts": 0, "registry": 0,
     "proposers": 1, "policies": 1,
     "engine": 2,
     "llm": 3, "server": 3, "lab": 3, "train": 3,

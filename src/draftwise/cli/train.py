@@ -3,6 +3,7 @@
     draftwise train tokenizer --out DIR
     draftwise train target --out DIR [--tokenizer DIR] [--minutes N | --tokens N] [--resume]
     draftwise train draft --target DIR --out DIR [--minutes N | --tokens N] [--ce-only] [--resume]
+    draftwise train draft --target models/smollm2 --data self --out DIR [--gen-tokens N] [--minutes N]
     draftwise train all --out models [--target-minutes N] [--draft-minutes N]
     draftwise train random-draft --target DIR --out DIR [--shape draft] [--seed N]   (a useless drafter)
 
@@ -27,7 +28,8 @@ def add_parser(subparsers):
     p.add_argument("--target", help="target model directory (draft)")
     p.add_argument("--minutes", type=float, help="training-time budget in minutes")
     p.add_argument("--tokens", type=int, help="training budget in tokens")
-    p.add_argument("--shape", choices=["target", "draft", "tiny"], help="model shape preset")
+    p.add_argument("--shape", choices=["target", "draft", "draft-wide", "tiny"],
+                   help="model shape preset (draft default: draft; draft-wide with --data self)")
     p.add_argument("--arch", choices=["attention", "hybrid"], default="attention",
                    help="target: attention (Llama) or hybrid (Qwen3-Next style gated delta rule + attention)")
     p.add_argument("--batch-size", type=int)
@@ -37,6 +39,15 @@ def add_parser(subparsers):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ce-only", action="store_true", help="draft: cross-entropy only, no distillation")
     p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term (rest is CE)")
+    p.add_argument("--data", choices=["corpus", "self"], default="corpus",
+                   help="draft: train on the corpus (distilling the target's distributions), or on the target's "
+                        "own replies to chat prompts made from the corpus (self: generated first, resumable)")
+    p.add_argument("--data-dir", help="draft --data self: where the generated shards go (default <ckpt-dir>/self_data)")
+    p.add_argument("--gen-tokens", type=int, default=1_000_000,
+                   help="draft --data self: generate until the shards hold this many tokens (0: use what is there)")
+    p.add_argument("--gen-max-tokens", type=positive_int, default=192, help="draft --data self: reply length")
+    p.add_argument("--gen-minutes", type=float, help="draft --data self: stop generating after this many minutes")
+    p.add_argument("--device", default="cpu", help="draft --data self: cpu or cuda (generation and training)")
     p.add_argument("--ckpt-dir", help="checkpoint directory (default checkpoints/<what>)")
     p.add_argument("--init", help="draft: start from this model directory's weights (fresh optimizer and schedule)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
@@ -58,6 +69,10 @@ def run(args) -> int:
 
     if args.minutes is not None and args.tokens is not None:
         raise UserError("give --minutes or --tokens, not both")
+    if args.data == "self" and args.what != "draft":
+        raise UserError("--data self is for `train draft` (the target's own replies are the draft's data)")
+    if args.gen_tokens < 0:
+        raise UserError(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
     if args.target:  # a bare name is a directory under models/ (paths.resolve_model)
         args.target = str(resolve_model(args.target))
     t0 = time.time()
@@ -80,7 +95,9 @@ def run(args) -> int:
         pipeline.train_draft(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                              ckpt_dir=args.ckpt_dir or ("checkpoints/draft_ce" if args.ce_only else "checkpoints/draft"),
                              resume=args.resume, ce_only=args.ce_only, alpha=args.alpha,
-                             overrides=_overrides(args), init=args.init)
+                             overrides=_overrides(args), init=args.init, data=args.data, data_dir=args.data_dir,
+                             gen_tokens=args.gen_tokens if args.data == "self" else 0, gen_minutes=args.gen_minutes,
+                             gen_max_tokens=args.gen_max_tokens, device=args.device)
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
                            resume=args.resume, draft_continue_minutes=args.draft_continue_minutes)

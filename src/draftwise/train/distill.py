@@ -8,6 +8,7 @@ the target's tokenizer and is at most 1/8 of its parameters.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from ..model.loader import load_model
 from .. import corpus
+from . import self_data
 from .data import load_streams
 from .export import export_model
 from .fit import DRAFT_DEFAULTS, corpus_stats, train_model
@@ -42,13 +44,24 @@ def kd_loss_fn(teacher, alpha: float = 0.9):
 
 
 def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/draft", resume=False,
-                ce_only=False, alpha=0.9, overrides=None, log=None, init=None) -> dict:
+                ce_only=False, alpha=0.9, overrides=None, log=None, init=None, data="corpus", data_dir=None,
+                gen_tokens=0, gen_minutes=None, gen_max_tokens=192, device="cpu") -> dict:
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
     hp = dict(DRAFT_DEFAULTS, **(overrides or {}))
-    teacher = load_model(target_dir, dtype="bfloat16")
-    tok = teacher.tokenizer
     split = corpus.split()
-    streams = load_streams(tok, split, ckpt_dir)
+    gen = None
+    if data == "self":
+        hp = dict(hp, shape=(overrides or {}).get("shape", "draft-wide"))
+        data_dir = Path(data_dir) if data_dir is not None else ckpt_dir / "self_data"
+        if gen_tokens:
+            gen = self_data.generate(target_dir, data_dir, gen_tokens, max_tokens=gen_max_tokens, device=device,
+                                     minutes=gen_minutes, log=log or print)
+        teacher = load_model(target_dir, dtype="float32", fuse=False, load_tokenizer=False)
+        streams = self_data.load_streams(data_dir, teacher.config.eos_token_id[0])
+        ce_only = True
+    else:
+        teacher = load_model(target_dir, dtype="bfloat16")
+        streams = load_streams(teacher.tokenizer, split, ckpt_dir)
     tcfg = teacher.config
     cfg_dict = llama_config(PRESETS[hp["shape"]], tcfg.vocab_size, tcfg.eos_token_id[0], tcfg.bos_token_id,
                             tcfg.max_position_embeddings)
@@ -62,13 +75,18 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
             import json
             previous = {k: v for k, v in json.loads(prev_file.read_text()).items() if k != "history"}
     loss_fn = ce_loss if ce_only else kd_loss_fn(teacher.model, alpha)
-    summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log)
+    summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log,
+                          device=device)
+    model.cpu()
     if init is not None:
         summary["init"] = str(init)
         summary["continued_from"] = previous
-    summary.update(role="draft", objective="cross-entropy" if ce_only else f"forward KL (alpha={alpha}) + CE",
-                   parameters=count_params(model), target=str(target_dir),
+    objective = ("cross-entropy on the target's own replies (sequence-level distillation)" if data == "self"
+                 else "cross-entropy" if ce_only else f"forward KL (alpha={alpha}) + CE")
+    summary.update(role="draft", objective=objective, parameters=count_params(model), target=str(target_dir),
                    target_parameters=count_params(teacher.model), corpus=corpus_stats(split, streams))
+    if data == "self":
+        summary["self_data"] = gen or json.loads((data_dir / "manifest.json").read_text())
     export_model(model, out, target_dir, summary)
     return summary
 

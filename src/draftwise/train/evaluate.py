@@ -14,9 +14,10 @@ def val_loss(model, stream: torch.Tensor, seq_len: int = 512, max_windows: int |
     """Mean next-token cross-entropy (nats/token) over non-overlapping held-out windows."""
     windows = eval_windows(stream, seq_len, max_windows)
     total, n = 0.0, 0
+    dev = next(model.parameters()).device
     for i in range(0, len(windows), batch_size):
-        b = windows[i:i + batch_size]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and bf16_native()):
+        b = windows[i:i + batch_size].to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast and (dev.type == "cuda" or bf16_native())):
             logits = model.logits(b[:, :-1])
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b[:, 1:].reshape(-1),
                                        reduction="sum"))

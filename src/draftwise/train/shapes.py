@@ -17,9 +17,13 @@ TARGET = dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_k
 # costs a small fraction of a target step.
 DRAFT = dict(hidden_size=160, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
              head_dim=32, intermediate_size=480, tie_word_embeddings=True)
+# ~16M parameters for a large-vocabulary chat target (SmolLM2-135M: 49152 tokens): the tied
+# 49152 x 256 embedding is most of it; a step costs ~12% of SmolLM2's.
+DRAFT_WIDE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, intermediate_size=768, tie_word_embeddings=True)
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, intermediate_size=64, tie_word_embeddings=True)
-PRESETS = {"target": TARGET, "draft": DRAFT, "tiny": TINY}
+PRESETS = {"target": TARGET, "draft": DRAFT, "draft-wide": DRAFT_WIDE, "tiny": TINY}
 # The hybrid target: the target's width and depth, layers 4 and 8 full attention (gated, partial
 # RoPE), the other six gated delta rule (3 key heads, 6 value heads of 64); ~21.6M parameters.
 HYBRID = dict(TARGET, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=64,

@@ -52,6 +52,7 @@ class TrainConfig:
     ckpt_every_s: float = 180.0
     log_every_s: float = 20.0
     autocast: bool = True
+    device: str = "cpu"  # "cuda" when a GPU is lent: bfloat16 autocast there
     extra: dict = field(default_factory=dict)
 
 
@@ -106,7 +107,9 @@ class Trainer:
         self.history: list[dict] = []
         self.ckpt_path = Path(cfg.ckpt_dir) / "ckpt.pt"
         self.log = log or (lambda msg: print(msg, flush=True))
-        self.autocast = cfg.autocast and bf16_native()
+        self.device = torch.device(cfg.device)
+        model.to(self.device)
+        self.autocast = cfg.autocast and (self.device.type == "cuda" or bf16_native())
         if cfg.autocast and not self.autocast:
             self.log("this CPU has no native bfloat16 products: training in float32")
         torch.manual_seed(cfg.seed)
@@ -136,8 +139,8 @@ class Trainer:
     def resume(self) -> bool:
         if not self.ckpt_path.is_file():
             return False
-        s = torch.load(self.ckpt_path, weights_only=False)
-        self.model.load_state_dict(s["model"])
+        s = torch.load(self.ckpt_path, weights_only=False, map_location="cpu")
+        self.model.load_state_dict(s["model"])  # (onto the model's device)
         self.opt.load_state_dict(s["optim"])
         self.step, self.total_steps, self.elapsed = s["step"], s["total_steps"], s["elapsed"]
         self.warmup_end_s = s.get("warmup_end_s")
@@ -150,8 +153,8 @@ class Trainer:
     def train_step(self, batch: torch.Tensor, lr: float) -> float:
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            loss = self.loss_fn(self.model, batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.loss_fn(self.model, batch.to(self.device))
         loss.backward()
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)

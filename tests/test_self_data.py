@@ -1,0 +1,104 @@
+"""`train draft --data self`: the target's own chat replies as the draft's data, generated in
+resumable shards (int32 ids above 32767 kept), then a draft trained on them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftwise import corpus
+from draftwise.model import load_model
+from draftwise.train import distill, self_data
+from test_train_vocab import SHIFT, big_vocab_tokenizer
+from tiny_models import make_model_dir
+
+SOURCE = '''"""Helpers for parsing and joining words.
+
+This module holds a few small text helpers used by the examples: they split text into words,
+join words back into text, count them and find the longest one. None of them keeps state, and
+every one of them accepts any string, including the empty string, for which they return empty
+results or zero.
+"""
+
+
+def split_words(text):
+    """Split the text into a list of words separated by whitespace."""
+    words = []
+    for part in text.split():
+        if part:
+            words.append(part)
+    return words
+
+
+def join_words(words, sep=" "):
+    """Join the words back into a single string with the separator."""
+    out = ""
+    for i, word in enumerate(words):
+        if i:
+            out += sep
+        out += word
+    return out
+
+
+def count_words(text):
+    """Count the number of whitespace separated words in the text."""
+    total = 0
+    for part in text.split():
+        total += 1
+    if total < 0:
+        total = 0
+    return total
+'''
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    tok = big_vocab_tokenizer()
+    target = make_model_dir(tmp_path / "target", tokenizer=tok, layers=1, hidden=32, heads=2, kv_heads=1, inter=64,
+                            eos_token_id=tok.token_to_id("<|endoftext|>"))
+    root = tmp_path / "corpus"
+    (root / "json").mkdir(parents=True)
+    (root / "words.py").write_text(SOURCE)
+    (root / "json" / "held.py").write_text(SOURCE)
+    real_split = corpus.split
+    monkeypatch.setattr(corpus, "split", lambda *a: real_split(root))
+    return tok, target
+
+
+def test_prompts_come_from_the_training_files_only(setup):
+    prompts = self_data.chat_prompts(corpus.split().texts("train"))
+    assert len(prompts) >= 4  # module docstring + 3 functions (grounded), 3 open asks
+    text = [m[0][1] for m in prompts]
+    assert any("split_words" in t for t in text) and any(t.startswith("Write a Python function") for t in text)
+
+
+def test_generation_is_resumable_and_refuses_other_settings(setup, tmp_path):
+    tok, target = setup
+    data = tmp_path / "data"
+    first = self_data.generate(target, data, tokens=1, max_tokens=4, batch=2, log=lambda m: None)
+    assert first["shards"] == 1 and first["prompts_done"] == 2  # stops once the budget is reached
+    again = self_data.generate(target, data, tokens=10**9, max_tokens=4, batch=2, log=lambda m: None)
+    n = again["prompts_total"]
+    assert again["prompts_done"] == n and again["shards"] == -(-n // 2)
+    samples = [s for i in range(again["shards"]) for s in torch.load(data / f"shard_{i:05d}.pt")]
+    assert len(samples) == n - again["prompts_skipped"] >= 4 and all(s.dtype == torch.int32 for s in samples)
+    assert min(int(s.min()) for s in samples) >= 0 and max(int(s.max()) for s in samples) >= SHIFT
+    assert sum(len(s) for s in samples) == again["tokens"]
+    with pytest.raises(ValueError, match="other settings"):
+        self_data.generate(target, data, tokens=10**9, max_tokens=5, batch=2)
+    eos = tok.token_to_id("<|endoftext|>")
+    streams = self_data.load_streams(data, eos)
+    assert streams["train"].dtype == torch.int32 and int((streams["train"] == eos).sum()) >= len(samples) - 1
+
+
+def test_train_draft_on_self_data(setup, tmp_path):
+    tok, target = setup
+    summary = distill.train_draft(tmp_path / "draft", target, tokens=2 * 2 * 16, ckpt_dir=tmp_path / "ckpt",
+                                  data="self", gen_tokens=10**9, gen_max_tokens=8,
+                                  overrides=dict(shape="tiny", batch_size=2, seq_len=16, warmup_steps=1))
+    assert summary["self_data"]["prompts_done"] == summary["self_data"]["prompts_total"]
+    assert "sequence-level" in summary["objective"]
+    assert json.loads((tmp_path / "draft" / "training.json").read_text())["role"] == "draft"
+    draft = load_model(tmp_path / "draft", load_tokenizer=False, fuse=False)
+    assert draft.config.vocab_size == tok.get_vocab_size() > 32767
