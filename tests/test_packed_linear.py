@@ -18,7 +18,8 @@ def test_padded_rows_bounded_and_tight():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padding_does_not_change_results(dtype):
+def test_padding_does_not_change_results(dtype, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_NATIVE_GEMM", "0")  # oneDNN's products (dw_gemm_f32 never pads)
     torch.manual_seed(0)
     lin = PackedLinear([torch.randn(1024, 256).to(dtype)], [torch.randn(1024).to(dtype)])
     if lin.packed is None:
@@ -68,5 +69,33 @@ def test_bfloat16_packed_only_where_the_cpu_multiplies_it(monkeypatch, native):
     x = torch.randn(3, 256).bfloat16()
     ref = torch.nn.functional.linear(x.float(), w.float())
     assert torch.allclose(lin(x).float(), ref, rtol=2e-2, atol=2e-1)
-    f32 = PackedLinear([w.float()])  # float32 is packed on any CPU
-    assert (f32.packed is not None) == torch.backends.mkldnn.is_available()
+    f32 = PackedLinear([w.float()])  # float32 is packed on any CPU (for dw_gemm_f32 without AVX-512)
+    assert f32.is_packed == torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("shape", [(1000, 256, True), (77, 2200, False), (3072, 576, False)])
+def test_native_products_equal_onednn_bitwise(shape):
+    """Where dw_gemm_f32 replaces oneDNN (CPUs without AVX-512), every row count gives oneDNN's
+    bits: outputs not a multiple of 16, inputs past one 1024-input block, a bias."""
+    from draftwise.model import cpu_kernels
+    from draftwise.model.llama import native_gemm_wanted
+
+    if not native_gemm_wanted() or not torch.backends.mkldnn.is_available():
+        pytest.skip("dw_gemm_f32 is not used on this machine")
+    O, N, has_bias = shape
+    torch.manual_seed(1)
+    w, b = torch.randn(O, N), (torch.randn(O) if has_bias else None)
+    lin = PackedLinear([w], [b] if has_bias else None)
+    assert lin.native is not None and lin.packed is None
+    ref = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    for rows in (1, 2, 3, 5, 6, 7, 13, 48, 49, 100):
+        x = torch.randn(rows, N)
+        assert torch.equal(lin(x), torch.ops.mkldnn._linear_pointwise(x, ref, lin.bias, "none", [], ""))
+    x = torch.randn(2, 3, N)[1]  # a view of [3, N] rows
+    assert torch.equal(lin(x), torch.ops.mkldnn._linear_pointwise(x.contiguous(), ref, lin.bias, "none", [], ""))
+    cpu_kernels.set_enabled(False)  # switched off after loading: the same product in torch
+    try:
+        assert torch.allclose(lin(x), torch.ops.mkldnn._linear_pointwise(x.contiguous(), ref, lin.bias, "none", [], ""),
+                              rtol=1e-5, atol=1e-4)
+    finally:
+        cpu_kernels.set_enabled(True)

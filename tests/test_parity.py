@@ -38,7 +38,7 @@ def test_logits_match_transformers(name, packed, tmp_path, monkeypatch):
     ref_model = getattr(transformers, model_cls)(cfg).eval()
     ref_model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, load_tokenizer=False)
-    assert (loaded.model.lm_head.packed is not None) == packed
+    assert loaded.model.lm_head.is_packed == packed
     ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
         ref = ref_model(ids).logits

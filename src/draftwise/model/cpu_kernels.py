@@ -84,6 +84,8 @@ class Kernels:
             "dw_silu_mul": [p, p, i, i, ctypes.c_int],
             "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_linear_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
+            "dw_pack_f32": [p, p, i, i],
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int],
             "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), p, f, p, p, p, p, i, i, i, i, p, i, p, p,
                            p, i, f, ctypes.c_int],
@@ -113,6 +115,11 @@ def set_enabled(enabled: bool) -> None:
     global _LIB
     _LIB = False
     os.environ["DRAFTWISE_KERNELS"] = "1" if enabled else "0"
+
+
+def avx512() -> bool:
+    """Whether the CPU has AVX-512 (F): oneDNN's float32 kernels there are wider than dw_gemm_f32's."""
+    return "avx512f" in _cpu_flags().split()
 
 
 def bf16_native() -> bool:

@@ -237,6 +237,8 @@ static inline v8f exp8(v8f x) {
 }
 
 
+static inline v8f bcast8(float s) { return (v8f){s, s, s, s, s, s, s, s}; } /* vbroadcastss; 0 + s is an add */
+
 static inline v8f load8(const void *p, long i, int bf) {
     v8f r;
     if (bf) {
@@ -328,7 +330,7 @@ static inline float max_f32(const float *s, long n) {
     float m = s[0];
     long j = 1;
     if (n >= 9) {
-        v8f m8 = (v8f){0} + m;
+        v8f m8 = bcast8(m);
         for (; j + 8 <= n; j += 8) {
             v8f v;
             memcpy(&v, s + j, 32);
@@ -401,7 +403,7 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
 #define PV_STEP(BF)                                                                      \
     for (long j = lo; j <= p; j++) {                                                     \
         long off = SLOT(j) * kv + g * D + i0;                                            \
-        v8f w = (v8f){0} + sr[j];                                                        \
+        v8f w = bcast8(sr[j]);                                                        \
         a0 = fma8(w, load8(vc, off, BF), a0);                                            \
         a1 = fma8(w, load8(vc, off + 8, BF), a1);                                        \
         a2 = fma8(w, load8(vc, off + 16, BF), a2);                                       \
@@ -428,7 +430,7 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
             }
             for (; i0 + 8 <= D; i0 += 8) {
                 v8f a0 = {0};
-                for (long j = lo; j <= p; j++) a0 = fma8((v8f){0} + sr[j], load8(vc, SLOT(j) * kv + g * D + i0, bf), a0);
+                for (long j = lo; j <= p; j++) a0 = fma8(bcast8(sr[j]), load8(vc, SLOT(j) * kv + g * D + i0, bf), a0);
                 memcpy(a + i0, &a0, 32);
             }
             for (long i = i0; i < D; i++) {
@@ -672,3 +674,120 @@ void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const floa
     free(xf);
 }
 #undef Q8_ROWS
+
+/* Float32 products against a weight packed as [ceil(O/16)][N][16] (`dw_pack_f32`: for each input
+ * k the weights of 16 consecutive outputs side by side; the last block's missing outputs are zero).
+ * Each output is an FMA chain over k in order, restarted from zero every GEMM_KB inputs, the
+ * chains' sums added in order, then the bias: the order of oneDNN's float32 product on AVX2 (the
+ * loader checks the two bitwise per weight before using this one, see llama.py), and the same for
+ * every row whatever the others: a row's result does not depend on the batch.
+ *
+ * Register blocking: NR rows x NB 16-output blocks, two 8-lane accumulators each (<= 12 of the 16
+ * AVX2 registers): 1 row x 4 blocks, 2 x 2, or up to 6 x 1; the weights of a block stream from
+ * memory once per 48 rows (RC) and stay in cache for the row blocks of that chunk. */
+#define GEMM_KB 1024
+#define GEMM_RC 48
+
+static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const float *wp, long ob,
+                                                             long k0, long k1, float *out, long O, int NR, int NB,
+                                                             int first) {
+    v8f acc[6][4][2];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
+    const float *w = wp + (ob * N + k0) * 16;
+    for (long k = k0; k < k1; k++, w += 16) {
+        if ((k & 3) == 0)
+            for (int j = 0; j < NB; j++) __builtin_prefetch(w + j * N * 16 + 256, 0, 0);
+        v8f w0[4], w1[4];
+        for (int j = 0; j < NB; j++) {
+            memcpy(&w0[j], w + j * N * 16, 32);
+            memcpy(&w1[j], w + j * N * 16 + 8, 32);
+        }
+        for (int r = 0; r < NR; r++) {
+            v8f xb = bcast8(x[r * N + k]);
+            for (int j = 0; j < NB; j++) {
+                acc[r][j][0] = fma8(xb, w0[j], acc[r][j][0]);
+                acc[r][j][1] = fma8(xb, w1[j], acc[r][j][1]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) {
+            float v[16];
+            memcpy(v, &acc[r][j][0], 32);
+            memcpy(v + 8, &acc[r][j][1], 32);
+            long o0 = (ob + j) * 16, n = O - o0 < 16 ? O - o0 : 16;
+            float *y = out + r * O + o0;
+            if (first)
+                for (long l = 0; l < n; l++) y[l] = v[l];
+            else
+                for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
+        }
+}
+
+#define GEMM_ROWS(NB)                                                                                    \
+    for (long r0 = rc; r0 < rc_end; r0 += 6) {                                                           \
+        const float *xr = x + r0 * N;                                                                    \
+        float *yr = out + r0 * O;                                                                        \
+        switch (rc_end - r0 < 6 ? rc_end - r0 : 6) {                                                     \
+        case 6: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first); break;                           \
+        case 5: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first); break;                           \
+        case 4: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first); break;                           \
+        case 3: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first); break;                           \
+        case 2: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first); break;                           \
+        default: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first); break;                          \
+        }                                                                                                \
+    }
+
+static void gemm_range(const float *x, const float *wp, float *out, long rows, long O, long N, long b0, long b1) {
+    int nb = rows == 1 ? 4 : rows == 2 ? 2 : 1; /* output blocks per register block */
+    for (long rc = 0; rc < rows; rc += GEMM_RC) {
+        long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
+        for (long ob = b0; ob < b1;) {
+            int step = (nb == 4 && ob + 4 <= b1) ? 4 : (nb >= 2 && ob + 2 <= b1) ? 2 : 1;
+            for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
+                long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
+                int first = k0 == 0;
+                if (step == 4) {
+                    GEMM_ROWS(4)
+                } else if (step == 2) {
+                    GEMM_ROWS(2)
+                } else {
+                    GEMM_ROWS(1)
+                }
+            }
+            ob += step;
+        }
+    }
+}
+#undef GEMM_ROWS
+
+/* out [rows, O] = x [rows, N] times the packed weight (+ bias [O], may be NULL); the output blocks
+ * split into `threads` ranges (OpenMP, torch's own team) when the weight is large enough. */
+void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
+                 int threads) {
+    long blocks = (O + 15) / 16;
+    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
+    if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
+    for (long t = 0; t < nt; t++) {
+        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        b0 = (b0 + 3) & ~3L; /* whole groups of 4 blocks per thread (the last may be short) */
+        b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
+        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1);
+    }
+    if (bias)
+        for (long r = 0; r < rows; r++)
+            for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
+}
+
+/* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it) */
+void dw_pack_f32(const float *w, float *wp, long O, long N) {
+    long blocks = (O + 15) / 16;
+    for (long b = 0; b < blocks; b++)
+        for (long k = 0; k < N; k++)
+            for (long l = 0; l < 16; l++) {
+                long o = b * 16 + l;
+                wp[(b * N + k) * 16 + l] = o < O ? w[o * N + k] : 0.0f;
+            }
+}

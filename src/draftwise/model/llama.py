@@ -17,6 +17,7 @@ References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), HF transformers 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -111,6 +112,50 @@ def _packable(w: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def native_gemm_wanted() -> bool:
+    """dw_gemm_f32 instead of oneDNN for float32 weights: on CPUs without AVX-512 (oneDNN's AVX2
+    kernel there is the same FMA chain, checked per weight in `_native_pack`; with AVX-512 oneDNN's
+    wider kernels are left alone), kernels built, not switched off (DRAFTWISE_NATIVE_GEMM=0)."""
+    if os.environ.get("DRAFTWISE_NATIVE_GEMM", "1") == "0" or cpu_kernels.avx512():
+        return False
+    return cpu_kernels.kernels() is not None
+
+
+def _native_pack(w: torch.Tensor, packed, bias) -> torch.Tensor | None:
+    """w packed for dw_gemm_f32 ([ceil(O/16), N, 16]) when `native_gemm_wanted` and its products
+    equal oneDNN's `packed` ones bitwise on probe rows (1 and 7: the register blockings of one row
+    and of several), else None. Equal results make the switch invisible: the same logits, the
+    same greedy tokens, only faster (measured on the AVX2-only EPYC, 2 threads, SmolLM2-135M's
+    30 layers of products: 19.2 against 26.7 ms at 1 row, 28.7 / 37.2 at 5, 57.3 / 61.0 at 16,
+    403.6 / 449.3 at 256; oneDNN's small-row products leave bandwidth unused)."""
+    if w.dtype != torch.float32 or not native_gemm_wanted():
+        return None
+    k = cpu_kernels.kernels()
+    O, N = w.shape
+    wp = torch.empty((O + 15) // 16, N, 16)
+    k.pack_f32(w.contiguous().data_ptr(), wp.data_ptr(), O, N)
+    g = torch.Generator().manual_seed(O * 31 + N)
+    for rows in (1, 7):
+        x = torch.randn(rows, N, generator=g)
+        ref = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if not torch.equal(_native_linear(x, wp, bias, O), ref):
+            return None
+    return wp
+
+
+def _native_linear(x: torch.Tensor, wp: torch.Tensor, bias, out_features: int) -> torch.Tensor:
+    k = cpu_kernels.kernels()
+    n_in = wp.shape[1]
+    if k is None or x.dtype != torch.float32:  # kernels switched off since loading (tests): the same sum in torch
+        w = wp.permute(0, 2, 1).reshape(-1, n_in)[:out_features]
+        return F.linear(x.to(w.dtype), w, bias)
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], out_features)
+    k.gemm_f32(x.data_ptr(), wp.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+               x.numel() // n_in, out_features, n_in, int(os.environ.get("DW_GEMM_THREADS", torch.get_num_threads())))
+    return out
+
+
 class PackedLinear(nn.Module):
     """Inference-only linear layer. On CPU a large enough weight is reordered once into oneDNN's
     blocked layout and applied with oneDNN's linear kernel; a smaller one runs up to 16 rows in the
@@ -129,8 +174,12 @@ class PackedLinear(nn.Module):
         w = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.out_features, self.in_features = w.shape
         self.bias = None if biases is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+        self.native = None  # dw_gemm_f32's packed weight, where it replaces oneDNN (see _native_pack)
         if _packable(w):  # an opaque oneDNN tensor: kept as a plain attribute, not a parameter
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), None
+            self.native = _native_pack(w, self.packed, self.bias)
+            if self.native is not None:
+                self.packed = None
         else:
             self.packed, self.weight = None, nn.Parameter(w.contiguous(), requires_grad=False)
         # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py), which
@@ -139,6 +188,11 @@ class PackedLinear(nn.Module):
                       and w.dtype in (torch.float32, torch.bfloat16))
         self.weight_t = w.t().contiguous() if self.small else None
 
+    @property
+    def is_packed(self) -> bool:
+        """Packed for a CPU product kernel: oneDNN's layout or dw_gemm_f32's."""
+        return self.packed is not None or self.native is not None
+
     @staticmethod
     def of(*linears: nn.Linear) -> "PackedLinear":
         has_bias = linears[0].bias is not None
@@ -146,6 +200,8 @@ class PackedLinear(nn.Module):
                             [l.bias.detach() for l in linears] if has_bias else None)
 
     def forward(self, x):
+        if self.native is not None:
+            return _native_linear(x, self.native, self.bias, self.out_features)
         if self.packed is not None:
             return self._padded(x, lambda xp: torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], ""))
         if self.small and x.dtype == self.weight.dtype and x.is_contiguous() and x.numel() <= 16 * self.in_features:
