@@ -152,7 +152,7 @@ def _native_linear(x: torch.Tensor, wp: torch.Tensor, bias, out_features: int) -
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], out_features)
     k.gemm_f32(x.data_ptr(), wp.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-               x.numel() // n_in, out_features, n_in, int(os.environ.get("DW_GEMM_THREADS", torch.get_num_threads())))
+               x.numel() // n_in, out_features, n_in, torch.get_num_threads())
     return out
 
 
