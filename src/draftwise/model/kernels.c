@@ -687,6 +687,9 @@ void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const floa
  * memory once per 48 rows (RC) and stay in cache for the row blocks of that chunk. */
 #define GEMM_KB 1024
 #define GEMM_RC 48
+#ifndef GEMM_PREFETCH
+#define GEMM_PREFETCH 512 /* floats ahead in a block's stream (32 lines) */
+#endif
 
 static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const float *wp, long ob,
                                                              long k0, long k1, float *out, long O, int NR, int NB,
@@ -696,8 +699,7 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
         for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
     const float *w = wp + (ob * N + k0) * 16;
     for (long k = k0; k < k1; k++, w += 16) {
-        if ((k & 3) == 0)
-            for (int j = 0; j < NB; j++) __builtin_prefetch(w + j * N * 16 + 256, 0, 0);
+        for (int j = 0; j < NB; j++) __builtin_prefetch(w + j * N * 16 + GEMM_PREFETCH, 0, 0); /* a line a k */
         v8f w0[4], w1[4];
         for (int j = 0; j < NB; j++) {
             memcpy(&w0[j], w + j * N * 16, 32);
