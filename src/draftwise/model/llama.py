@@ -235,6 +235,19 @@ class PackedLinear(nn.Module):
         return product(xp)[:rows].view(*x.shape[:-1], self.out_features)
 
 
+class PackedEmbedding(nn.Module):
+    """A tied model's input embedding read from its LM head's dw_gemm_f32 packing ([ceil(V/16), N,
+    16]: token t's row is [t // 16, :, t % 16]): the same values, without the embedding matrix
+    beside the head's packed copy (SmolLM2-135M: 113 MB less)."""
+
+    def __init__(self, packed: torch.Tensor):
+        super().__init__()
+        self.packed = packed  # a plain attribute: the head owns it
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.packed[input_ids // 16, :, input_ids % 16]
+
+
 def apply_rope(x, cos, sin_signed):
     """RoPE on `[..., D]`: `x * cos + rotate_half(x) * sin`, where rotate_half(x) = (-x2, x1) is
     computed as roll(x, D/2) * (-1, +1) with the sign folded into `sin_signed` (bitwise the same)."""
@@ -478,7 +491,7 @@ class LlamaModel(nn.Module):
             lens_news = torch.tensor([meta.seq_lens, meta.seq_new], dtype=torch.long)
             Lmax, slots_p = slots.shape[1], slots.data_ptr()
             lens_p, news_p = lens_news[0].data_ptr(), lens_news[1].data_ptr()
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [B, T, hidden], updated in place
+        x = self.model.embed_tokens(input_ids)  # [B, T, hidden], a new tensor: updated in place
         h = torch.empty_like(x)  # the normalised input of the next product
         cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
         es = kv_cache.element_size()
@@ -562,7 +575,12 @@ class LlamaModel(nn.Module):
         # the head's rows for refine_top_logits (the embeddings when tied: no copy); none for an
         # int8 head, whose logits are float32 already
         self.head_rows = self.lm_head.weight.detach() if quantization is None else None
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
         self.lm_head = head(self.lm_head)  # a copy when tied to the embeddings
+        if tied and getattr(self.lm_head, "native", None) is not None:
+            # float32 (the only dtype dw_gemm_f32 packs): no refine_top_logits, and the input
+            # embedding reads the head's packed copy: one copy of the matrix instead of two
+            self.model.embed_tokens, self.head_rows = PackedEmbedding(self.lm_head.native), None
         self.plan = [LayerWeights.of(layer) for layer in self.model.layers]
         return self
 
