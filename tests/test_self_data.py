@@ -102,3 +102,7 @@ def test_train_draft_on_self_data(setup, tmp_path):
     assert json.loads((tmp_path / "draft" / "training.json").read_text())["role"] == "draft"
     draft = load_model(tmp_path / "draft", load_tokenizer=False, fuse=False)
     assert draft.config.vocab_size == tok.get_vocab_size() > 32767
+    again = distill.train_draft(tmp_path / "draft2", target, tokens=2 * 2 * 16, ckpt_dir=tmp_path / "ckpt2",
+                                data="self", data_dir=tmp_path / "ckpt" / "self_data", gen_tokens=0,
+                                overrides=dict(shape="tiny", batch_size=2, seq_len=16, warmup_steps=1))
+    assert again["self_data"]["tokens"] == summary["self_data"]["tokens"]  # trained on what was there

@@ -72,7 +72,6 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
             _warm_start(model, Path(init))
         prev_file = Path(init) / "training.json"
         if prev_file.is_file():  # the record of the run this one continues (without its loss history)
-            import json
             previous = {k: v for k, v in json.loads(prev_file.read_text()).items() if k != "history"}
     loss_fn = ce_loss if ce_only else kd_loss_fn(teacher.model, alpha)
     summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log,
