@@ -1,0 +1,137 @@
+"""dw_gemm_f32 against oneDNN's packed float32 product, side by side in one run.
+
+    .venv/bin/python benchmarks/native_gemm.py products [--layers 30] [--rows 1,2,3,5,9,16,64,256]
+    .venv/bin/python benchmarks/native_gemm.py decode [--model models/target] [--draft models/draft]
+        [--rounds 2] [--tokens 128]
+
+`products`: SmolLM2-135M-shaped layer products (q/k/v 960x576, o 576x576, gate/up 3072x576, down
+576x1536; `--layers` distinct copies, so the weights stream from memory as in decoding), every row
+count timed for oneDNN (`torch.ops.mkldnn._linear_pointwise` on its packed weights) and for
+dw_gemm_f32, alternating; the results are checked bitwise equal first.
+`decode`: batch-1 greedy decoding of a few code prompts by the embedded pair, plain and with the
+draft (k=4), each in a subprocess with DRAFTWISE_NATIVE_GEMM=0 (oneDNN) and =1 (dw_gemm_f32) in
+alternation, `--rounds` times.
+Only on a CPU where dw_gemm_f32 is used (no AVX-512; see model/llama.py `native_gemm_wanted`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n",
+           "import os\n\ndef list_files(path):\n", "def parse_args(argv):\n"]
+
+
+def products(layers: int, rows_list: list[int], threads: int) -> None:
+    import torch
+
+    from draftwise.model import cpu_kernels
+    from draftwise.model.llama import native_gemm_wanted
+
+    torch.set_num_threads(threads)
+    if not native_gemm_wanted():
+        raise SystemExit("dw_gemm_f32 is not used on this machine (AVX-512, no kernels, or DRAFTWISE_NATIVE_GEMM=0)")
+    k = cpu_kernels.kernels()
+
+    def pack(w):
+        wp = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16)
+        k.pack_f32(w.data_ptr(), wp.data_ptr(), *w.shape)
+        return wp
+
+    g = torch.Generator().manual_seed(0)
+    dnn, ours = [], []
+    for _ in range(layers):
+        ws = [torch.randn(o, n, generator=g) for o, n in SHAPES]
+        dnn.append([torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws])
+        ours.append([pack(w) for w in ws])
+    print(f"{layers} layers of {SHAPES}, {threads} threads; ms per pass over all of them (best of 3)")
+    for rows in rows_list:
+        xs = [torch.randn(rows, n, generator=g) for _, n in SHAPES]
+        outs = [torch.empty(rows, o) for o, _ in SHAPES]
+
+        def run_dnn():
+            return [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for l in dnn for w, x in zip(l, xs)]
+
+        def run_ours():
+            for l in ours:
+                for w, x, y, (o, n) in zip(l, xs, outs, SHAPES):
+                    k.gemm_f32(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), rows, o, n, threads)
+            return outs
+
+        ref = run_dnn()[-len(SHAPES):]
+        run_ours()
+        assert all(torch.equal(a, b) for a, b in zip(ref, outs)), "dw_gemm_f32 differs from oneDNN"
+        best = {"oneDNN": [], "dw_gemm_f32": []}
+        for _ in range(3):
+            for name, f in (("oneDNN", run_dnn), ("dw_gemm_f32", run_ours)):
+                s = time.perf_counter()
+                f()
+                best[name].append(time.perf_counter() - s)
+        a, b = min(best["oneDNN"]), min(best["dw_gemm_f32"])
+        print(f"rows {rows:4d}: oneDNN {a * 1e3:7.1f}  dw_gemm_f32 {b * 1e3:7.1f}  ({a / b:.2f}x)")
+
+
+def _decode_child(model: str, draft: str | None, tokens: int, threads: int) -> None:
+    import torch
+
+    from draftwise import LLM, SpecConfig
+    from draftwise.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    spec = SpecConfig(method="draft", k=4) if draft else None
+    llm = LLM(model=model, draft=draft, spec=spec)
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(PROMPTS[:1], sp)  # warm-up
+    t, n = time.perf_counter(), 0
+    for p in PROMPTS:
+        n += len(llm.generate([p], sp)[0].token_ids)
+    print(json.dumps({"tok_s": n / (time.perf_counter() - t)}))
+
+
+def decode(model: str, draft: str, rounds: int, tokens: int, threads: int) -> None:
+    res: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for mode in ("plain", "draft k=4"):
+            for native in ("0", "1"):
+                cmd = [sys.executable, __file__, "_child", "--model", model, "--tokens", str(tokens),
+                       "--threads", str(threads)] + (["--draft", draft] if mode != "plain" else [])
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                     env=dict(os.environ, DRAFTWISE_NATIVE_GEMM=native))
+                res.setdefault((mode, native), []).append(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+    print(f"batch 1, greedy, {len(PROMPTS)} prompts x {tokens} tokens, {threads} threads, {rounds} rounds (tok/s)")
+    for mode in ("plain", "draft k=4"):
+        a, b = res[(mode, "0")], res[(mode, "1")]
+        print(f"{mode:10s} oneDNN {' / '.join(f'{v:.1f}' for v in a)}   dw_gemm_f32 {' / '.join(f'{v:.1f}' for v in b)}"
+              f"   ({sum(b) / sum(a):.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["products", "decode", "_child"])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rows", default="1,2,3,5,9,16,64,256")
+    ap.add_argument("--model", default=str(ROOT / "models" / "target"))
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    if a.what == "products":
+        products(a.layers, [int(r) for r in a.rows.split(",")], a.threads)
+    elif a.what == "decode":
+        decode(a.model, a.draft or str(ROOT / "models" / "draft"), a.rounds, a.tokens, a.threads)
+    else:
+        _decode_child(a.model, a.draft, a.tokens, a.threads)
+
+
+if __name__ == "__main__":
+    main()
