@@ -36,37 +36,6 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-/* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
- * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
- * polynomial), within ~2 ulp of the exact value. Written on 16-lane vectors (GCC/Clang vector
- * extensions) because the C library's expf is one call per element. */
-static inline v16f vsel(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
-
-static inline v16f exp16(v16f x) {
-    const v16f lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
-    x = vsel(x < lo, lo, x);
-    x = vsel(x > hi, hi, x);
-    v16f t = x * 1.44269504088896341f + 0.5f;
-    v16i ni = __builtin_convertvector(t, v16i); /* truncates: floor for t >= 0 */
-    v16f n = __builtin_convertvector(ni, v16f);
-    v16i below = n > t; /* -1 where truncation rounded up (t < 0 and not whole) */
-    ni += below;
-    n = __builtin_convertvector(ni, v16f);
-    x = x - n * 0.693359375f;
-    x = x - n * -2.12194440e-4f;
-    v16f z = x * x;
-    v16f y = ((((x * 1.9875691500e-4f + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-              + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    return y * (v16f)((ni + 127) << 23); /* times 2^n */
-}
-
-static inline float exp1(float x) { /* one element through the same formula */
-    v16f v = {0};
-    v[0] = x;
-    return exp16(v)[0];
-}
-
 static inline v16f load16(const void *p, long i, int bf) {
     v16f r;
     if (bf) {
@@ -215,8 +184,11 @@ static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
 typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8f vsel8(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
 
-/* exp16's formula on 8 lanes (bitwise the same results): GCC scalarised exp16's 16-lane
- * conversions on AVX2, the softmax's largest cost there. */
+/* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
+ * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
+ * polynomial), within ~2 ulp of the exact value. Written on 8-lane vectors (GCC/Clang vector
+ * extensions: one AVX2 register; GCC scalarised a 16-lane version's conversions on AVX2) because
+ * the C library's expf is one call per element. */
 static inline v8f exp8(v8f x) {
     const v8f lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
     x = vsel8(x < lo, lo, x);
@@ -234,6 +206,12 @@ static inline v8f exp8(v8f x) {
              + 1.6666665459e-1f) * x + 5.0000001201e-1f;
     y = y * z + x + 1.0f;
     return y * (v8f)((ni + 127) << 23);
+}
+
+static inline float exp1(float x) { /* one element through the same formula */
+    v8f v = {0};
+    v[0] = x;
+    return exp8(v)[0];
 }
 
 
@@ -478,7 +456,7 @@ void dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, 
 void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf) {
     for (long r = 0; r < rows; r++) {
         long g = r * 2 * I, u = g + I, o = r * I, i = 0;
-        for (; i + 8 <= I; i += 8) { /* 8 lanes: exp8 (exp16 was scalarised on AVX2), same results */
+        for (; i + 8 <= I; i += 8) {
             v8f x = load8(gu, g + i, bf);
             v8f sx = x / (1.0f + exp8(-x));
             if (bf) sx = round8f(sx); /* silu's result rounded */
