@@ -631,12 +631,87 @@ static inline __attribute__((always_inline)) void q8_block(const float *xf, cons
 #define Q8_MIN_PARALLEL (1L << 17)
 #endif
 
+#ifdef __AVX512F__
 static void q8_range(const float *xf, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
                      long O, long N, long o_begin, long o_end, int obf) {
     long o0 = o_begin;
     for (; o0 + 4 <= o_end; o0 += 4) Q8_ROWS(4)
     for (; o0 < o_end; o0++) Q8_ROWS(1)
 }
+#else
+/* Without AVX-512: q8_block's arithmetic (16 lanes accumulated as a * b + c, hsum16's tree: the
+ * same bits) on pairs of 8-lane vectors, in register blocks that fit 16 AVX2 registers (q8_block's
+ * 6 x 4 blocks of 16-lane accumulators spilled there: SmolLM2's int8 step took 2x its float32 one).
+ * Each weight block is converted once and used for every row of the block. */
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline v8f q8x8(const int8_t *p) {
+    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+typedef int8_t v8c __attribute__((vector_size(8)));
+static inline v8f q8x8(const int8_t *p) {
+    v8c c;
+    memcpy(&c, p, 8);
+    return __builtin_convertvector(__builtin_convertvector(c, v8i), v8f);
+}
+#endif
+
+static inline __attribute__((always_inline)) void q8_block8(const float *xf, const int8_t *q, const float *scale,
+                                                            const float *bias, void *out, long r0, long o0, long O,
+                                                            long N, int NR, int NO, int obf) {
+    long Nv = N & ~15L;
+    v8f lo[4][4], hi[4][4]; /* NR x NO <= 4 (2 x 2 halves each: <= 8 registers), then the weights */
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NO; j++) lo[r][j] = hi[r][j] = (v8f){0};
+    const int8_t *qo = q + o0 * N;
+    for (long i = 0; i < Nv; i += 16) {
+        if ((i & 63) == 0) /* as q8_block: the rows 3 blocks ahead */
+            for (int j = 0; j < NO; j++) __builtin_prefetch(qo + (3 * NO + j) * N + i, 0, 3);
+        for (int j = 0; j < NO; j++) {
+            v8f wl = q8x8(qo + j * N + i), wh = q8x8(qo + j * N + i + 8);
+            for (int r = 0; r < NR; r++) {
+                v8f xl, xh;
+                memcpy(&xl, xf + (r0 + r) * N + i, 32);
+                memcpy(&xh, xf + (r0 + r) * N + i + 8, 32);
+                lo[r][j] = xl * wl + lo[r][j];
+                hi[r][j] = xh * wh + hi[r][j];
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float *xr = xf + (r0 + r) * N;
+        for (int j = 0; j < NO; j++) {
+            float s = tree16(lo[r][j], hi[r][j]);
+            for (long i = Nv; i < N; i++) s += xr[i] * (float)qo[j * N + i];
+            float y = s * scale[o0 + j];
+            if (bias) y += bias[o0 + j];
+            st(out, (r0 + r) * O + o0 + j, y, obf);
+        }
+    }
+}
+
+#define Q8_ROWS8(NO, MAXR)                                                                       \
+    for (long r0 = 0; r0 < rows; r0 += MAXR) {                                                   \
+        switch (rows - r0 < MAXR ? rows - r0 : MAXR) {                                           \
+        case 4: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 4, NO, obf); break;             \
+        case 3: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 3, NO, obf); break;             \
+        case 2: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 2, NO, obf); break;             \
+        default: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 1, NO, obf); break;            \
+        }                                                                                        \
+    }
+
+static void q8_range(const float *xf, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
+                     long O, long N, long o_begin, long o_end, int obf) {
+    long o0 = o_begin;
+    if (rows == 1)
+        for (; o0 + 4 <= o_end; o0 += 4) Q8_ROWS8(4, 1)
+    else if (rows == 2)
+        for (; o0 + 2 <= o_end; o0 += 2) Q8_ROWS8(2, 2)
+    for (; o0 < o_end; o0++) Q8_ROWS8(1, 4)
+}
+#undef Q8_ROWS8
+#endif
 
 void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
                   long O, long N, int threads, int bf, int obf) {
