@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..model import cpu_kernels
 from ..model.loader import LoadedModel
 from ..model.quantize import quantization_of
 from ..model.runner import ModelRunner
@@ -194,14 +195,16 @@ def cache_dir() -> Path:
 def profile_cache_path(target_path: str | Path, draft_path: str | Path | None, dtype: str, draft_dtype: str | None,
                        device: str, threads: int, quantization: str | None = None) -> Path:
     """The cache file of a pair and run settings: keyed by the models' fingerprints (not their
-    paths: a copy reuses the profile), dtypes, weight quantization, device, threads and the CPU
-    model."""
+    paths: a copy reuses the profile), dtypes, weight quantization, device, threads, the CPU
+    model and, on CPU, the fused kernels' source (new kernels time differently: measured again)."""
     key = {
         "target": model_fingerprint(target_path),
         "draft": model_fingerprint(draft_path) if draft_path is not None else None,
         "dtype": str(dtype), "draft_dtype": str(draft_dtype) if draft_path is not None else None,
         "device": str(device), "threads": int(threads), "cpu": machine_info()["cpu"],
     }
+    if str(device) == "cpu":
+        key["kernels"] = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:16]
     if quantization is not None:  # (absent for float weights: the caches written before stay valid)
         key["quantization"] = quantization
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
