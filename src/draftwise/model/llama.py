@@ -125,10 +125,11 @@ def _native_pack(w: torch.Tensor, bias) -> torch.Tensor | None:
     """w packed for dw_gemm_f32 ([ceil(O/16), N, 16]) when `native_gemm_wanted` and its products
     equal oneDNN's bitwise on probe rows (1 and 7: the register blockings of one row and of
     several), else None. oneDNN packs only the first PROBE_OUTPUTS outputs for the check (each
-    output's sum is its own: the check needs no second copy of a large weight in memory). Equal results make the switch invisible: the same logits, the
-    same greedy tokens, only faster (measured on the AVX2-only EPYC, 2 threads, SmolLM2-135M's
-    30 layers of products: 19.2 against 26.7 ms at 1 row, 28.7 / 37.2 at 5, 57.3 / 61.0 at 16,
-    403.6 / 449.3 at 256; oneDNN's small-row products leave bandwidth unused)."""
+    output's sum is its own: the check needs no second copy of a large weight in memory). Equal
+    results make the switch invisible: the same logits, the same greedy tokens, only faster
+    (measured on the AVX2-only EPYC, 2 threads, SmolLM2-135M's 30 layers of products: 19.2
+    against 26.7 ms at 1 row, 28.7 / 37.2 at 5, 57.3 / 61.0 at 16, 403.6 / 449.3 at 256; oneDNN's
+    small-row products leave bandwidth unused; benchmarks/native_gemm.py)."""
     if w.dtype != torch.float32 or not native_gemm_wanted():
         return None
     k = cpu_kernels.kernels()
