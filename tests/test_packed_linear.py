@@ -99,3 +99,22 @@ def test_native_products_equal_onednn_bitwise(shape):
                               rtol=1e-5, atol=1e-4)
     finally:
         cpu_kernels.set_enabled(True)
+
+
+def test_native_bfloat16_products_match_f_linear():
+    """Without native bfloat16 products, large bfloat16 weights run dw_gemm_bf16: float32 sums of
+    the widened weights, one rounding at the end, as F.linear's; the same rows alone or together."""
+    from draftwise.model.llama import native_gemm_wanted
+    from draftwise.model import cpu_kernels
+
+    if not native_gemm_wanted() or cpu_kernels.bf16_native():
+        pytest.skip("dw_gemm_bf16 is not used on this machine")
+    torch.manual_seed(2)
+    w, b = torch.randn(1000, 256).bfloat16(), torch.randn(1000).bfloat16()
+    lin = PackedLinear([w], [b])
+    assert lin.native is not None and lin.native.dtype == torch.bfloat16 and lin.weight is None
+    x = torch.randn(9, 256).bfloat16()
+    out = lin(x)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(lin(x[3:4]), out[3:4])  # a row's result does not depend on the others

@@ -744,19 +744,21 @@ void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const floa
 #define GEMM_PREFETCH 512 /* floats ahead in a block's stream (32 lines) */
 #endif
 
-static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const float *wp, long ob,
+static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const void *wp, long ob,
                                                              long k0, long k1, float *out, long O, int NR, int NB,
-                                                             int first) {
+                                                             int first, int WB) {
     v8f acc[6][4][2];
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
-    const float *w = wp + (ob * N + k0) * 16;
-    for (long k = k0; k < k1; k++, w += 16) {
-        for (int j = 0; j < NB; j++) __builtin_prefetch(w + j * N * 16 + GEMM_PREFETCH, 0, 0); /* a line a k */
+    long es = WB ? 2 : 4; /* bfloat16 or float32 weights */
+    const char *w = (const char *)wp + (ob * N + k0) * 16 * es;
+    for (long k = k0; k < k1; k++, w += 16 * es) {
+        for (int j = 0; j < NB; j++) /* a line a k (float32; half a line for bfloat16) */
+            __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, 0);
         v8f w0[4], w1[4];
         for (int j = 0; j < NB; j++) {
-            memcpy(&w0[j], w + j * N * 16, 32);
-            memcpy(&w1[j], w + j * N * 16 + 8, 32);
+            w0[j] = load8(w + j * N * 16 * es, 0, WB);
+            w1[j] = load8(w + j * N * 16 * es, 8, WB);
         }
         for (int r = 0; r < NR; r++) {
             v8f xb = bcast8(x[r * N + k]);
@@ -780,21 +782,22 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
         }
 }
 
-#define GEMM_ROWS(NB)                                                                                    \
+#define GEMM_ROWS(NB, WB)                                                                                \
     for (long r0 = rc; r0 < rc_end; r0 += 6) {                                                           \
         const float *xr = x + r0 * N;                                                                    \
         float *yr = out + r0 * O;                                                                        \
         switch (rc_end - r0 < 6 ? rc_end - r0 : 6) {                                                     \
-        case 6: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first); break;                           \
-        case 5: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first); break;                           \
-        case 4: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first); break;                           \
-        case 3: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first); break;                           \
-        case 2: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first); break;                           \
-        default: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first); break;                          \
+        case 6: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first, WB); break;                           \
+        case 5: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first, WB); break;                           \
+        case 4: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first, WB); break;                           \
+        case 3: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first, WB); break;                           \
+        case 2: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first, WB); break;                           \
+        default: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first, WB); break;                          \
         }                                                                                                \
     }
 
-static void gemm_range(const float *x, const float *wp, float *out, long rows, long O, long N, long b0, long b1) {
+static void gemm_range(const float *x, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
+                       int wb) {
     int nb = rows == 1 ? 4 : rows == 2 ? 2 : 1; /* output blocks per register block */
     for (long rc = 0; rc < rows; rc += GEMM_RC) {
         long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
@@ -803,12 +806,20 @@ static void gemm_range(const float *x, const float *wp, float *out, long rows, l
             for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
                 long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
                 int first = k0 == 0;
-                if (step == 4) {
-                    GEMM_ROWS(4)
+                if (wb) {
+                    if (step == 4) {
+                        GEMM_ROWS(4, 1)
+                    } else if (step == 2) {
+                        GEMM_ROWS(2, 1)
+                    } else {
+                        GEMM_ROWS(1, 1)
+                    }
+                } else if (step == 4) {
+                    GEMM_ROWS(4, 0)
                 } else if (step == 2) {
-                    GEMM_ROWS(2)
+                    GEMM_ROWS(2, 0)
                 } else {
-                    GEMM_ROWS(1)
+                    GEMM_ROWS(1, 0)
                 }
             }
             ob += step;
@@ -829,11 +840,46 @@ void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out,
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         b0 = (b0 + 3) & ~3L; /* whole groups of 4 blocks per thread (the last may be short) */
         b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
-        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1);
+        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, 0);
     }
     if (bias)
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
+}
+
+/* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16,
+ * for CPUs without native bfloat16 products (where torch's bfloat16 matmul is a generic loop): the
+ * weights widened to float32 in registers (half the bytes of float32 to stream), float32 FMA
+ * chains as dw_gemm_f32's, the bias added in float32, one rounding to bfloat16 at the end (as
+ * F.linear rounds its float32 accumulation). */
+void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
+                  long N, int threads) {
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16)), *yf = xf + rows * N;
+    for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
+    long blocks = (O + 15) / 16;
+    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
+    if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
+    for (long t = 0; t < nt; t++) {
+        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        b0 = (b0 + 3) & ~3L;
+        b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
+        if (b0 < b1) gemm_range(xf, wp, yf, rows, O, N, b0, b1, 1);
+    }
+    for (long r = 0; r < rows; r++)
+        for (long o = 0; o < O; o++) out[r * O + o] = f2bf(bias ? yf[r * O + o] + bf2f(bias[o]) : yf[r * O + o]);
+    free(xf);
+}
+
+/* wp [ceil(O/16)][N][16] from a bfloat16 w [O, N] */
+void dw_pack_bf16(const uint16_t *w, uint16_t *wp, long O, long N) {
+    long blocks = (O + 15) / 16;
+    for (long b = 0; b < blocks; b++)
+        for (long k = 0; k < N; k++)
+            for (long l = 0; l < 16; l++) {
+                long o = b * 16 + l;
+                wp[(b * N + k) * 16 + l] = o < O ? w[o * N + k] : 0;
+            }
 }
 
 /* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it) */

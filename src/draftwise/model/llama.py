@@ -152,15 +152,18 @@ PROBE_OUTPUTS = 64
 
 
 def _native_linear(x: torch.Tensor, wp: torch.Tensor, bias, out_features: int) -> torch.Tensor:
+    """x times a weight packed for dw_gemm_f32 (float32) or dw_gemm_bf16 (bfloat16: x, bias and
+    the result in bfloat16 too)."""
     k = cpu_kernels.kernels()
     n_in = wp.shape[1]
-    if k is None or x.dtype != torch.float32:  # kernels switched off since loading (tests): the same sum in torch
+    if k is None or x.dtype != wp.dtype:  # kernels switched off since loading (tests): the same sum in torch
         w = wp.permute(0, 2, 1).reshape(-1, n_in)[:out_features]
         return F.linear(x.to(w.dtype), w, bias)
     x = x.contiguous()
-    out = torch.empty(*x.shape[:-1], out_features)
-    k.gemm_f32(x.data_ptr(), wp.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-               x.numel() // n_in, out_features, n_in, torch.get_num_threads())
+    out = torch.empty(*x.shape[:-1], out_features, dtype=wp.dtype)
+    gemm = k.gemm_f32 if wp.dtype == torch.float32 else k.gemm_bf16
+    gemm(x.data_ptr(), wp.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+         x.numel() // n_in, out_features, n_in, torch.get_num_threads())
     return out
 
 
@@ -188,6 +191,11 @@ class PackedLinear(nn.Module):
             self.native = _native_pack(w, self.bias)
             if self.native is None:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
+        elif (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.numel() >= PACK_MIN_NUMEL
+              and native_gemm_wanted()):  # no native bfloat16 products here: dw_gemm_bf16
+            self.packed, self.weight = None, None
+            self.native = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16, dtype=torch.bfloat16)
+            cpu_kernels.kernels().pack_bf16(w.contiguous().data_ptr(), self.native.data_ptr(), *w.shape)
         else:
             self.packed, self.weight = None, nn.Parameter(w.contiguous(), requires_grad=False)
         # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py), which
@@ -578,7 +586,7 @@ class LlamaModel(nn.Module):
         self.head_rows = self.lm_head.weight.detach() if quantization is None else None
         tied = self.lm_head.weight is self.model.embed_tokens.weight
         self.lm_head = head(self.lm_head)  # a copy when tied to the embeddings
-        if tied and getattr(self.lm_head, "native", None) is not None:
+        if tied and getattr(self.lm_head, "native", None) is not None and self.lm_head.native.dtype == torch.float32:
             # float32 (the only dtype dw_gemm_f32 packs): no refine_top_logits, and the input
             # embedding reads the head's packed copy: one copy of the matrix instead of two
             self.model.embed_tokens, self.head_rows = PackedEmbedding(self.lm_head.native), None
