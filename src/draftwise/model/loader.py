@@ -20,7 +20,7 @@ from ..paths import models_dir, resolve_model
 from . import cpu_kernels
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
-from .llama import LlamaModel
+from .llama import LlamaModel, native_gemm_wanted
 from .quantize import check_method
 
 
@@ -91,7 +91,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         raise ModelLoadError(f"{path}: quantization {quantization!r} supports Llama-family models, not the hybrid "
                              f"architecture {cfg.arch}")
     dt = resolve_dtype(dtype)
-    if dt == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_kernels.bf16_native():
+    if (dt == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_kernels.bf16_native()
+            and not (fuse and native_gemm_wanted())):  # (with the kernels, dw_gemm_bf16 runs the products)
         log.warning("draftwise: this CPU has no native bfloat16 products (%s): bfloat16 weights run through "
                     "torch's generic matmul, slower than float32 here; consider --dtype float32",
                     torch.backends.cpu.get_cpu_capability())
