@@ -128,7 +128,7 @@ def main() -> int:
     wbytes = {"llama.cpp": gguf_weight_bytes(args.gguf)}
     for d, llm in llms.items():
         cfg = llm.engine.target.config
-        params = sum(p.numel() for p in llm.engine.target.model.model.embed_tokens.parameters())  # the head
+        params = cfg.vocab_size * cfg.hidden_size  # the head (the tied embedding; PackedEmbedding has no parameter)
         for w in llm.engine.target.model.plan:
             params += sum(t.numel() for t in (w.ln1, w.ln2))
         for layer in llm.engine.target.model.model.layers:
