@@ -44,7 +44,7 @@ def products(layers: int, rows_list: list[int], threads: int) -> None:
 
     def pack(w):
         wp = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16)
-        k.pack_f32(w.data_ptr(), wp.data_ptr(), *w.shape)
+        k.pack(w.data_ptr(), wp.data_ptr(), *w.shape, 4)
         return wp
 
     g = torch.Generator().manual_seed(0)

@@ -10,8 +10,7 @@ import torch
 from draftwise import corpus
 from draftwise.model import load_model
 from draftwise.train import distill, self_data
-from test_train_vocab import SHIFT, big_vocab_tokenizer
-from tiny_models import make_model_dir
+from test_train_vocab import SHIFT, big_vocab_setup
 
 SOURCE = '''"""Helpers for parsing and joining words.
 
@@ -54,16 +53,7 @@ def count_words(text):
 
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
-    tok = big_vocab_tokenizer()
-    target = make_model_dir(tmp_path / "target", tokenizer=tok, layers=1, hidden=32, heads=2, kv_heads=1, inter=64,
-                            eos_token_id=tok.token_to_id("<|endoftext|>"))
-    root = tmp_path / "corpus"
-    (root / "json").mkdir(parents=True)
-    (root / "words.py").write_text(SOURCE)
-    (root / "json" / "held.py").write_text(SOURCE)
-    real_split = corpus.split
-    monkeypatch.setattr(corpus, "split", lambda *a: real_split(root))
-    return tok, target
+    return big_vocab_setup(tmp_path, monkeypatch, SOURCE, SOURCE)
 
 
 def test_prompts_come_from_the_training_files_only(setup):

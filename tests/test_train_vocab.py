@@ -39,16 +39,23 @@ def test_stream_keeps_ids_above_int16():
     assert stream.tolist() == ids and min(ids) >= SHIFT
 
 
-def test_train_draft_on_a_vocabulary_above_32767(tmp_path, monkeypatch):
+def big_vocab_setup(tmp_path, monkeypatch, train_text: str, held_text: str):
+    """A tiny target on `big_vocab_tokenizer` and a two-file corpus (one training, one held-out
+    file) that `corpus.split()` returns: (tokenizer, target directory)."""
     tok = big_vocab_tokenizer()
     target = make_model_dir(tmp_path / "target", tokenizer=tok, layers=1, hidden=32, heads=2, kv_heads=1, inter=64,
                             eos_token_id=tok.token_to_id("<|endoftext|>"))
     root = tmp_path / "corpus"
     (root / "json").mkdir(parents=True)
-    (root / "lib.py").write_text("".join(CORPUS))
-    (root / "json" / "held.py").write_text("".join(CORPUS[:40]))
+    (root / "lib.py").write_text(train_text)
+    (root / "json" / "held.py").write_text(held_text)
     real_split = corpus.split
-    monkeypatch.setattr(distill.corpus, "split", lambda *a: real_split(root))
+    monkeypatch.setattr(corpus, "split", lambda *a: real_split(root))
+    return tok, target
+
+
+def test_train_draft_on_a_vocabulary_above_32767(tmp_path, monkeypatch):
+    tok, target = big_vocab_setup(tmp_path, monkeypatch, "".join(CORPUS), "".join(CORPUS[:40]))
     summary = distill.train_draft(tmp_path / "draft", target, tokens=3 * 2 * 16, ckpt_dir=tmp_path / "ckpt",
                                   overrides=dict(shape="tiny", batch_size=2, seq_len=16, warmup_steps=1))
     assert summary["corpus"]["train_tokens"] > 100

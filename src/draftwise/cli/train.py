@@ -73,6 +73,10 @@ def run(args) -> int:
         raise UserError("--data self is for `train draft` (the target's own replies are the draft's data)")
     if args.gen_tokens < 0:
         raise UserError(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
+    if args.gen_minutes is not None and not args.gen_minutes > 0:
+        raise UserError(f"--gen-minutes must be > 0, got {args.gen_minutes}")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        raise UserError(f"--device {args.device}: not available here (cpu, or cuda where a GPU is)")
     if args.target:  # a bare name is a directory under models/ (paths.resolve_model)
         args.target = str(resolve_model(args.target))
     t0 = time.time()

@@ -728,7 +728,7 @@ void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const floa
 }
 #undef Q8_ROWS
 
-/* Float32 products against a weight packed as [ceil(O/16)][N][16] (`dw_pack_f32`: for each input
+/* Float32 products against a weight packed as [ceil(O/16)][N][16] (`dw_pack`: for each input
  * k the weights of 16 consecutive outputs side by side; the last block's missing outputs are zero).
  * Each output is an FMA chain over k in order, restarted from zero every GEMM_KB inputs, the
  * chains' sums added in order, then the bias: the order of oneDNN's float32 product on AVX2 (the
@@ -828,10 +828,9 @@ static void gemm_range(const float *x, const void *wp, float *out, long rows, lo
 }
 #undef GEMM_ROWS
 
-/* out [rows, O] = x [rows, N] times the packed weight (+ bias [O], may be NULL); the output blocks
- * split into `threads` ranges (OpenMP, torch's own team) when the weight is large enough. */
-void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
-                 int threads) {
+/* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
+ * whole groups of 4 blocks when the weight is large enough; wb: bfloat16 weights. */
+static void gemm_threads(const float *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb) {
     long blocks = (O + 15) / 16;
     long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
     if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
@@ -840,8 +839,14 @@ void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out,
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         b0 = (b0 + 3) & ~3L; /* whole groups of 4 blocks per thread (the last may be short) */
         b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
-        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, 0);
+        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, wb);
     }
+}
+
+/* out [rows, O] = x [rows, N] times the packed weight (+ bias [O], may be NULL). */
+void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
+                 int threads) {
+    gemm_threads(x, wp, out, rows, O, N, threads, 0);
     if (bias)
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
@@ -856,39 +861,24 @@ void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, u
                   long N, int threads) {
     float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16)), *yf = xf + rows * N;
     for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
-    long blocks = (O + 15) / 16;
-    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
-    if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
-#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
-    for (long t = 0; t < nt; t++) {
-        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        b0 = (b0 + 3) & ~3L;
-        b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
-        if (b0 < b1) gemm_range(xf, wp, yf, rows, O, N, b0, b1, 1);
-    }
+    gemm_threads(xf, wp, yf, rows, O, N, threads, 1);
     for (long r = 0; r < rows; r++)
         for (long o = 0; o < O; o++) out[r * O + o] = f2bf(bias ? yf[r * O + o] + bf2f(bias[o]) : yf[r * O + o]);
     free(xf);
 }
 
-/* wp [ceil(O/16)][N][16] from a bfloat16 w [O, N] */
-void dw_pack_bf16(const uint16_t *w, uint16_t *wp, long O, long N) {
+/* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it), elements of `es` bytes
+ * (4: float32, 2: bfloat16); the last block's missing outputs zero */
+void dw_pack(const void *w, void *wp, long O, long N, long es) {
     long blocks = (O + 15) / 16;
     for (long b = 0; b < blocks; b++)
         for (long k = 0; k < N; k++)
             for (long l = 0; l < 16; l++) {
                 long o = b * 16 + l;
-                wp[(b * N + k) * 16 + l] = o < O ? w[o * N + k] : 0;
-            }
-}
-
-/* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it) */
-void dw_pack_f32(const float *w, float *wp, long O, long N) {
-    long blocks = (O + 15) / 16;
-    for (long b = 0; b < blocks; b++)
-        for (long k = 0; k < N; k++)
-            for (long l = 0; l < 16; l++) {
-                long o = b * 16 + l;
-                wp[(b * N + k) * 16 + l] = o < O ? w[o * N + k] : 0.0f;
+                char *dst = (char *)wp + ((b * N + k) * 16 + l) * es;
+                if (o < O)
+                    memcpy(dst, (const char *)w + (o * N + k) * es, es);
+                else
+                    memset(dst, 0, es);
             }
 }

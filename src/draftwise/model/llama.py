@@ -132,10 +132,8 @@ def _native_pack(w: torch.Tensor, bias) -> torch.Tensor | None:
     small-row products leave bandwidth unused; benchmarks/native_gemm.py)."""
     if w.dtype != torch.float32 or not native_gemm_wanted():
         return None
-    k = cpu_kernels.kernels()
     O, N = w.shape
-    wp = torch.empty((O + 15) // 16, N, 16)
-    k.pack_f32(w.contiguous().data_ptr(), wp.data_ptr(), O, N)
+    wp = _pack(w)
     g = torch.Generator().manual_seed(O * 31 + N)
     n = min(O, PROBE_OUTPUTS)
     probe = torch.ops.mkldnn._reorder_linear_weight(w[:n].contiguous(), PACK_BATCH_HINT)
@@ -149,6 +147,13 @@ def _native_pack(w: torch.Tensor, bias) -> torch.Tensor | None:
 
 
 PROBE_OUTPUTS = 64
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """w [O, N] in dw_gemm's layout [ceil(O/16), N, 16] (the missing outputs of the last block zero)."""
+    wp = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16, dtype=w.dtype)
+    cpu_kernels.kernels().pack(w.contiguous().data_ptr(), wp.data_ptr(), *w.shape, w.element_size())
+    return wp
 
 
 def _native_linear(x: torch.Tensor, wp: torch.Tensor, bias, out_features: int) -> torch.Tensor:
@@ -194,8 +199,7 @@ class PackedLinear(nn.Module):
         elif (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.numel() >= PACK_MIN_NUMEL
               and native_gemm_wanted()):  # no native bfloat16 products here: dw_gemm_bf16
             self.packed, self.weight = None, None
-            self.native = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16, dtype=torch.bfloat16)
-            cpu_kernels.kernels().pack_bf16(w.contiguous().data_ptr(), self.native.data_ptr(), *w.shape)
+            self.native = _pack(w)
         else:
             self.packed, self.weight = None, nn.Parameter(w.contiguous(), requires_grad=False)
         # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py), which

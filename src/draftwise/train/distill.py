@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..model.config import ModelConfig
 from ..model.loader import load_model
 from .. import corpus
 from . import self_data
@@ -56,13 +57,14 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
         if gen_tokens:
             gen = self_data.generate(target_dir, data_dir, gen_tokens, max_tokens=gen_max_tokens, device=device,
                                      minutes=gen_minutes, log=log or print)
-        teacher = load_model(target_dir, dtype="float32", fuse=False, load_tokenizer=False)
-        streams = self_data.load_streams(data_dir, teacher.config.eos_token_id[0])
+        teacher = None  # the replies are the labels: the target's config is all the training needs
+        tcfg = ModelConfig.from_dir(target_dir)
+        streams = self_data.load_streams(data_dir, tcfg.eos_token_id[0])
         ce_only = True
     else:
         teacher = load_model(target_dir, dtype="bfloat16")
+        tcfg = teacher.config
         streams = load_streams(teacher.tokenizer, split, ckpt_dir)
-    tcfg = teacher.config
     cfg_dict = llama_config(PRESETS[hp["shape"]], tcfg.vocab_size, tcfg.eos_token_id[0], tcfg.bos_token_id,
                             tcfg.max_position_embeddings)
     model = build_model(cfg_dict, seed=hp.get("seed", 0))
@@ -83,7 +85,7 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
     objective = ("cross-entropy on the target's own replies (sequence-level distillation)" if data == "self"
                  else "cross-entropy" if ce_only else f"forward KL (alpha={alpha}) + CE")
     summary.update(role="draft", objective=objective, parameters=count_params(model), target=str(target_dir),
-                   target_parameters=count_params(teacher.model), corpus=corpus_stats(split, streams))
+                   target_parameters=tcfg.num_parameters(), corpus=corpus_stats(split, streams))
     if data == "self":
         summary["self_data"] = gen or json.loads((data_dir / "manifest.json").read_text())
     export_model(model, out, target_dir, summary)
