@@ -70,7 +70,7 @@ def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_
     """The tiny models' projections are all small: all layers run in one `dw_decoder` call, or
     (as for a target with oneDNN-packed products) layer by layer."""
     if not whole:
-        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: [])
+        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
     kernels_switch(True)
     if cpu_kernels.kernels() is None:
         pytest.skip("fused kernels unavailable (no C compiler)")
@@ -85,7 +85,7 @@ def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_
     monkeypatch.setattr(LlamaModel, "_fused_forward", spy)
     loaded = load_with_distinct_norms(path, dtype)
     on = run_rounds(loaded, [])
-    assert bool(loaded.model._small_layers) == whole
+    assert bool(loaded.model._decoder_plan) == whole
     assert fused_calls == [12, 40, 1, 1, 1, 5, 9, 1], "every call of this lone sequence takes the fused path"
     kernels_switch(False)
     fused_calls.clear()
@@ -97,6 +97,44 @@ def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_
             assert (a - b).abs().max().item() <= 1e-5 * max(1.0, scale)
         else:  # a product may round to the neighbouring bfloat16 value: compare in its ulps
             assert (a - b).abs().max().item() <= 0.02 * scale
+
+
+# a target-sized layer: every projection at least PACK_MIN_NUMEL elements (dw_gemm's packing, or
+# int8), the o projection too (448 x 448)
+BIG = dict(hidden=448, heads=7, kv_heads=1, inter=896, layers=2)
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16", "int8"])
+def test_one_call_step_equals_layer_by_layer_bitwise(variant, tmp_path, tokenizer, kernels_switch, monkeypatch):
+    """A target whose products are dw_gemm's (float32 / bfloat16) or dw_linear_q8's (int8): the
+    whole step in one dw_decoder call gives bitwise the logits of the per-layer path (the same
+    kernels, in the same order), for a lone sequence and for batches (padded and packed)."""
+    kernels_switch(True)
+    if cpu_kernels.kernels() is None:
+        pytest.skip("fused kernels unavailable (no C compiler)")
+    path = make_model_dir(tmp_path, seed=6, tokenizer=tokenizer, **BIG)
+    dtype, quant = ("float32", "int8") if variant == "int8" else (variant, None)
+
+    def load():
+        loaded = load_model(path, dtype=dtype, load_tokenizer=False, quantization=quant)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in loaded.model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+        return loaded
+
+    one = load()
+    a = run_rounds(one, []) + run_batch_rounds(load())
+    if not one.model._decoder_plan:  # e.g. an AVX-512 CPU: oneDNN keeps the float32 products
+        pytest.skip("this CPU's products are oneDNN's: the per-layer path only")
+    kinds = list(one.model._decoder_plan[1])
+    assert set(kinds) == ({3} if quant else {1} if dtype == "float32" else {2}), kinds
+    monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
+    b = run_rounds(load(), []) + run_batch_rounds(load())
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
 
 
 def test_qk_norm_models_keep_the_pytorch_path(tmp_path, tokenizer, monkeypatch, kernels_switch):
@@ -135,7 +173,7 @@ def test_block_and_single_token_forwards_agree_exactly(dtype, whole, tmp_path, t
     if cpu_kernels.kernels() is None:
         pytest.skip("fused kernels unavailable (no C compiler)")
     if not whole:
-        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: [])
+        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
     path = make_model_dir(tmp_path, seed=5, tokenizer=tokenizer, **CASES["mistral-window"])
     loaded = load_with_distinct_norms(path, dtype)
     ids = torch.randint(1, loaded.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -190,7 +228,7 @@ def test_fused_batches_match_pytorch_path(name, dtype, whole, tmp_path, tokenize
     if cpu_kernels.kernels() is None:
         pytest.skip("fused kernels unavailable (no C compiler)")
     if not whole:
-        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: [])
+        monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
     path = make_model_dir(tmp_path, seed=4, tokenizer=tokenizer, **CASES[name])
     shapes = []
     real = LlamaModel._fused_forward

@@ -70,6 +70,9 @@ def _build(source: Path = SOURCE) -> Path:
     return lib
 
 
+INT_RESULT = ("dw_decoder", "dw_attend", "dw_attend_batch")  # 0, or -1: no scratch memory
+
+
 class Kernels:
     """Typed entry points of the shared library. Arguments are tensors (contiguous, on the CPU)."""
 
@@ -80,20 +83,20 @@ class Kernels:
             "dw_rms_norm": [p, p, p, i, i, f, ctypes.c_int],
             "dw_add_rms_norm": [p, p, p, p, i, i, f, ctypes.c_int],
             "dw_rope": [p, i, i, i, i, p, p, p, ctypes.c_int],
-            "dw_attend": [p, i, i, i, i, p, p, i, i, i, f, p, ctypes.c_int],
+            "dw_attend": [p, i, i, i, i, p, p, i, i, i, f, p, ctypes.c_int, ctypes.c_int],
             "dw_silu_mul": [p, p, i, i, ctypes.c_int],
             "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_linear_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_pack": [p, p, i, i, i],
-            "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int],
-            "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), p, f, p, p, p, p, i, i, i, i, p, i, p, p,
-                           p, i, f, ctypes.c_int],
+            "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int],
+            "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p,
+                           p, p, p, i, i, i, i, p, i, p, p, p, i, f, ctypes.c_int, ctypes.c_int],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, (ctypes.c_int if name == "dw_decoder" else None)
+            fn.argtypes, fn.restype = args, (ctypes.c_int if name in INT_RESULT else None)
             setattr(self, name[3:], fn)
         self.path = path
 

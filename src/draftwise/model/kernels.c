@@ -320,21 +320,31 @@ static inline float max_f32(const float *s, long n) {
     return m;
 }
 
-static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
-                       const int64_t *slots, long L, long window, float scale, void *out, int bf) {
-    long row = (H + 2 * Hkv) * D, kv = Hkv * D, es = bf ? 2 : 4;
 #define SLOT(j) (slots ? slots[j] : slot0 + (j)) /* the cache slot of key position j */
+/* The K/V write of a sequence's T new tokens (every K/V head), before any head attends. */
+static void attend_write(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
+                         const int64_t *slots, long L, int bf) {
+    long row = (H + 2 * Hkv) * D, kv = Hkv * D, es = bf ? 2 : 4;
     for (long t = 0; t < T; t++) {
         long slot = SLOT(L - T + t);
         memcpy((char *)kc + slot * kv * es, (const char *)qkv + (t * row + H * D) * es, kv * es);
         memcpy((char *)vc + slot * kv * es, (const char *)qkv + (t * row + (H + Hkv) * D) * es, kv * es);
     }
+}
+
+/* The queries of K/V head g (its H / Hkv query heads, all T tokens): a unit of work of its own,
+ * independent of the other heads (threads may take heads in any order: the same bits). Returns 0,
+ * or -1 when scratch memory is not available. */
+static int attend_group(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
+                        const int64_t *slots, long L, long window, float scale, void *out, int bf, long g) {
+    long row = (H + 2 * Hkv) * D, kv = Hkv * D;
     long group = H / Hkv, nq = T * group;
     float *S = (float *)aligned_alloc(32, sizeof(float) * ((nq * L + 2 * nq * D + D + 8) / 8 * 8 + 8));
+    if (!S) return -1;
     float *Q = S + nq * L, *A = Q + nq * D, *x = A + nq * D; /* scores [nq, L], queries, outputs, a key */
     long first = L - T; /* position of the first query */
     long lo_all = (window > 0 && first - window + 1 > 0) ? first - window + 1 : 0;
-    for (long g = 0; g < Hkv; g++) {
+    {
         for (long r = 0; r < nq; r++) { /* query r: token r / group, head g * group + r % group */
             long t = r / group, h = g * group + r % group;
             for (long i = 0; i < D; i++) Q[r * D + i] = ld(qkv, t * row + h * D + i, bf);
@@ -423,32 +433,58 @@ static void attend_seq(const void *qkv, long T, long H, long Hkv, long D, void *
         }
     }
     free(S);
+    return 0;
 }
 #undef SLOT
 
+/* ATT_MIN_PARALLEL: below this many query-key-dimension products in a call, its heads run on the
+ * calling thread alone (a fork of the OpenMP team costs a few microseconds: a draft model's
+ * attention over a short context is less than that). */
+#ifndef ATT_MIN_PARALLEL
+#define ATT_MIN_PARALLEL (1L << 17)
+#endif
 
-void dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
-               long window, float scale, void *out, int bf) {
-    attend_seq(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf);
+/* One sequence, its K/V heads split across `threads` (torch's OpenMP team) when the work is
+ * large enough. Returns 0, or -1 when scratch memory was not available. */
+int dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
+              long window, float scale, void *out, int bf, int threads) {
+    attend_write(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, bf);
+    long nt = (threads > 1 && T * H * L * D >= ATT_MIN_PARALLEL) ? (threads < Hkv ? threads : Hkv) : 1;
+    int rc = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
+    for (long g = 0; g < Hkv; g++) rc |= attend_group(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf, g);
+    return rc;
 }
 
 /* B sequences on paged slots, T rows each: sequence b's key position j is at slots[b * Lmax + j],
  * it has lens[b] keys and news[b] <= T new tokens (its last keys; news NULL: all T), in its first
  * news[b] rows; the rows after them are padding (their outputs are set to zero, nothing written).
  * qkv [B * T, (H + 2 Hkv) * D], out [B * T, H * D]. */
-void dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
-                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
-                     const int64_t *offs, long window, float scale, void *out, int bf) {
+int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
+                    const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
+                    const int64_t *offs, long window, float scale, void *out, int bf, int threads) {
     /* offs NULL: sequence b's rows are b*T.. (padded to T, the padding rows zeroed); else packed:
      * its news[b] rows start at row offs[b] (offs[B] rows in all, no padding) */
-    long es = bf ? 2 : 4;
+    long es = bf ? 2 : 4, work = 0;
     for (long b = 0; b < B; b++) {
         long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
         char *ob = (char *)out + r0 * H * D * es;
-        attend_seq((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
-                   lens[b], window, scale, ob, bf);
+        attend_write((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                     lens[b], bf);
         if (!offs) memset(ob + n * H * D * es, 0, (T - n) * H * D * es);
+        work += n * H * lens[b] * D;
     }
+    /* work items: (sequence, K/V head), longest contexts spread by the dynamic schedule */
+    long items = B * Hkv, nt = (threads > 1 && work >= ATT_MIN_PARALLEL) ? (threads < items ? threads : items) : 1;
+    int rc = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
+    for (long it = 0; it < items; it++) {
+        long b = it / Hkv, g = it % Hkv;
+        long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
+        rc |= attend_group((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                           lens[b], window, scale, (char *)out + r0 * H * D * es, bf, g);
+    }
+    return rc;
 }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, I + i] (the gate and up halves of the fused projection);
@@ -509,48 +545,6 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
         for (long o = 0; o < O; o++) st(out, t * O + o, acc[o], bf);
     }
     free(xf);
-}
-
-/* Every decoder layer of a model whose projections are all small enough for dw_linear (a draft
- * model), for B sequences of T rows (one sequence on consecutive slots: slots NULL, slot0 and L;
- * else paged, with padding rows or packed by offs, as dw_attend_batch): the calls
- * LlamaModel._fused_forward makes per layer, in one call. x [R, hid] is the residual stream (updated
- * in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised hidden states. w holds 10 pointers per layer: ln1, qkv weight,
- * qkv bias, o weight, o bias, ln2, gate/up weight, gate/up bias, down weight, down bias (weights
- * transposed, as dw_linear takes them; biases may be NULL). Caches: layer l's K at cache + l *
- * layer_stride elements, its V kv_stride further. Returns 0, or -1 when scratch memory is not
- * available. */
-int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, long Hkv, long D, long I,
-               void **w, const void *final_norm, float eps, const int64_t *pos, const float *cos,
-               const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
-               const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, const int64_t *offs,
-               long window, float scale, int bf) {
-    long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
-    long R = offs ? offs[B] : B * T; /* rows (packed: offs[B]) */
-    char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
-    if (!buf) return -1;
-    char *qkv = buf, *y = qkv + es * R * qkvw, *o = y + es * R * H * D, *gu = o + es * R * hid;
-    char *a = gu + es * R * 2 * I, *d = a + es * R * I;
-    dw_rms_norm(x, w[0], h, R, hid, eps, bf);
-    for (long l = 0; l < layers; l++) {
-        void **W = w + 10 * l;
-        char *kc = (char *)cache + l * layer_stride * es;
-        dw_linear(h, W[1], W[2], qkv, R, qkvw, hid, bf);
-        dw_rope(qkv, R, qkvw, H + Hkv, D, pos, cos, sin, bf);
-        if (slots)
-            dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, news, offs, window,
-                            scale, y, bf);
-        else
-            dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf);
-        dw_linear(y, W[3], W[4], o, R, hid, H * D, bf);
-        dw_add_rms_norm(x, o, W[5], h, R, hid, eps, bf);
-        dw_linear(h, W[6], W[7], gu, R, 2 * I, hid, bf);
-        dw_silu_mul(gu, a, R, I, bf);
-        dw_linear(a, W[8], W[9], d, R, hid, I, bf);
-        dw_add_rms_norm(x, d, l + 1 < layers ? w[10 * (l + 1)] : final_norm, h, R, hid, eps, bf);
-    }
-    free(buf);
-    return 0;
 }
 
 /* ---- int8 weight-only products (quantize.py's Int8Linear) ----
@@ -881,4 +875,64 @@ void dw_pack(const void *w, void *wp, long O, long N, long es) {
                 else
                     memset(dst, 0, es);
             }
+}
+
+/* ---- the whole decoder in one call ----
+ * One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
+ * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_linear_q8
+ * (w int8 [O, N], scale [O] float32, bias float32): what the layer-by-layer path
+ * (LlamaModel._fused_forward) calls for that weight, with the same arguments: the same bits. */
+static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
+                       long rows, long O, long N, int bf, int threads) {
+    switch (kind) {
+    case 0: dw_linear(x, w, bias, out, rows, O, N, bf); break;
+    case 1: dw_gemm_f32(x, w, bias, out, rows, O, N, threads); break;
+    case 2: dw_gemm_bf16(x, w, bias, out, rows, O, N, threads); break;
+    default: dw_linear_q8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
+    }
+}
+
+/* Every decoder layer, for B sequences of T rows (one sequence on consecutive slots: slots NULL,
+ * slot0 and L; else paged, with padding rows or packed by offs, as dw_attend_batch): the calls
+ * LlamaModel._fused_forward makes per layer, in one call (a draft model's whole forward, or a
+ * target's decode / verification step: Python only schedules). x [R, hid] is the residual stream
+ * (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
+ * hidden states. w holds 14 pointers per layer: ln1, then (weight, bias, scale) of the qkv, o,
+ * gate/up and down projections, ln2 after o's (biases and scales may be NULL); kinds holds the 4
+ * projections' kinds per layer (dw_product). Caches: layer l's K at cache + l * layer_stride
+ * elements, its V kv_stride further. threads: the products' and attention's OpenMP threads.
+ * Returns 0, or -1 when scratch memory is not available. */
+int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, long Hkv, long D, long I,
+               void **w, const int *kinds, const void *final_norm, float eps, const int64_t *pos, const float *cos,
+               const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
+               const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, const int64_t *offs,
+               long window, float scale, int bf, int threads) {
+    long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
+    long R = offs ? offs[B] : B * T; /* rows (packed: offs[B]) */
+    char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
+    if (!buf) return -1;
+    char *qkv = buf, *y = qkv + es * R * qkvw, *o = y + es * R * H * D, *gu = o + es * R * hid;
+    char *a = gu + es * R * 2 * I, *d = a + es * R * I;
+    int rc = 0;
+    dw_rms_norm(x, w[0], h, R, hid, eps, bf);
+    for (long l = 0; l < layers && rc == 0; l++) {
+        void **W = w + 14 * l;
+        const int *K = kinds + 4 * l;
+        char *kc = (char *)cache + l * layer_stride * es;
+        dw_product(K[0], h, W[1], W[2], W[3], qkv, R, qkvw, hid, bf, threads);
+        dw_rope(qkv, R, qkvw, H + Hkv, D, pos, cos, sin, bf);
+        if (slots)
+            rc = dw_attend_batch(qkv, B, T, H, Hkv, D, kc, kc + kv_stride * es, slots, Lmax, lens, news, offs,
+                                 window, scale, y, bf, threads);
+        else
+            rc = dw_attend(qkv, T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale, y, bf, threads);
+        dw_product(K[1], y, W[4], W[5], W[6], o, R, hid, H * D, bf, threads);
+        dw_add_rms_norm(x, o, W[7], h, R, hid, eps, bf);
+        dw_product(K[2], h, W[8], W[9], W[10], gu, R, 2 * I, hid, bf, threads);
+        dw_silu_mul(gu, a, R, I, bf);
+        dw_product(K[3], a, W[11], W[12], W[13], d, R, hid, I, bf, threads);
+        dw_add_rms_norm(x, d, l + 1 < layers ? w[14 * (l + 1)] : final_norm, h, R, hid, eps, bf);
+    }
+    free(buf);
+    return rc;
 }

@@ -28,7 +28,7 @@ from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
 from .head_precision import refine_top_logits
-from .quantize import Int8Linear, check_method
+from .quantize import KERNEL_MAX_ROWS, Int8Linear, check_method
 
 
 class RMSNorm(nn.Module):
@@ -390,7 +390,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.plan: list[LayerWeights] | None = None  # set by fuse_projections (inference)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
-        self._small_layers = None  # see _layer_pointers
+        self._decoder_plan = None  # see _layer_pointers
         self.head_rows: torch.Tensor | None = None  # the head's weight once packed (refine_top_logits)
         self.refine_head = True  # bfloat16 heads: the top logits recomputed in float32 (head_precision.py)
 
@@ -510,13 +510,15 @@ class LlamaModel(nn.Module):
         es = kv_cache.element_size()
         plan = self.plan
         window, scale = cfg.sliding_window or 0, D ** -0.5
-        if self._small_layers is None:
-            self._small_layers = self._layer_pointers()
-        if self._small_layers and R <= 16:  # a draft-sized model: all layers in one call
+        if self._decoder_plan is None:
+            self._decoder_plan = self._layer_pointers()
+        threads = torch.get_num_threads()
+        if self._decoder_plan and R <= self._decoder_plan[2]:  # every layer in one call
+            ptrs, kinds, _ = self._decoder_plan
             rc = k.decoder(x.data_ptr(), h.data_ptr(), B, T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
-                           self._small_layers, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
+                           ptrs, kinds, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
                            sin.data_ptr(), cache, layer_stride, kv_stride, slot0, L, slots_p, Lmax, lens_p, news_p,
-                           offs_p, window, scale, bf)
+                           offs_p, window, scale, bf, threads)
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
             return h
@@ -527,11 +529,13 @@ class LlamaModel(nn.Module):
             y = torch.empty(*x.shape[:-1], H * D, dtype=x.dtype)
             kc = cache + i * layer_stride * es
             if slots is None:
-                k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale,
-                         y.data_ptr(), bf)
+                rc = k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale,
+                              y.data_ptr(), bf, threads)
             else:
-                k.attend_batch(qkv.data_ptr(), B, T, H, Hkv, D, kc, kc + kv_stride * es, slots_p, Lmax, lens_p,
-                               news_p, offs_p, window, scale, y.data_ptr(), bf)
+                rc = k.attend_batch(qkv.data_ptr(), B, T, H, Hkv, D, kc, kc + kv_stride * es, slots_p, Lmax, lens_p,
+                                    news_p, offs_p, window, scale, y.data_ptr(), bf, threads)
+            if rc != 0:
+                raise MemoryError("fused attention: no scratch memory")
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)
             k.add_rms_norm(x.data_ptr(), o.data_ptr(), w.ln2.data_ptr(), h.data_ptr(), R, hid, eps, bf)
             gu = w.gate_up(h)
@@ -543,22 +547,36 @@ class LlamaModel(nn.Module):
         return h
 
     def _layer_pointers(self):
-        """For `dw_decoder`: 10 pointers per layer when every projection is small (`PackedLinear.small`,
-        e.g. the shipped draft), else an empty list (the per-layer path: oneDNN products between kernels).
-        Prepared weights never move (see `_apply`), so the pointers stay valid."""
+        """For `dw_decoder` (every layer in one call): (14 pointers per layer, 4 product kinds per
+        layer, the most rows it takes) when every projection runs in a kernel of kernels.c whatever
+        the rows up to that bound (a small weight's dw_linear up to 16 rows, a dw_gemm packing any
+        number, an int8 weight's dw_linear_q8 up to KERNEL_MAX_ROWS), else () (the per-layer path:
+        some product is oneDNN's, e.g. on an AVX-512 CPU). The call makes the per-layer path's kernel
+        calls in the same order with the same arguments: the same bits, without ~10 Python calls a
+        layer (SmolLM2-135M: 300 a step). Prepared weights never move (see `_apply`), so the pointers
+        stay valid."""
         import ctypes
 
-        ptrs = []
+        ptrs, kinds, max_rows = [], [], 1 << 30
+        dtype = self.model.norm.weight.dtype
         for layer, w in zip(self.model.layers, self.plan):
             a, m = layer.self_attn, layer.mlp
-            projs = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if not all(p.small for p in projs):
-                return []
-            def pair(p):
-                return [p.weight_t.data_ptr(), 0 if p.bias is None else p.bias.data_ptr()]
-            ptrs += ([w.ln1.data_ptr()] + pair(a.qkv_proj) + pair(a.o_proj) + [w.ln2.data_ptr()]
-                     + pair(m.gate_up_proj) + pair(m.down_proj))
-        return (ctypes.c_void_p * len(ptrs))(*ptrs)
+            ptrs.append(w.ln1.data_ptr())
+            for n, p in enumerate((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+                bias = 0 if p.bias is None else p.bias.data_ptr()
+                if isinstance(p, Int8Linear) and not p.float_out:
+                    kind, weight, scale, max_rows = 3, p.qweight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
+                elif getattr(p, "native", None) is not None and p.native.dtype == dtype:
+                    kind, weight, scale = (1 if dtype == torch.float32 else 2), p.native.data_ptr(), 0
+                elif getattr(p, "small", False) and p.weight.dtype == dtype:
+                    kind, weight, scale, max_rows = 0, p.weight_t.data_ptr(), 0, min(max_rows, 16)
+                else:
+                    return ()
+                ptrs += [weight, bias, scale]
+                kinds.append(kind)
+                if n == 1:
+                    ptrs.append(w.ln2.data_ptr())
+        return (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int * len(kinds))(*kinds), max_rows
 
     @torch.no_grad()
     def fuse_projections(self, quantization: str | None = None) -> "LlamaModel":
