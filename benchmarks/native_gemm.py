@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/native_gemm.py products [--layers 30] [--rows 1,2,3,5,9,16,64,256]
     .venv/bin/python benchmarks/native_gemm.py decode [--model models/target] [--draft models/draft]
-        [--rounds 2] [--tokens 128]
+        [--rounds 2] [--tokens 128] [--switch DRAFTWISE_NATIVE_STEP] [--spec ngram]
 
 `products`: SmolLM2-135M-shaped layer products (q/k/v 960x576, o 576x576, gate/up 3072x576, down
 576x1536; `--layers` distinct copies, so the weights stream from memory as in decoding), every row
@@ -10,7 +10,9 @@ count timed for oneDNN (`torch.ops.mkldnn._linear_pointwise` on its packed weigh
 dw_gemm_f32, alternating; the results are checked bitwise equal first.
 `decode`: batch-1 greedy decoding of a few code prompts by the embedded pair, plain and with the
 draft (k=4), each in a subprocess with DRAFTWISE_NATIVE_GEMM=0 (oneDNN) and =1 (dw_gemm_f32) in
-alternation, `--rounds` times.
+alternation, `--rounds` times; `--switch DRAFTWISE_NATIVE_STEP` compares the target's whole step
+in one dw_decoder call (=1) against the per-layer path (=0) instead; `--spec ngram` speculates
+with n-gram lookup (a model without a draft, e.g. `--model models/smollm2`).
 Only on a CPU where dw_gemm_f32 is used (no AVX-512; see model/llama.py `native_gemm_wanted`).
 """
 from __future__ import annotations
@@ -80,14 +82,16 @@ def products(layers: int, rows_list: list[int], threads: int) -> None:
         print(f"rows {rows:4d}: oneDNN {a * 1e3:7.1f}  dw_gemm_f32 {b * 1e3:7.1f}  ({a / b:.2f}x)")
 
 
-def _decode_child(model: str, draft: str | None, tokens: int, threads: int) -> None:
+def _decode_child(model: str, draft: str | None, tokens: int, threads: int, spec_method: str) -> None:
     import torch
 
     from draftwise import LLM, SpecConfig
     from draftwise.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    spec = SpecConfig(method="draft", k=4) if draft else None
+    spec = SpecConfig(method=spec_method, k=4) if draft else None
+    if spec_method != "draft":
+        draft = None
     llm = LLM(model=model, draft=draft, spec=spec)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(PROMPTS[:1], sp)  # warm-up
@@ -97,20 +101,22 @@ def _decode_child(model: str, draft: str | None, tokens: int, threads: int) -> N
     print(json.dumps({"tok_s": n / (time.perf_counter() - t)}))
 
 
-def decode(model: str, draft: str, rounds: int, tokens: int, threads: int) -> None:
+def decode(model: str, draft: str, rounds: int, tokens: int, threads: int, switch: str, spec: str) -> None:
     res: dict[tuple[str, str], list[float]] = {}
+    name = {"DRAFTWISE_NATIVE_GEMM": ("oneDNN", "dw_gemm_f32"), "DRAFTWISE_NATIVE_STEP": ("per-layer", "one call")}[switch]
+    spec_mode = f"{spec} k=4"
     for _ in range(rounds):
-        for mode in ("plain", "draft k=4"):
+        for mode in ("plain", spec_mode):
             for native in ("0", "1"):
                 cmd = [sys.executable, __file__, "_child", "--model", model, "--tokens", str(tokens),
-                       "--threads", str(threads)] + (["--draft", draft] if mode != "plain" else [])
+                       "--threads", str(threads), "--spec", spec] + (["--draft", draft] if mode != "plain" else [])
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                     env=dict(os.environ, DRAFTWISE_NATIVE_GEMM=native))
+                                     env=dict(os.environ, **{switch: native}))
                 res.setdefault((mode, native), []).append(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
     print(f"batch 1, greedy, {len(PROMPTS)} prompts x {tokens} tokens, {threads} threads, {rounds} rounds (tok/s)")
-    for mode in ("plain", "draft k=4"):
+    for mode in ("plain", spec_mode):
         a, b = res[(mode, "0")], res[(mode, "1")]
-        print(f"{mode:10s} oneDNN {' / '.join(f'{v:.1f}' for v in a)}   dw_gemm_f32 {' / '.join(f'{v:.1f}' for v in b)}"
+        print(f"{mode:10s} {name[0]} {' / '.join(f'{v:.1f}' for v in a)}   {name[1]} {' / '.join(f'{v:.1f}' for v in b)}"
               f"   ({sum(b) / sum(a):.2f}x)")
 
 
@@ -124,13 +130,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--switch", default="DRAFTWISE_NATIVE_GEMM", choices=["DRAFTWISE_NATIVE_GEMM", "DRAFTWISE_NATIVE_STEP"],
+                    help="what `decode` compares: dw_gemm_f32 against oneDNN, or the one-call step against the per-layer path")
+    ap.add_argument("--spec", default="draft", choices=["draft", "ngram"], help="the speculative config of `decode`")
     a = ap.parse_args()
     if a.what == "products":
         products(a.layers, [int(r) for r in a.rows.split(",")], a.threads)
     elif a.what == "decode":
-        decode(a.model, a.draft or str(ROOT / "models" / "draft"), a.rounds, a.tokens, a.threads)
+        decode(a.model, a.draft or str(ROOT / "models" / "draft"), a.rounds, a.tokens, a.threads, a.switch, a.spec)
     else:
-        _decode_child(a.model, a.draft, a.tokens, a.threads)
+        _decode_child(a.model, a.draft, a.tokens, a.threads, a.spec)
 
 
 if __name__ == "__main__":

@@ -554,9 +554,11 @@ class LlamaModel(nn.Module):
         some product is oneDNN's, e.g. on an AVX-512 CPU). The call makes the per-layer path's kernel
         calls in the same order with the same arguments: the same bits, without ~10 Python calls a
         layer (SmolLM2-135M: 300 a step). Prepared weights never move (see `_apply`), so the pointers
-        stay valid."""
+        stay valid. DRAFTWISE_NATIVE_STEP=0 keeps the per-layer path (benchmarks/native_gemm.py)."""
         import ctypes
 
+        if os.environ.get("DRAFTWISE_NATIVE_STEP", "1") == "0":
+            return ()
         ptrs, kinds, max_rows = [], [], 1 << 30
         dtype = self.model.norm.weight.dtype
         for layer, w in zip(self.model.layers, self.plan):
