@@ -248,3 +248,41 @@ def test_fused_batches_match_pytorch_path(name, dtype, whole, tmp_path, tokenize
         scale = b.abs().max().item()
         tol = 1e-5 * max(1.0, scale) if dtype == "float32" else 0.02 * scale
         assert (a - b).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "pytorch"])
+def test_long_prefill_chunks_of_different_lengths_run_one_forward_each(kernels_on, tmp_path, tokenizer,
+                                                                       kernels_switch, monkeypatch):
+    """Prefill chunks of 70, 100 and 33 tokens in one call: too long for the packed path, they run
+    one forward per sequence (no padding to 100 rows each) and give the logits of three separate
+    calls, in order."""
+    from draftwise.model import runner as runner_mod
+
+    kernels_switch(kernels_on)
+    path = make_model_dir(tmp_path, seed=8, tokenizer=tokenizer, max_pos=256)
+    loaded = load_model(path, load_tokenizer=False)
+    g = torch.Generator().manual_seed(3)
+    V = loaded.config.vocab_size
+    chunks = [torch.randint(1, V, (n,), generator=g).tolist() for n in (70, 100, 33)]
+    nlog = [1, 2, 1]
+
+    def fresh():
+        r = ModelRunner(loaded, num_blocks=40, block_size=8)
+        for s, c in enumerate(chunks):
+            r.kv.reserve(s, len(c))
+        return r
+
+    calls = []
+    real = runner_mod.ModelRunner._run_split
+
+    def spy(self, *a, **kw):
+        calls.append(len(a[0]))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "_run_split", spy)
+    together = fresh().run([0, 1, 2], chunks, [0, 0, 0], nlog)
+    assert calls == [3]
+    r = fresh()
+    apart = torch.cat([r.run([s], [c], [0], [n]) for s, (c, n) in enumerate(zip(chunks, nlog))])
+    assert together.shape == (4, V)
+    assert torch.equal(together, apart)

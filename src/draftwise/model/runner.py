@@ -23,6 +23,12 @@ from .loader import LoadedModel
 from .recurrent_state import RecurrentStatePool
 
 
+# a ragged batch whose longest sequence feeds at least this many tokens runs one forward per
+# sequence when it cannot run packed (see `_run_split`); shorter ones are padded (a decode or
+# verification batch, whose padded rows cost little next to reading the weights)
+SPLIT_MIN_TOKENS = 32
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, prefix_caching: bool = False,
                  recurrent_rollback: str = "snapshot"):
@@ -62,6 +68,8 @@ class ModelRunner:
         ragged = B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu"
         if ragged and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
             return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden)
+        if ragged and T >= SPLIT_MIN_TOKENS:  # long prefill chunks of different lengths: one forward each
+            return self._run_split(seq_ids, new_tokens, starts, num_logits, return_hidden)
         # plain lists, one tensor each (per-element tensor writes cost more than the forward of a
         # small draft); padding: token 0 at position 0, marked invalid
         ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)
@@ -101,6 +109,17 @@ class ModelRunner:
         if return_hidden:
             return logits, sel
         return logits
+
+    def _run_split(self, seq_ids, new_tokens, starts, num_logits, return_hidden):
+        """`run` one sequence at a time: prefill chunks of different lengths, too long for the
+        packed path, would be padded to the longest (16 prompts of 50-400 tokens: ~half the
+        products wasted on padding); a forward of that many rows is bound by its arithmetic, not by
+        reading the weights, so one forward per chunk costs the tokens fed and no more."""
+        outs = [self.run([sid], [toks], [st], [nl], return_hidden=return_hidden)
+                for sid, toks, st, nl in zip(seq_ids, new_tokens, starts, num_logits)]
+        if return_hidden:
+            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        return torch.cat(outs)
 
     def _run_packed(self, seq_ids, new_tokens, starts, num_logits, lens, return_hidden):
         """`run` for sequences feeding different numbers of tokens, without padding: one row per
