@@ -76,3 +76,35 @@ def test_greedy_output_alone_equals_in_a_batch_of_32(target_dir, draft_dir, meth
         alone = llm.generate([ps[i]], sp)[0]
         diverged += assert_same_or_near_tie(model, ps[i], alone.token_ids, batch[i].token_ids)
     assert diverged <= 1
+
+
+def test_decode_rows_and_a_prefill_chunk_share_one_forward(target_dir, monkeypatch):
+    """A prompt arriving while another request decodes: the step feeds the decode row and a short
+    prefill chunk in one target forward (mixed batch), and both outputs equal their runs alone."""
+    from draftwise.model.runner import ModelRunner
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first, second = prompts(100, 2, seed=3)
+    second = (second * 20)[:200]  # longer than one mixed chunk
+    alone = [LLM(target_dir).generate([p], sp)[0].token_ids for p in (first, second)]
+    llm = LLM(target_dir)
+    eng = llm.engine
+    if not eng.mixed:
+        pytest.skip("no packed ragged batches here (fused CPU kernels unavailable)")
+    calls = []
+    real = ModelRunner.run
+
+    def spy(self, seq_ids, new_tokens, *a, **kw):
+        calls.append([len(t) for t in new_tokens])
+        return real(self, seq_ids, new_tokens, *a, **kw)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
+    s1 = eng.add_request("1", first, sp)
+    eng.step()  # first's prefill
+    eng.step()  # first decodes
+    s2 = eng.add_request("2", second, sp)
+    while eng.has_unfinished():
+        eng.step()
+    mixed = [c for c in calls if len(c) == 2 and c[0] == 1 and c[1] > 1]
+    assert len(mixed) >= 2 and all(c[1] <= eng.scheduler.mixed_chunk for c in mixed), calls
+    assert [s1.output_ids, s2.output_ids] == alone

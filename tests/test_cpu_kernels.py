@@ -253,21 +253,21 @@ def test_fused_batches_match_pytorch_path(name, dtype, whole, tmp_path, tokenize
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "pytorch"])
 def test_long_prefill_chunks_of_different_lengths_run_one_forward_each(kernels_on, tmp_path, tokenizer,
                                                                        kernels_switch, monkeypatch):
-    """Prefill chunks of 70, 100 and 33 tokens in one call: too long for the packed path, they run
-    one forward per sequence (no padding to 100 rows each) and give the logits of three separate
+    """Prefill chunks of 170, 200 and 33 tokens in one call: too long for the packed path, they run
+    one forward per sequence (no padding to 200 rows each) and give the logits of three separate
     calls, in order."""
     from draftwise.model import runner as runner_mod
 
     kernels_switch(kernels_on)
-    path = make_model_dir(tmp_path, seed=8, tokenizer=tokenizer, max_pos=256)
+    path = make_model_dir(tmp_path, seed=8, tokenizer=tokenizer, max_pos=512)
     loaded = load_model(path, load_tokenizer=False)
     g = torch.Generator().manual_seed(3)
     V = loaded.config.vocab_size
-    chunks = [torch.randint(1, V, (n,), generator=g).tolist() for n in (70, 100, 33)]
+    chunks = [torch.randint(1, V, (n,), generator=g).tolist() for n in (170, 200, 33)]
     nlog = [1, 2, 1]
 
     def fresh():
-        r = ModelRunner(loaded, num_blocks=40, block_size=8)
+        r = ModelRunner(loaded, num_blocks=60, block_size=8)
         for s, c in enumerate(chunks):
             r.kv.reserve(s, len(c))
         return r

@@ -263,3 +263,18 @@ def test_constrained_sequences_reserve_their_forced_proposals():
     step(sched)
     (s,) = sched.schedule().scheduled
     assert (s.num_draft, s.num_forced) == (2, 3)  # the step's token budget: 6 - 1 - 2
+
+
+def test_mixed_chunk_caps_prefill_only_while_others_decode():
+    """With `mixed_chunk`, a prompt admitted beside a decoding sequence is prefilled in chunks of
+    at most that many tokens (the engine runs the step as one forward); alone it takes the budget."""
+    sched = make_sched(blocks=128, max_num_batched_tokens=256, mixed_chunk=16)
+    a = make_seq(100, name="a")
+    sched.add(a)
+    assert plan(step(sched)) == [("a", 100, 0)]  # nothing decodes yet: one chunk of the whole prompt
+    b = make_seq(40, name="b")
+    sched.add(b)
+    assert plan(step(sched)) == [("a", 1, 0), ("b", 16, 0)]
+    assert plan(step(sched)) == [("a", 1, 0), ("b", 16, 0)]
+    assert plan(step(sched)) == [("a", 1, 0), ("b", 8, 0)]
+    assert plan(step(sched)) == [("a", 1, 0), ("b", 1, 0)]

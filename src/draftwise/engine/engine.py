@@ -94,9 +94,16 @@ class LLMEngine:
             if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
                 self.proposer.confidence = getattr(self.policy, "needs_confidence", True)
         draft_kv = self.proposer.kv if self.proposer is not None else None
+        # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
+        # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
+        # prefill chunk instead of a forward of their own; not for a policy that times the decode
+        # part of a step apart (its cost model), nor for a hybrid target (its recurrent state)
+        packs = getattr(target.model, "packs", None)
+        self.mixed = (packs is not None and self.runner.state is None and self.runner.device.type == "cpu"
+                      and packs(1, self.runner.cache) and not (self.policy is not None and self.policy.needs_cost_model))
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            max_forced=self.spec.max_forced,
+            max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
         )
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
@@ -296,6 +303,8 @@ class LLMEngine:
         prefill chunks. Returns the sequences that commit a token this step and their logits
         rows, flat `[N, V]` (1 + num_draft rows each)."""
         groups = ([s for s in scheduled if not s.seq.is_prefilling], [s for s in scheduled if s.seq.is_prefilling])
+        if self.mixed and groups[0] and groups[1]:  # one forward (the scheduler kept the chunks short)
+            groups = (list(scheduled), [])
         sampling, parts = [], []
         for group in groups:
             if not group:

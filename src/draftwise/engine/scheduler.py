@@ -6,7 +6,8 @@ runs. Running sequences go first, in admission order; when a pool runs dry the m
 admitted sequence is preempted by recompute (its blocks freed, its committed tokens kept, and it
 is requeued at the front). Waiting requests are then admitted while blocks, the budget and
 `max_num_seqs` (and `admission_limit`, which failure isolation lowers) allow; a long prompt is
-prefilled in chunks. The scheduler only reserves capacity: committed tokens and lengths change in
+prefilled in chunks (of at most `mixed_chunk` tokens while other sequences decode, when set: the
+engine then runs decode rows and prefill chunks in one forward). The scheduler only reserves capacity: committed tokens and lengths change in
 the engine's postprocess.
 """
 from __future__ import annotations
@@ -51,14 +52,18 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
         max_forced: int = 0,
+        mixed_chunk: int | None = None,
     ):
         self.target_kv = target_kv
+        # the longest prefill chunk of a step that also decodes (None: the token budget): the engine
+        # runs such a step as one forward, which takes chunks up to this many tokens
         self.draft_kv = draft_kv
         self.max_model_len = max_model_len
         self.k = k
         self.max_forced = max_forced
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_chunk = mixed_chunk
         self.admission_limit: int | None = None  # a lower cap on running sequences, when set
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -116,12 +121,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        chunk = budget
+        if self.mixed_chunk and any(s.num_tokens - s.num_computed <= 1 for s in self.running):
+            chunk = self.mixed_chunk  # decoding rows ride along: chunks the one forward can take
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             todo = seq.num_tokens - seq.num_computed
             if todo > 1:  # prefill chunk
-                n, k = min(todo, budget), 0
+                n, k = min(todo, budget, chunk), 0
             else:
                 n, k = 1, min(self.num_draft_for(seq), budget - 1)
             f = self.num_forced_for(seq, k, budget - 1 - k)
@@ -146,7 +154,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed == 0:  # a cached prefix needs no prefill (prefix caching)
                 seq.num_computed = self.target_kv.match_prefix(seq.seq_id, seq.all_ids)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget, chunk)
             if not self._reserve_ok(seq, seq.num_computed + n, 0):
                 self.target_kv.free(seq.seq_id)  # the shared blocks go back; matched again next time
                 seq.num_computed = 0

@@ -448,8 +448,12 @@ class LlamaModel(nn.Module):
 
     # longer blocks (prefill chunks) take the PyTorch path, whose SDPA is blocked and multi-threaded:
     # a 20M target's prefill of 32 / 64 / 128 / 256 / 512 tokens took 7.5 / 12.9 / 24.5 / 51.6 /
-    # 141.7 ms fused against 8.9 / 13.9 / 23.9 / 45.4 / 108.8 ms in PyTorch (float32; bfloat16 alike)
-    FUSED_MAX_TOKENS = 64
+    # 141.7 ms fused against 8.9 / 13.9 / 23.9 / 45.4 / 108.8 ms in PyTorch (float32; bfloat16
+    # alike); with the attention split across threads (AVX2 EPYC, 2 threads), 128 tokens from
+    # position 0 / 128: 31.8 / 35.4 ms fused, 34.9 / 38.0 PyTorch; 256: 65.3 / 79.3 against
+    # 66.0 / 73.2; 512: 154.3 / 261.2 against 144.6 / 173.9. 128 is also the longest prefill chunk
+    # of a step that decodes too (engine: `mixed`), which runs as one packed forward.
+    FUSED_MAX_TOKENS = 128
 
     def _fusable(self, input_ids, kv_cache, meta) -> bool:
         """On the CPU with the fused kernels built (see cpu_kernels.py), at most FUSED_MAX_TOKENS new
