@@ -81,6 +81,10 @@ PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (measure
 # 4-13%.
 PACK_MIN_NUMEL = 160_000
 KERNEL_LINEAR_MAX_NUMEL = PACK_MIN_NUMEL
+# where dw_gemm replaces oneDNN (`native_gemm_wanted`), weights from this size up are packed for it
+# too: dw_gemm splits them across two threads (gemm_threads' threshold), the small-weight loop
+# runs on one
+NATIVE_MIN_NUMEL = 1 << 17
 # --quantization int8 quantizes the projections of at least this many elements (and the LM head):
 # smaller ones cost their call, not their bytes, and a draft whose projections all stay float keeps
 # its one-call dw_decoder (the embedded draft: only its 8192x160 head becomes int8)
@@ -200,11 +204,19 @@ class PackedLinear(nn.Module):
               and native_gemm_wanted()):  # no native bfloat16 products here: dw_gemm_bf16
             self.packed, self.weight = None, None
             self.native = _pack(w)
+        elif (w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+              and w.numel() >= NATIVE_MIN_NUMEL and native_gemm_wanted()):
+            # below oneDNN's threshold but big enough for two threads: dw_gemm rather than the
+            # single-threaded small-weight loop (the embedded target's o projection, the draft's
+            # gate/up), and every product of such a target packed (its step is one call, any rows)
+            self.packed, self.weight = None, None
+            self.native = _pack(w)
         else:
             self.packed, self.weight = None, nn.Parameter(w.contiguous(), requires_grad=False)
         # a few rows through a small CPU weight: the fused kernels' loop (see cpu_kernels.py), which
         # reads the weight transposed ([in, out], a copy: these weights are small)
-        self.small = (self.packed is None and w.device.type == "cpu" and w.numel() < KERNEL_LINEAR_MAX_NUMEL
+        self.small = (self.packed is None and self.native is None and w.device.type == "cpu"
+                      and w.numel() < KERNEL_LINEAR_MAX_NUMEL
                       and w.dtype in (torch.float32, torch.bfloat16))
         self.weight_t = w.t().contiguous() if self.small else None
 
