@@ -24,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -135,13 +136,13 @@ def main() -> None:
           f"prefix caching off, {a.rounds} round(s): output tok/s (median of rounds)")
     print("| setup | " + " | ".join(levels) + " |")
     print("|---|" + "---|" * len(levels))
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     for setup in a.setups.split(","):
         cells = []
         for lv in levels:
-            v = med([r[lv] for r in res[("vllm", setup)]])
-            d = med([r[lv] for r in res[("draftwise", setup)]])
-            cells.append(f"{v:.0f} / {d:.0f} ({d / v:.2f}x)")
+            v = statistics.median([r[lv] for r in res[("vllm", setup)]])
+            d = statistics.median([r[lv] for r in res[("draftwise", setup)]])
+            rounds = " ".join(f"{dr[lv] / vr[lv]:.2f}" for vr, dr in zip(res[("vllm", setup)], res[("draftwise", setup)]))
+            cells.append(f"{v:.0f} / {d:.0f} ({d / v:.2f}x" + (f"; rounds {rounds})" if a.rounds > 1 else ")"))
         print(f"| vLLM / draftwise {setup} | " + " | ".join(cells) + " |")
 
 
