@@ -7,8 +7,8 @@ admitted sequence is preempted by recompute (its blocks freed, its committed tok
 is requeued at the front). Waiting requests are then admitted while blocks, the budget and
 `max_num_seqs` (and `admission_limit`, which failure isolation lowers) allow; a long prompt is
 prefilled in chunks (of at most `mixed_chunk` tokens while other sequences decode, when set: the
-engine then runs decode rows and prefill chunks in one forward). The scheduler only reserves capacity: committed tokens and lengths change in
-the engine's postprocess.
+engine then runs decode rows and prefill chunks in one forward). The scheduler only reserves
+capacity: committed tokens and lengths change in the engine's postprocess.
 """
 from __future__ import annotations
 
@@ -55,14 +55,14 @@ class Scheduler:
         mixed_chunk: int | None = None,
     ):
         self.target_kv = target_kv
-        # the longest prefill chunk of a step that also decodes (None: the token budget): the engine
-        # runs such a step as one forward, which takes chunks up to this many tokens
         self.draft_kv = draft_kv
         self.max_model_len = max_model_len
         self.k = k
         self.max_forced = max_forced
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the longest prefill chunk of a step that also decodes (None: the token budget): the engine
+        # runs such a step as one forward, which takes chunks up to this many tokens
         self.mixed_chunk = mixed_chunk
         self.admission_limit: int | None = None  # a lower cap on running sequences, when set
         self.waiting: deque[Sequence] = deque()

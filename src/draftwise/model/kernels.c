@@ -294,14 +294,6 @@ static inline __attribute__((always_inline)) void qk_scores(const float *Q, long
     }
 }
 
-/* Attention of one sequence: key position j in cache slot slots[j], or slot0 + j when slots is
- * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied),
- * its T tokens at positions L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]),
- * then for each query t and head h attends keys max(0, p - window + 1) .. p (p = its position;
- * window 0 = none) with float32 scores and softmax; out: [T, H * D] in the dtype (grouped-query:
- * head h reads K/V head h / (H / Hkv)). The T * H / Hkv queries that share a K/V head are done
- * together: each key and value is read (and converted from bfloat16) once for all of them, and a
- * query's scores and output do not depend on how many queries came with it (bitwise). */
 /* max(s[0..n)), as the loop m = s[j] > m ? s[j] : m from m = s[0] gives it (NaNs after s[0] are
  * passed over), 8 lanes at a time: a chain of scalar maxima waited ~4 cycles an element. */
 static inline float max_f32(const float *s, long n) {
@@ -320,6 +312,15 @@ static inline float max_f32(const float *s, long n) {
     return m;
 }
 
+/* Attention of one sequence: key position j in cache slot slots[j], or slot0 + j when slots is
+ * NULL (consecutive slots). qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; RoPE applied),
+ * its T tokens at positions L - T .. L - 1. Writes their K/V into the caches ([slots, Hkv, D]),
+ * then for each query t and head h attends keys max(0, p - window + 1) .. p (p = its position;
+ * window 0 = none) with float32 scores and softmax; out: [T, H * D] in the dtype (grouped-query:
+ * head h reads K/V head h / (H / Hkv)). The T * H / Hkv queries that share a K/V head are done
+ * together: each key and value is read (and converted from bfloat16) once for all of them, and a
+ * query's scores and output do not depend on how many queries came with it (bitwise). dw_attend /
+ * dw_attend_batch: attend_write, then attend_group for every (sequence, K/V head), threaded. */
 #define SLOT(j) (slots ? slots[j] : slot0 + (j)) /* the cache slot of key position j */
 /* The K/V write of a sequence's T new tokens (every K/V head), before any head attends. */
 static void attend_write(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
