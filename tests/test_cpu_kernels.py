@@ -286,3 +286,24 @@ def test_long_prefill_chunks_of_different_lengths_run_one_forward_each(kernels_o
     apart = torch.cat([r.run([s], [c], [0], [n]) for s, (c, n) in enumerate(zip(chunks, nlog))])
     assert together.shape == (4, V)
     assert torch.equal(together, apart)
+
+
+def test_threads_do_not_change_the_bits(tmp_path, tokenizer, kernels_switch):
+    """Attention splits its heads and dw_gemm its outputs across the OpenMP team: 1 and 2 threads
+    give bitwise the same logits (lone sequence and batches; blocks big enough to go parallel)."""
+    kernels_switch(True)
+    if cpu_kernels.kernels() is None:
+        pytest.skip("fused kernels unavailable (no C compiler)")
+    # two K/V heads (the attention's units of work) and enough keys for its parallel path
+    path = make_model_dir(tmp_path, seed=9, tokenizer=tokenizer, hidden=512, heads=8, kv_heads=2, inter=1024, layers=2)
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            loaded = load_model(path, load_tokenizer=False)
+            out[n] = run_rounds(loaded, []) + run_batch_rounds(loaded)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(out[1], out[2]):
+        assert torch.equal(a, b)
