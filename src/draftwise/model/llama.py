@@ -86,8 +86,8 @@ KERNEL_LINEAR_MAX_NUMEL = PACK_MIN_NUMEL
 # runs on one
 NATIVE_MIN_NUMEL = 1 << 17
 # --quantization int8 quantizes the projections of at least this many elements (and the LM head):
-# smaller ones cost their call, not their bytes, and a draft whose projections all stay float keeps
-# its one-call dw_decoder (the embedded draft: only its 8192x160 head becomes int8)
+# smaller ones cost their call, not their bytes (the embedded draft: only its 8192x160 head
+# becomes int8)
 QUANT_MIN_NUMEL = PACK_MIN_NUMEL
 # oneDNN keeps ~0.5 MB for every (rows, weight shape) it has run, and never gives it back
 # (ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY do not bound it; measured: 120 distinct

@@ -70,8 +70,8 @@ class Int8Linear(nn.Module):
     concatenated along the outputs (each output channel keeps its own scale).
 
     `float_out`: outputs in float32 whatever the activations' dtype (the LM head: logits).
-    `small = False` and `packed = None` tell llama.py that this is neither a dw_decoder weight nor
-    a oneDNN one (a quantized draft runs layer by layer, its products in dw_linear_q8)."""
+    `small = False` and `packed = None` tell llama.py that this is neither a small-weight loop's
+    weight nor a oneDNN one: `LlamaModel._layer_pointers` gives `dw_decoder` its dw_linear_q8 kind."""
 
     small = False
     packed = None
