@@ -96,11 +96,13 @@ class LLMEngine:
         draft_kv = self.proposer.kv if self.proposer is not None else None
         # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
         # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
-        # prefill chunk instead of a forward of their own; not for a policy that times the decode
-        # part of a step apart (its cost model), nor for a hybrid target (its recurrent state)
+        # prefill chunk instead of a forward of their own; not for a hybrid target (its recurrent
+        # state). A policy with a cost model learns from the other steps only (a mixed step's
+        # decode part is not timed apart: `observe_step(seconds=None)`)
         packs = getattr(target.model, "packs", None)
         self.mixed = (packs is not None and self.runner.state is None and self.runner.device.type == "cpu"
-                      and packs(1, self.runner.cache) and not (self.policy is not None and self.policy.needs_cost_model))
+                      and packs(1, self.runner.cache))
+        self._mixed_step = False
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
@@ -271,6 +273,8 @@ class LLMEngine:
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
         catch_up = self._catch_up_seconds
+        if self._mixed_step:  # its decode part was not timed apart from the prefill chunks
+            seconds = None
         predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up)
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(*predicted, seconds - catch_up)
@@ -303,7 +307,8 @@ class LLMEngine:
         prefill chunks. Returns the sequences that commit a token this step and their logits
         rows, flat `[N, V]` (1 + num_draft rows each)."""
         groups = ([s for s in scheduled if not s.seq.is_prefilling], [s for s in scheduled if s.seq.is_prefilling])
-        if self.mixed and groups[0] and groups[1]:  # one forward (the scheduler kept the chunks short)
+        self._mixed_step = bool(self.mixed and groups[0] and groups[1])
+        if self._mixed_step:  # one forward (the scheduler kept the chunks short)
             groups = (list(scheduled), [])
         sampling, parts = [], []
         for group in groups:

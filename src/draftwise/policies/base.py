@@ -53,12 +53,13 @@ class Policy(Protocol):
         """The request finished: drop its state."""
 
     def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
-                     seconds: float, catch_up_seconds: float = 0.0) -> tuple[float, float] | None:
+                     seconds: float | None, catch_up_seconds: float = 0.0) -> tuple[float, float] | None:
         """A decode step took `seconds` (its prefill chunks' forward left out; B rows, T tokens fed,
         mean context, tokens drafted per row), of which `catch_up_seconds` went to the drafter's
-        long catch-ups (a new prompt: the drafter's prefill). Returns what the policy's cost model
-        predicted for the step without those, and what the hardware profile alone predicted (None:
-        it has no cost model)."""
+        long catch-ups (a new prompt: the drafter's prefill); `seconds` None: the step ran its decode
+        rows and prefill chunks in one forward (a mixed step), so its decode part was not timed.
+        Returns what the policy's cost model predicted for the step without those, and what the
+        hardware profile alone predicted (None: it has no cost model, or nothing was timed)."""
 
 
 POLICIES = Registry("policy")

@@ -261,6 +261,9 @@ class GoodputPolicy:
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
+        if seconds is None:  # a mixed step (prefill chunks in the same forward): nothing to learn from
+            self._last_mode = self._mode
+            return None
         # a drafting step right after plain ones also feeds the drafter everything it missed: a cost
         # of switching, not of the arm (counted, a burst of exploration after a long plain run would
         # rate speculation by its catch-up)
