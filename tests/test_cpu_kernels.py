@@ -34,10 +34,10 @@ def test_kernels_build_where_a_compiler_exists(kernels_switch):
     assert cpu_kernels.kernels() is None
 
 
-def load_with_distinct_norms(path, dtype):
+def load_with_distinct_norms(path, dtype, quantization=None):
     """The test models' RMSNorm weights are all ones; distinct ones catch a kernel reading the
     wrong norm."""
-    loaded = load_model(path, dtype=dtype, load_tokenizer=False)
+    loaded = load_model(path, dtype=dtype, load_tokenizer=False, quantization=quantization)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in loaded.model.named_parameters():
@@ -116,13 +116,7 @@ def test_one_call_step_equals_layer_by_layer_bitwise(variant, tmp_path, tokenize
     dtype, quant = ("float32", "int8") if variant == "int8" else (variant, None)
 
     def load():
-        loaded = load_model(path, dtype=dtype, load_tokenizer=False, quantization=quant)
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in loaded.model.named_parameters():
-                if "norm" in name:
-                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-        return loaded
+        return load_with_distinct_norms(path, dtype, quant)
 
     one = load()
     a = run_rounds(one, []) + run_batch_rounds(load())

@@ -200,13 +200,10 @@ class PackedLinear(nn.Module):
             self.native = _native_pack(w, self.bias)
             if self.native is None:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
-        elif (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.numel() >= PACK_MIN_NUMEL
-              and native_gemm_wanted()):  # no native bfloat16 products here: dw_gemm_bf16
-            self.packed, self.weight = None, None
-            self.native = _pack(w)
         elif (w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
               and w.numel() >= NATIVE_MIN_NUMEL and native_gemm_wanted()):
-            # below oneDNN's threshold but big enough for two threads: dw_gemm rather than the
+            # bfloat16 without native bfloat16 products here (dw_gemm_bf16), or a weight below
+            # oneDNN's threshold but big enough for two threads: dw_gemm rather than the
             # single-threaded small-weight loop (the embedded target's o projection, the draft's
             # gate/up), and every product of such a target packed (its step is one call, any rows)
             self.packed, self.weight = None, None
