@@ -278,7 +278,9 @@ def test_every_policy_keeps_greedy_output(target_dir, draft_dir, method):
 
 
 def test_goodput_stops_drafting_with_a_useless_drafter(target_dir, draft_dir):
-    """With acceptances near 0 the goodput policy verifies (and drafts) little: probes only."""
+    """With acceptances near 0 the goodput policy verifies (and drafts) little: probes, and the
+    measured check's rare bursts of fixed speculation (its first look deferred, the model rating it
+    far behind; each burst that stays far behind waits four times longer for the next)."""
     llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=4, policy="goodput",
                                                                      cost_model=COST))
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -289,8 +291,11 @@ def test_goodput_stops_drafting_with_a_useless_drafter(target_dir, draft_dir):
     policy.calibration.total = [0.0, 100.0]
     out = llm.generate([[7, 8, 9, 10]], sp)[0]
     rounds = out.stats.rounds
-    assert out.stats.verified_tokens <= rounds // GoodputPolicy.probe_every + 2
-    assert out.stats.proposed_tokens <= 4 * (rounds // GoodputPolicy.probe_every + 2)
+    probes = rounds // GoodputPolicy.probe_every + 2
+    bursts = 1 + rounds // (4 * _Arms.EXPLORE_EVERY)
+    assert out.stats.verified_tokens <= probes + 4 * _Arms.BURST * bursts
+    assert out.stats.proposed_tokens <= 4 * (probes + _Arms.BURST * bursts)
+    assert out.stats.verified_tokens < 0.1 * 4 * rounds  # fixed speculation would verify 4 a round
 
 
 # --------------------------------------------------------------------------- (e) draftwise check
@@ -353,13 +358,16 @@ def test_grid_cost_reads_the_measured_points():
 
 def test_goodput_probes_back_off_with_a_useless_drafter():
     """Probes that accept nothing double their interval (32, 64, ... up to max_probe_every); one
-    that accepts brings it back to probe_every."""
+    that accepts brings it back to probe_every. The measured check's bursts of fixed speculation
+    (every proposal verified: the estimates can recover from them too) grow apart as well."""
     policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
     for table_ in policy.calibration.tables:  # the drafter was never right
         for cell in table_:
             cell[0] = 0.0
     policy.calibration.total = [0.0, 100.0]
     seqs = [SimpleNamespace(seq_id=0, params=SamplingParams(temperature=0), num_tokens=50)]
+
+    bursts = []
 
     def run(steps, accept):
         probes = []
@@ -368,7 +376,7 @@ def test_goodput_probes_back_off_with_a_useless_drafter():
             blocks = [DraftBlock([1] * n, None, [0.1] * n) for n in lengths]
             admitted = policy.admit(seqs, blocks, 0.0)
             if admitted[0]:
-                probes.append(step)
+                (bursts if policy._mode == "full" else probes).append(step)
             policy.observe(seqs[0], blocks[0], admitted[0], min(admitted[0], accept))
             policy.observe_step(1, 1 + admitted[0], 50.0, list(lengths), 0.005)
         return probes
@@ -377,6 +385,10 @@ def test_goodput_probes_back_off_with_a_useless_drafter():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) <= 3000 // GoodputPolicy.max_probe_every + 6, probes  # 32/probe would be ~90
     assert gaps[-1] >= GoodputPolicy.max_probe_every and gaps == sorted(gaps)
+    starts = [b for i, b in enumerate(bursts) if i == 0 or b > bursts[i - 1] + 1]
+    assert len(bursts) <= _Arms.BURST * len(starts) and len(starts) <= 8, bursts
+    assert [b - a for a, b in zip(starts, starts[1:])] == sorted(b - a for a, b in zip(starts, starts[1:]))
+    bursts.clear()
     probes = run(2 * GoodputPolicy.max_probe_every, accept=1)  # the drafter became right
     assert probes and policy._probe_interval.get(0, GoodputPolicy.probe_every) == GoodputPolicy.probe_every
 

@@ -27,17 +27,19 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   their confidences) and plan-time figures, never x_j nor anything drafted after it (a rule that
   picked the best prefix from all the row's confidences would read q_{j+1}, a function of x_j).
 
-A measured check on top (`_choose_mode`, `_Arms`): per batch size (half octaves, `batch_bucket`),
-the policy keeps
-decayed committed-tokens-per-second figures of three arms: the steps it ran as planned ("spec"),
-steps where every row drafted and verified all it may, as the fixed policy does ("full"), and
-steps it ran without verifying ("plain", no probes either); it runs the best and tries the others
-in bursts of a few steps, less and less often while they stay clearly behind. The choice reads the
-history only (causal; "full" admits every proposal, reading none). A profile that is off (measured
-on a loaded machine, or missing the step's Python work) then costs at most the exploration, not
-the operating point. A drafting step right after plain ones pays the drafter's catch-up: a cost
-of switching, left out of the arm's figures. Once the check prefers "plain" or "full" at a batch
-size, `plan` skips the optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32).
+A measured check on top (`_Arms`): per batch size (half octaves, `batch_bucket`), the policy
+keeps decayed committed-tokens-per-second figures of three arms, as measured: the steps it ran as
+planned ("spec"), steps where every row drafted and verified all it may, as the fixed policy does
+("full"), and steps it ran without verifying ("plain", no probes either); it runs the best and
+tries the others in bursts of a few steps, less and less often while they stay clearly behind.
+It decides also when the plan drafts nothing: estimates that an unlucky start made pessimistic
+recover through its bursts of "full", not only through one-proposal probes. The choice reads the
+history only (causal; "full" admits every proposal, reading none). A cost model or estimates that
+are off (a profile measured on a loaded machine, the step's Python work, a calibration that
+overrates short blocks) then cost at most the exploration, not the operating point. A drafting
+step right after plain ones pays the drafter's catch-up: a cost of switching, left out of the
+arm's figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
+optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32).
 
 `choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
@@ -143,9 +145,17 @@ class GoodputPolicy:
         b = len(seqs)
         self._bucket = batch_bucket(b)
         arms = self._arms_at(self._bucket)
-        if arms.coast(sum(s.seq_id for s in seqs)):  # plain by a wide margin here: no plan for a few steps
+        coast = arms.coast()
+        if coast == "plain":  # plain by a wide margin here: no plan for a few steps
             self._mode, self._rate, self._probes, self._pred, self._long_catch_up = "plain", math.inf, set(), None, 0
             return [0] * b
+        if coast == "full":  # fixed speculation by a wide margin: every row drafts all it may, unplanned
+            self._mode, self._rate, self._probes, self._pred = "full", 0.0, set(), None
+            self._long_catch_up = sum(
+                n - 1 for s, m in zip(seqs, max_draft)
+                if m and (n := s.num_tokens - getattr(s, "draft_computed", s.num_tokens)) > self.LONG_CATCH_UP
+            ) if self.has_draft_model else 0
+            return list(max_draft)
         ctx = self._context(seqs)
         cal = self.calibration
         gains, due = [], []
@@ -181,8 +191,13 @@ class GoodputPolicy:
         pred = {"spec": self._predict(gains, lengths, b, ctx, catch),
                 "full": self._predict(gains, max_draft, b, ctx, catch),
                 "plain": self._predict(gains, [0] * b, b, ctx, catch)}
-        self._mode = "plain" if planned_plain else arms.choose(pred)
-        self._pred = pred["spec"] if planned_plain else pred[self._mode]
+        # the measured check decides even when the plan drafts nothing: estimates that an unlucky
+        # start made pessimistic (a few rejections at temperature 1) recover through its bursts of
+        # "full", which test every proposal, not only through one-proposal probes
+        self._mode = arms.choose(pred)
+        if planned_plain and self._mode == "spec":
+            self._mode = "plain"
+        self._pred = pred["spec"] if planned_plain and self._mode == "plain" else pred[self._mode]
         if self._mode == "plain":
             self._rate = math.inf
             # only a plan that drafts nothing probes; chosen by the measured check, a plain step has
@@ -287,32 +302,29 @@ class GoodputPolicy:
 
 
 class _Arms:
-    """The measured check at one batch size: how far each arm's steps fell from what the model
-    expected of them, and when to look at the others again.
+    """The measured check at one batch size: what each arm's steps gave, and when to look at the
+    others again.
 
-    Each arm keeps decayed sums of its steps' seconds, measured and as the hardware profile
-    predicted them (and of committed tokens, measured and expected, for the record); an arm's
-    rating now is the expected committed tokens of this step over the profile's seconds corrected
-    by that arm's ratio, plus the drafting rows' catch-up spread over `CATCH_UP_HORIZON` steps:
-    E_arm / (S_arm * seconds measured / predicted + C_arm) (the measured seconds leave the long
-    catch-ups out: they are C's, whose per-token cost is learned from them). The expectation follows
-    the batch (a request with a poor drafter expects little from speculating, the next one more:
-    the calibrated estimates, which learn acceptance), the ratio what the profile misses at this
-    batch size (a drafting step's Python work, the drafter's prefill of new prompts, a profile
-    measured on a loaded machine). Ratios to the fixed profile, not to the online model: ratios to
-    a prediction that moves (the online residual, the estimates early on) would not compare. An
-    arm never run is rated by the profile alone.
+    Each arm keeps decayed sums of its steps' committed tokens and seconds as measured (the
+    seconds without the drafter's long catch-ups, whose per-token cost is learned apart), and of
+    what the model expected of them (for the record); an arm's rating now is its measured tokens
+    per step over its measured seconds per step plus the catch-up that running it now would
+    start with (drafting rows that lag, spread over `CATCH_UP_HORIZON` steps). Measured, not the
+    model's prediction corrected by a ratio: at batch 1 on the AVX2 machine the plan's shorter
+    blocks cost nearly a full block's time (13.8 against 14.5 ms, the drafter's steps and the
+    step's fixed work) and committed 2.4 tokens against 3.1, while the corrected prediction still
+    rated them first. An arm never run is rated by the model alone.
 
     The best-rated arm runs; another is tried in a burst of `BURST` consecutive steps (one step is
     too noisy a sample, and its first step may pay the drafter's catch-up) when its turn is due:
     every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
     5% behind (`MARGIN`; four times when more than 20% behind, `FAR`), up to `MAX_EXPLORE_EVERY`,
     back to `EXPLORE_EVERY` after one that came close; an arm never run that the model rates more
-    than 20% behind waits four times as long for its first look. A clearly worse arm (speculation at a high
-    load, plain decoding at batch 1) so costs ever less exploration. While plain leads by more
-    than `COAST` and no burst is due, `plan` is skipped for up to `COAST_STEPS` steps of the same
-    batch (`coast`). A new batch size starts from a
-    neighbour's ratios and intervals (`seed`)."""
+    than 20% behind waits four times as long for its first look. A clearly worse arm (speculation
+    at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
+    "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
+    to `COAST_STEPS` steps (`coast`). A new batch size starts from a neighbour's figures and
+    intervals (`seed`)."""
 
     BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
@@ -321,7 +333,7 @@ class _Arms:
     MARGIN = 0.95
     FAR = 0.8
     COAST = 1.1
-    COAST_STEPS = 8
+    COAST_STEPS = 16
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
         self.arms = tuple(arms)
@@ -332,10 +344,9 @@ class _Arms:
         self.burst_left = 0
         self.exploring: str | None = None  # the arm of the running exploration burst
         self.interval = {a: self.EXPLORE_EVERY for a in arms}
-        self.plain_lead = 0.0  # the best other arm's rating / plain's, at the last decision
-        self.coasted = 0  # plain steps since the last decision
+        self.lead = 0.0  # the best arm's rating / the next best's, at the last decision
+        self.coasted = 0  # steps run without a decision since the last one
         self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
-        self.batch_key = -1  # the batch of the last step (sum of its seq_ids)
         if seed is not None:  # a neighbour's ratios, at the weight of one step each, and its intervals
             for a, f in seed.figures.items():
                 if f[4] > 0:
@@ -344,27 +355,28 @@ class _Arms:
         self.due = dict(self.interval)
 
     def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
-        _, _, sec_m, sec_p, n = self.figures[arm]
+        """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
+        that running it now would start with added; an arm never run, the model's figures."""
+        tok_m, _, sec_m, _, n = self.figures[arm]
         expected, seconds, catch_up = pred
-        if n > 0 and sec_p > 0:
-            seconds *= sec_m / sec_p
+        if n > 0 and sec_m > 0:
+            expected, seconds = tok_m / n, sec_m / n
         return expected / max(seconds + catch_up, 1e-12)
 
-    def coast(self, batch_key: int) -> bool:
-        """Plain again without planning: it led by more than COAST at the last decision, made for
-        the same batch (`batch_key`: a request that joins or leaves can change the best arm, e.g.
-        a new request at batch 1) at most COAST_STEPS ago; it is not exploring and no other arm's
-        turn is due."""
-        same = batch_key == self.batch_key
-        self.batch_key = batch_key
-        if self.current != "plain" or self.burst_left > 0 or self.exploring is not None or not same:
-            return False
-        if (self.plain_lead * self.COAST > 1.0 or self.coasted >= self.COAST_STEPS
-                or any(self.steps + 1 >= self.due[a] for a in self.arms if a != "plain")):
-            return False
+    def coast(self) -> str | None:
+        """The arm to run again without planning ("plain" or "full"), or None: it led every other
+        arm by more than COAST at the last decision, at most COAST_STEPS steps ago; it is not
+        exploring and no other arm's turn is due. (A request joining or leaving within the bucket
+        waits at most COAST_STEPS steps for a decision that sees it.)"""
+        if self.current == "spec" or self.burst_left > 0 or self.exploring is not None:
+            return None
+        if self.lead < self.COAST or self.coasted >= self.COAST_STEPS:
+            return None
+        if any(self.steps + 1 >= self.due[a] for a in self.arms if a != self.current):
+            return None
         self.steps += 1
         self.coasted += 1
-        return True
+        return self.current
 
     def choose(self, pred: dict[str, tuple[float, float, float]]) -> str:
         self.steps += 1
@@ -383,7 +395,7 @@ class _Arms:
                 self.interval[arm] = self.EXPLORE_EVERY
             self.due[arm] = self.steps + self.interval[arm]
         best = max(self.arms, key=lambda a: rate[a])
-        self.plain_lead = max(rate[a] for a in self.arms if a != "plain") / max(rate["plain"], 1e-12)
+        self.lead = rate[best] / max(max(rate[a] for a in self.arms if a != best), 1e-12)
         for arm in self.arms:
             if arm != best and self.steps >= self.due[arm]:
                 if self.figures[arm][4] == 0 and rate[arm] < self.FAR * rate[best] and arm not in self.deferred:
