@@ -1,7 +1,19 @@
-"""llama.cpp beside draftwise plain: batch-1 greedy decoding on the same prompts, same threads.
+"""llama.cpp beside draftwise: batch-1 greedy decoding on the same prompts, same threads, plain
+and (with a draft) speculative.
 
     .venv/bin/python benchmarks/peer_llamacpp.py [--llamacpp DIR_OR_BINARY] [--gguf FILE]
         [--model smollm2] [--dtype float32,bfloat16] [--tokens 128] [--threads 2] [--rounds 2]
+        [--workload NAME --prompts 4] [--draft DIR --draft-gguf FILE --k 4]
+
+With `--draft` (a draftwise draft directory) and `--draft-gguf` (the same draft converted to
+GGUF), both engines also decode speculatively with it, k proposals a round: llama.cpp's
+`llama-speculative-simple` (draft-simple, n-min 0, p-min 0: every round drafts k, like draftwise's
+fixed policy; its rate is its own "decoded N tokens in S seconds" line, after the prompt) and
+draftwise's `SpecConfig(method="draft", k=K)`, in the dtype of each run (the draft's GGUF should be
+converted in the same dtype as the target's: one llama.cpp run per invocation). The issue's goal
+reads "draftwise speculative >= 1.5x llama.cpp's best setting": the summary prints that ratio.
+`--workload` takes the prompts from a draftwise workload (e.g. code-easy: held-out code for the
+embedded pair) instead of the chat questions.
 
 llama.cpp is a benchmark-only peer, never a dependency: its `llama-completion` binary is found
 through `--llamacpp` or `$LLAMACPP` (a binary, or a build folder holding `bin/llama-completion`),
@@ -45,6 +57,7 @@ QUESTIONS = [
 DEFAULT_BUILD = Path.home() / ".cache" / "draftwise" / "llamacpp" / "build"
 DEFAULT_GGUF = Path.home() / ".cache" / "draftwise" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_LINE = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
+DECODED_LINE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 
 
 def find_binary(given: str | None) -> Path | None:
@@ -84,6 +97,26 @@ def llamacpp_decode(binary: Path, gguf_path: Path, prompt: str, tokens: int, thr
     return n, ms / 1e3
 
 
+def llamacpp_speculative(binary: Path, gguf_path: Path, draft_gguf: Path, prompt: str, tokens: int,
+                         threads: int, k: int) -> tuple[int, float]:
+    """(decoded tokens, their seconds) of llama-speculative-simple (its own timing, after the prompt)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    try:
+        r = subprocess.run([str(binary), "-m", str(gguf_path), "-md", str(draft_gguf), "-f", f.name,
+                            "-n", str(tokens), "--ignore-eos", "--temp", "0", "-t", str(threads), "-tb", str(threads),
+                            "-td", str(threads), "-c", "1024", "-cd", "1024", "--spec-type", "draft-simple",
+                            "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                            "--no-warmup"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    finally:
+        os.unlink(f.name)
+    m = DECODED_LINE.search(r.stderr)
+    if r.returncode != 0 or m is None:
+        raise RuntimeError(f"llama-speculative-simple failed (rc {r.returncode}): {r.stderr[-800:]}")
+    return int(m.group(1)), float(m.group(2))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llamacpp", default=None, help="llama-completion binary or llama.cpp build folder (or $LLAMACPP)")
@@ -93,7 +126,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workload", default=None, help="prompts from this draftwise workload instead of chat questions")
+    ap.add_argument("--prompts", type=int, default=4, help="how many of the workload's prompts")
+    ap.add_argument("--draft", default=None, help="draftwise draft directory: speculative runs too")
+    ap.add_argument("--draft-gguf", type=Path, default=None, help="the same draft as GGUF, for llama.cpp")
+    ap.add_argument("--k", type=int, default=4)
     args = ap.parse_args()
+    if (args.draft is None) != (args.draft_gguf is None):
+        ap.error("--draft and --draft-gguf go together")
     binary = find_binary(args.llamacpp)
     if binary is None:
         print("skipped: no llama-completion (pass --llamacpp or set $LLAMACPP; recipe in /work/shared/peers/README.md)")
@@ -107,13 +147,28 @@ def main() -> int:
 
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     llms = {d: LLM(args.model, dtype=d, kv_cache_memory="600MB") for d in dtypes}
+    spec_binary = binary.parent / "llama-speculative-simple"
+    if args.draft is not None:
+        from draftwise import SpecConfig
+
+        if not spec_binary.is_file():
+            raise SystemExit(f"--draft: no llama-speculative-simple beside {binary}")
+        for d in dtypes:
+            llms[f"{d} spec"] = LLM(args.model, dtype=d, kv_cache_memory="600MB", draft=args.draft,
+                                    spec=SpecConfig(method="draft", k=args.k, policy="fixed"))
     any_llm = next(iter(llms.values()))
-    chat = ChatTemplate(any_llm.engine.target.tokenizer_config)
-    texts = [chat.render([{"role": "user", "content": q}]) for q in QUESTIONS]
+    if args.workload is not None:
+        from draftwise.lab.workload import load_workload
+
+        texts = [r.prompt for r in load_workload(args.workload).requests[: args.prompts]]
+    else:
+        chat = ChatTemplate(any_llm.engine.target.tokenizer_config)
+        texts = [chat.render([{"role": "user", "content": q}]) for q in QUESTIONS]
     ids = [any_llm.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
-    decode(llms[dtypes[0]], ids[0], 16)  # warm-up
+    for llm in llms.values():
+        decode(llm, ids[0], 16)  # warm-up
     llamacpp_decode(binary, args.gguf, texts[0], 16, args.threads)
-    engines = ["llama.cpp"] + [f"draftwise {d}" for d in dtypes]
+    engines = ["llama.cpp"] + (["llama.cpp spec"] if args.draft else []) + [f"draftwise {d}" for d in llms]
     n = {e: 0 for e in engines}
     s = {e: 0.0 for e in engines}
     for _ in range(args.rounds):
@@ -121,11 +176,15 @@ def main() -> int:
             for e in engines:
                 if e == "llama.cpp":
                     k, sec = llamacpp_decode(binary, args.gguf, text, args.tokens, args.threads)
+                elif e == "llama.cpp spec":
+                    k, sec = llamacpp_speculative(spec_binary, args.gguf, args.draft_gguf, text, args.tokens,
+                                                  args.threads, args.k)
                 else:
-                    k, sec = decode(llms[e.split()[1]], p, args.tokens)
+                    k, sec = decode(llms[e.split(" ", 1)[1]], p, args.tokens)
                 n[e] += k
                 s[e] += sec
     wbytes = {"llama.cpp": gguf_weight_bytes(args.gguf)}
+    wbytes["llama.cpp spec"] = wbytes["llama.cpp"]  # (the target's: the draft's weights are read per draft step)
     for d, llm in llms.items():
         cfg = llm.engine.target.config
         params = cfg.vocab_size * cfg.hidden_size  # the head (the tied embedding; PackedEmbedding has no parameter)
@@ -135,7 +194,7 @@ def main() -> int:
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 params += lin.in_features * lin.out_features
         params += cfg.hidden_size  # final norm
-        wbytes[f"draftwise {d}"] = params * torch.finfo(getattr(torch, d)).bits // 8
+        wbytes[f"draftwise {d}"] = params * torch.finfo(getattr(torch, d.split()[0])).bits // 8
     print(f"{args.gguf.name} (llama.cpp {binary}) vs {args.model}; batch 1, greedy, {args.tokens} tokens, "
           f"{len(texts)} chat prompts x {args.rounds} rounds, {args.threads} threads")
     rate = {e: n[e] / s[e] for e in engines}
@@ -145,6 +204,11 @@ def main() -> int:
     for e in engines[1:]:
         print(f"  {e} / llama.cpp: {rate[e] / rate['llama.cpp']:.2f}x tok/s, "
               f"{rate[e] * wbytes[e] / (rate['llama.cpp'] * wbytes['llama.cpp']):.2f}x weight GB/s")
+    if args.draft is not None:
+        best = max(("llama.cpp", "llama.cpp spec"), key=lambda e: rate[e])
+        for d in dtypes:
+            e = f"draftwise {d} spec"
+            print(f"  {e} / llama.cpp's best ({best}, {rate[best]:.1f} tok/s): {rate[e] / rate[best]:.2f}x")
     return 0
 
 

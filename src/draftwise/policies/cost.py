@@ -65,10 +65,10 @@ class OnlineCost:
     def __init__(self, cost: CostModel):
         self.cost = cost
         self._w = 0.0  # decayed weight
-        self._sx = np.zeros(3)  # sums of (B, T, D)
+        self._sx = [0.0] * 3  # sums of (B, T, D)
         self._sy = 0.0  # sum of r
-        self._sxx = np.zeros((3, 3))
-        self._sxy = np.zeros(3)
+        self._sxx = [[0.0] * 3 for _ in range(3)]
+        self._sxy = [0.0] * 3
         self._coef = (0.0, 0.0, 0.0, 0.0)  # e0, e1 (per row), e2 (per token), e3 (per drafter step)
         self._seen = 0  # steps observed
 
@@ -97,21 +97,31 @@ class OnlineCost:
         return (self.profile_seconds(num_seqs, num_tokens, context, draft_lengths)
                 + self.residual(num_seqs, num_tokens, steps))
 
-    def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float) -> None:
-        r = measured - self.profile_seconds(num_seqs, num_tokens, context, draft_lengths)
-        x = np.array([num_seqs, num_tokens, max(list(draft_lengths), default=0)], dtype=np.float64)
+    def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float,
+                profile: float | None = None) -> None:  # profile: profile_seconds(...) when already known
+        lengths = list(draft_lengths)
+        if profile is None:
+            profile = self.profile_seconds(num_seqs, num_tokens, context, lengths)
+        r = measured - profile
+        x = (float(num_seqs), float(num_tokens), float(max(lengths, default=0)))
         d = self.DECAY
+        # the decayed sums in plain floats (a step's update; numpy's per-call cost was most of it)
         self._w = self._w * d + 1.0
         self._sy = self._sy * d + r
-        self._sx = self._sx * d + x
-        self._sxy = self._sxy * d + x * r
-        self._sxx = self._sxx * d + np.outer(x, x)
+        sx, sxy, sxx = self._sx, self._sxy, self._sxx
+        for i in range(3):
+            sx[i] = sx[i] * d + x[i]
+            sxy[i] = sxy[i] * d + x[i] * r
+            row = sxx[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
         self._seen += 1
         if self._seen > 8 and self._seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
             return
-        mx, my = self._sx / self._w, self._sy / self._w
-        cxx = self._sxx / self._w - np.outer(mx, mx) + self.RIDGE * np.eye(3)
-        cxy = self._sxy / self._w - mx * my
+        w = self._w
+        mx, my = np.array(sx) / w, self._sy / w
+        cxx = np.array(sxx) / w - np.outer(mx, mx) + self.RIDGE * np.eye(3)
+        cxy = np.array(sxy) / w - mx * my
         slopes = self._nonnegative_solve(cxx, cxy)
         self._coef = (float(my - slopes @ mx), *(float(v) for v in slopes))
 

@@ -292,12 +292,12 @@ class GoodputPolicy:
             per = catch_up_seconds / self._long_catch_up
             self._catch_up_per_token += 0.2 * (per - self._catch_up_per_token)
         self._last_mode = self._mode
-        lengths = draft_lengths if self.has_draft_model else ()
-        predicted = self.model.step_seconds(num_seqs, num_tokens, context, lengths)
+        lengths = list(draft_lengths) if self.has_draft_model else []
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
+        predicted = profile_only + self.model.residual(num_seqs, num_tokens, max(lengths, default=0))
         # the cost model is of the decode step proper; the arms pay for everything (a drafting
         # arm is what makes the drafter prefill new prompts)
-        self.model.observe(num_seqs, num_tokens, context, lengths, seconds - catch_up_seconds)
+        self.model.observe(num_seqs, num_tokens, context, lengths, seconds - catch_up_seconds, profile=profile_only)
         return predicted, profile_only
 
 

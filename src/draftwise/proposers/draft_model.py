@@ -91,7 +91,7 @@ class DraftModelProposer:
             argmax = am.tolist() if len(sampled) < len(active) else None
             # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn (only
             # when the verification policy reads it)
-            conf = ((1.0 / torch.exp(q_logits - top[:, None]).sum(dim=-1)).tolist() if self.confidence
+            conf = (torch.exp(top - torch.logsumexp(q_logits, dim=-1)).tolist() if self.confidence
                     else [None] * len(active))  # [A]
             nxt = []
             row = 0
