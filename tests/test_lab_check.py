@@ -36,7 +36,14 @@ def test_check_fails_on_a_lossy_sampler(target_dir, draft_dir, capsys, monkeypat
             lossy[b, n] = res.committed[b, 0]  # any valid token as the bonus
         return type(res)(lossy, meta.num_draft.clone(), res.valid)
 
+    real_argmax = engine_mod.verify_argmax
+
+    def accept_every_greedy(logits, draft_token_ids):  # greedy rows' own path: the same fault
+        toks, _, valid = real_argmax(logits, draft_token_ids)
+        return ([list(d) + t[:1] for d, t in zip(draft_token_ids, toks)], [len(d) for d in draft_token_ids], valid)
+
     monkeypatch.setattr(engine_mod, "verify_proposals", accept_everything)
+    monkeypatch.setattr(engine_mod, "verify_argmax", accept_every_greedy)
     rc = main(["check", "--model", str(target_dir), "--draft", str(draft_dir),
                "--max-tokens", "16"])
     out = capsys.readouterr().out

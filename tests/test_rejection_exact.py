@@ -401,3 +401,34 @@ def test_greedy_rows_draw_no_randomness():
     rejection_sample(ids, q, p, [g0, g1], is_greedy=torch.tensor([True, False]))
     assert torch.equal(g0.get_state(), state0)
     assert not torch.equal(g1.get_state(), torch.Generator().manual_seed(6).get_state())
+
+
+def test_argmax_path_decides_as_verify_for_greedy_rows():
+    """`verify_argmax` (the engine's path for greedy rows with nothing to process) commits exactly
+    what `verify` commits for greedy rows: random drafts, half of them right, exact ties in the
+    logits (the first maximal id wins in both), rows with a NaN or every token masked."""
+    from draftwise.sampling.verify import VerifyMetadata, verify, verify_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        b, vocab = int(torch.randint(1, 6, (1,), generator=gen)), 7
+        nd = torch.randint(0, 5, (b,), generator=gen).tolist()
+        logits = torch.randint(-3, 3, (sum(n + 1 for n in nd), vocab), generator=gen).float()  # ties often
+        am = logits.argmax(-1).tolist()
+        drafts, base = [], 0
+        for n in nd:
+            d = [am[base + j] if torch.rand(1, generator=gen) < 0.6 else int(torch.randint(0, vocab, (1,), generator=gen))
+                 for j in range(n)]
+            drafts.append(d)
+            base += n + 1
+        if trial % 7 == 0:
+            logits[int(torch.randint(0, logits.shape[0], (1,), generator=gen))] = float("nan")
+        if trial % 11 == 0:
+            logits[int(torch.randint(0, logits.shape[0], (1,), generator=gen))] = -torch.inf
+        want = verify(logits.clone(), VerifyMetadata.build(drafts, [True] * b), None)
+        toks, acc, valid = verify_argmax(logits, drafts)
+        assert valid == want.valid.tolist()
+        assert acc == [a if v else 0 for a, v in zip(want.num_accepted.tolist(), valid)]
+        assert toks == [want.tokens(i) for i in range(b)]
+    with pytest.raises(ValueError, match="rows"):
+        verify_argmax(torch.zeros(3, 4), [[1]])

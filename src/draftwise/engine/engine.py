@@ -41,6 +41,7 @@ from ..sampling import SamplingParams, process_logits
 from ..sampling.grammar import GrammarState, compile_constraint, forced_tail, grammar_bitmask
 from ..sampling.verify import VerifyMetadata, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
+from ..sampling.verify import verify_argmax
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
 from .isolation import FailureIsolation
@@ -52,6 +53,16 @@ from .step_output import StepOutput, Verification
 
 log = logging.getLogger("draftwise.engine")
 _NO_DRAFT = DraftBlock([], None)
+
+
+def _takes_argmax(seq: Sequence) -> bool:
+    """p is the argmax of the raw logits at every position this step: greedy, and no processor
+    that would change the logits (bias, penalties, a min_tokens mask, a grammar) nor logprobs to
+    report from them."""
+    sp = seq.params
+    return (sp.is_greedy and not sp.logit_bias and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0
+            and sp.frequency_penalty == 0.0 and len(seq.output_ids) >= sp.min_tokens and seq.grammar is None
+            and seq.logprobs is None)
 
 
 class LLMEngine:
@@ -284,8 +295,18 @@ class LLMEngine:
         """Target forward -> p (`process_logits`) -> the selection rule (`sampling.verify`)."""
         sampling, logits = self._forward(scheduled, blocks)
         if not sampling:
-            return Verification({}, None, None, None)
+            return Verification({}, [], [], [], [], None)
         drafts = [blocks.get(s.seq.seq_id, _NO_DRAFT) for s in sampling]
+        rows = {s.seq.seq_id: b for b, s in enumerate(sampling)}
+        ids = [b.token_ids for b in drafts]
+        if all(_takes_argmax(s.seq) for s in sampling):  # greedy, nothing to process: p's argmax, on lists
+            p_logits = logits if logits.dtype == torch.float32 else logits.float()
+            toks, accepted, valid = verify_argmax(p_logits, ids)
+            starts, off = [], 0
+            for d in ids:
+                starts.append(off)
+                off += 1 + len(d)
+            return Verification(rows, toks, accepted, valid, starts, p_logits)
         # p at every position j of every sequence: history = output + proposals before j
         params, prompts, hists = [], [], []
         for s, blk in zip(sampling, drafts):
@@ -293,14 +314,13 @@ class LLMEngine:
                 params.append(s.seq.params)
                 prompts.append(s.seq.prompt_ids)
                 hists.append(s.seq.output_ids + blk.token_ids[:j])
-        ids = [b.token_ids for b in drafts]
         bitmask = grammar_bitmask([s.seq.grammar for s in sampling], ids, self.vocab_size)  # [N, W] or None
         p_logits = process_logits(logits, params, prompts, hists, eos_ids=[self.eos_ids] * len(params),
                                   token_bitmask=bitmask)  # [N, V]
         meta = VerifyMetadata.build(ids, [s.seq.params.is_greedy for s in sampling])
         q = flat_draft_probs(ids, [b.probs for b in drafts], self.vocab_size)  # [sum(num_draft), V] or None
         result = verify_proposals(p_logits, meta, q, [s.seq.generator for s in sampling])
-        return Verification({s.seq.seq_id: b for b, s in enumerate(sampling)}, meta, result, p_logits)
+        return Verification.from_result(rows, meta, result, p_logits)
 
     def _forward(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]):
         """One target forward per group: decoding sequences (last committed + proposals), then
@@ -346,7 +366,7 @@ class LLMEngine:
                 self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
                 continue
             try:
-                if not bool(ver.result.valid[b]):
+                if not ver.valid[b]:
                     raise ValueError("the target's distribution for this request is unusable (NaN logits or every "
                                      "token masked): check temperature, penalties and logit_bias")
                 outputs.append(self._postprocess_one(seq, drafted.get(seq.seq_id), blocks.get(seq.seq_id),

@@ -21,15 +21,25 @@ class StepOutput:
 
 @dataclass
 class Verification:
-    """What verification decided for the sequences that commit tokens this step."""
+    """What verification decided for the sequences that commit tokens this step, as lists."""
 
     rows: dict[int, int]  # seq_id -> row b of the batch
-    meta: VerifyMetadata | None
-    result: VerifyResult | None
+    tokens: list[list[int]]  # [B] committed tokens (accepted proposals, then recovered or bonus)
+    accepted: list[int]  # [B] proposals accepted
+    valid: list[bool]  # [B] False: unusable distribution, nothing committed
+    starts: list[int]  # [B] row b's first row in p_logits
     p_logits: torch.Tensor | None  # [N, V] processed target logits (log-probabilities)
+
+    @staticmethod
+    def from_result(rows: dict[int, int], meta: VerifyMetadata, result: VerifyResult,
+                    p_logits: torch.Tensor) -> "Verification":
+        valid = result.valid.tolist()
+        committed = result.committed.tolist()
+        accepted = result.num_accepted.tolist()
+        tokens = [c[: a + 1] if v else [] for c, a, v in zip(committed, accepted, valid)]
+        return Verification(rows, tokens, accepted, valid, meta.cu_num_logits.tolist()[:-1], p_logits)
 
     def committed(self, b: int) -> tuple[list[int], int, torch.Tensor]:
         """Row b's committed tokens, number accepted, and p's logits rows at those positions."""
-        a = int(self.result.num_accepted[b])
-        start = int(self.meta.cu_num_logits[b])
-        return self.result.tokens(b), a, self.p_logits[start : start + a + 1]
+        a, start = self.accepted[b], self.starts[b]
+        return self.tokens[b], a, self.p_logits[start : start + a + 1]
