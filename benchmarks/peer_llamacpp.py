@@ -84,13 +84,17 @@ def llamacpp_decode(binary: Path, gguf_path: Path, prompt: str, tokens: int, thr
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
-        r = subprocess.run([str(binary), "-m", str(gguf_path), "-f", f.name, "-n", str(tokens), "--ignore-eos",
-                            "--temp", "0", "-t", str(threads), "-tb", str(threads), "-c", "1024", "-no-cnv",
-                            "--no-display-prompt", "--perf", "--no-warmup"],
-                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        for _ in range(3):  # its log thread can lose the last lines at exit (rc 0, no perf line): run again
+            r = subprocess.run([str(binary), "-m", str(gguf_path), "-f", f.name, "-n", str(tokens), "--ignore-eos",
+                                "--temp", "0", "-t", str(threads), "-tb", str(threads), "-c", "1024", "-no-cnv",
+                                "--no-display-prompt", "--perf", "--no-warmup"],
+                               capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+            evals = [m for line in r.stderr.splitlines() if "prompt eval" not in line
+                     for m in [EVAL_LINE.search(line)] if m]
+            if r.returncode != 0 or evals:
+                break
     finally:
         os.unlink(f.name)
-    evals = [m for line in r.stderr.splitlines() if "prompt eval" not in line for m in [EVAL_LINE.search(line)] if m]
     if r.returncode != 0 or not evals:
         raise RuntimeError(f"llama-completion failed (rc {r.returncode}): {r.stderr[-500:]}")
     ms, n = float(evals[-1].group(1)), int(evals[-1].group(2))
@@ -103,15 +107,17 @@ def llamacpp_speculative(binary: Path, gguf_path: Path, draft_gguf: Path, prompt
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
-        r = subprocess.run([str(binary), "-m", str(gguf_path), "-md", str(draft_gguf), "-f", f.name,
-                            "-n", str(tokens), "--ignore-eos", "--temp", "0", "-t", str(threads), "-tb", str(threads),
-                            "-td", str(threads), "-c", "1024", "-cd", "1024", "--spec-type", "draft-simple",
-                            "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
-                            "--no-warmup"],
-                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        for _ in range(3):  # (see llamacpp_decode: a lost last log line)
+            r = subprocess.run([str(binary), "-m", str(gguf_path), "-md", str(draft_gguf), "-f", f.name,
+                                "-n", str(tokens), "--ignore-eos", "--temp", "0", "-t", str(threads), "-tb", str(threads),
+                                "-td", str(threads), "-tbd", str(threads), "-c", "1024", "--spec-type", "draft-simple",
+                                "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"],
+                               capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+            m = DECODED_LINE.search(r.stderr)
+            if r.returncode != 0 or m is not None:
+                break
     finally:
         os.unlink(f.name)
-    m = DECODED_LINE.search(r.stderr)
     if r.returncode != 0 or m is None:
         raise RuntimeError(f"llama-speculative-simple failed (rc {r.returncode}): {r.stderr[-800:]}")
     return int(m.group(1)), float(m.group(2))
@@ -196,7 +202,8 @@ def main() -> int:
         params += cfg.hidden_size  # final norm
         wbytes[f"draftwise {d}"] = params * torch.finfo(getattr(torch, d.split()[0])).bits // 8
     print(f"{args.gguf.name} (llama.cpp {binary}) vs {args.model}; batch 1, greedy, {args.tokens} tokens, "
-          f"{len(texts)} chat prompts x {args.rounds} rounds, {args.threads} threads")
+          f"{len(texts)} {args.workload or 'chat'} prompts x {args.rounds} rounds, {args.threads} threads"
+          + (f", speculative: draft k={args.k}" if args.draft else ""))
     rate = {e: n[e] / s[e] for e in engines}
     for e in engines:
         gbs = rate[e] * wbytes[e] / 1e9
