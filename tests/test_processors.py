@@ -149,3 +149,26 @@ def test_rows_are_independent_of_the_batch():
     batch = process_logits(logits, params, [[0]] * 5, hist)
     for i in range(5):
         assert torch.equal(batch[i], process_logits(logits[i : i + 1], [params[i]], [[0]], [hist[i]])[0])
+
+
+def test_changes_logits_is_false_only_where_process_logits_is_the_identity():
+    """The engine's and the drafter's argmax shortcut rests on this: where `changes_logits` says
+    no, `process_logits` returns the logits unchanged; each setting it names does change them."""
+    from draftwise.sampling.processors import changes_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12)
+    prompt, out = [1, 2, 3], [3, 4, 5, 6]
+    cases = [
+        SamplingParams(temperature=0), SamplingParams(temperature=0, min_tokens=2),
+        SamplingParams(temperature=0, min_tokens=9, stop_token_ids=[7]),
+        SamplingParams(temperature=0, logit_bias={5: 3.0}), SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=0, frequency_penalty=0.5),
+        SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
+    ]
+    for sp in cases:
+        got = process_logits(logits, [sp], [prompt], [out], eos_ids=[[7]])
+        if not changes_logits(sp, len(out)):
+            assert torch.equal(got, logits), sp
+        else:
+            assert not torch.equal(got, logits), sp

@@ -38,6 +38,7 @@ from ..model.runner import ModelRunner
 from ..policies import policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
+from ..sampling.processors import changes_logits
 from ..sampling.grammar import GrammarState, compile_constraint, forced_tail, grammar_bitmask
 from ..sampling.verify import VerifyMetadata, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
@@ -59,10 +60,7 @@ def _takes_argmax(seq: Sequence) -> bool:
     """p is the argmax of the raw logits at every position this step: greedy, and no processor
     that would change the logits (bias, penalties, a min_tokens mask, a grammar) nor logprobs to
     report from them."""
-    sp = seq.params
-    return (sp.is_greedy and not sp.logit_bias and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0
-            and sp.frequency_penalty == 0.0 and len(seq.output_ids) >= sp.min_tokens and seq.grammar is None
-            and seq.logprobs is None)
+    return not changes_logits(seq.params, len(seq.output_ids)) and seq.grammar is None and seq.logprobs is None
 
 
 class LLMEngine:

@@ -28,6 +28,7 @@ import torch
 
 from ..model.runner import ModelRunner
 from ..sampling import process_logits
+from ..sampling.processors import changes_logits
 from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
 
@@ -76,14 +77,17 @@ class DraftModelProposer:
                 [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active),
                 provisional=[True] * len(active),  # a hybrid drafter's state waits for postprocess (else ignored)
             )  # [A, V]
-            q_logits = process_logits(
-                logits,
-                [seqs[i].params for i in active],
-                [seqs[i].prompt_ids for i in active],
-                [seqs[i].output_ids + blocks[i].token_ids for i in active],
-                eos_ids=[self.eos_ids] * len(active),
-                token_bitmask=self._bitmask(active, cursors, logits.shape[1]),
-            )
+            if any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in active):
+                q_logits = process_logits(
+                    logits,
+                    [seqs[i].params for i in active],
+                    [seqs[i].prompt_ids for i in active],
+                    [seqs[i].output_ids + blocks[i].token_ids for i in active],
+                    eos_ids=[self.eos_ids] * len(active),
+                    token_bitmask=self._bitmask(active, cursors, logits.shape[1]),
+                )
+            else:  # greedy rows, nothing to process: q's argmax is the raw logits' (the same values)
+                q_logits = logits if logits.dtype == torch.float32 else logits.float()
             # greedy rows need only the argmax (their verification ignores q); others need q
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
             q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]

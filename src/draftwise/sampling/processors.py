@@ -80,6 +80,15 @@ def process_logits(
     return out
 
 
+def changes_logits(params: SamplingParams, num_output: int) -> bool:
+    """Whether `process_logits` can change a row's logits (bias, penalties, the min_tokens mask;
+    temperature, top-k/top-p and min-p for sampled rows) at a position whose output history holds
+    at least num_output tokens. False: p (or q) is the raw logits, and a greedy row's token their
+    argmax. (A grammar's bitmask is the caller's to check.)"""
+    return (not params.is_greedy or bool(params.logit_bias) or params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or num_output < params.min_tokens)
+
+
 def probs_from_logits(processed: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V]
     return torch.softmax(processed.to(torch.float32), dim=-1)
 
