@@ -448,3 +448,20 @@ def test_goodput_new_batch_size_starts_from_its_neighbour():
     modes = run(5, 40)
     assert batch_bucket(5) != batch_bucket(4)
     assert modes[:12] == ["plain"] * 12, modes
+
+
+def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
+    """An arm with steps of its own at this batch size is rated by what they measured (tokens per
+    second); one seeded from a neighbouring batch size by the model's figures times the
+    neighbour's measured / predicted ratios (its rates belong to another batch size); the first own
+    step replaces the neighbour's figures."""
+    near = _Arms(GoodputPolicy.ARMS)
+    near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, catch_up=False)
+    near.record("plain", committed=2.0, expected=2.0, seconds=0.01, predicted=0.01, catch_up=False)
+    assert near.rating("full", (100.0, 1.0, 0.0)) == pytest.approx(6.0 / 0.02)  # measured, whatever predicted
+    arms = _Arms(GoodputPolicy.ARMS, seed=near)
+    pred = (16.0, 0.05, 0.01)  # this batch size's expectation, profile seconds, catch-up
+    assert arms.rating("full", pred) == pytest.approx(16.0 * 0.75 / (0.05 * 2.0 + 0.01))
+    assert arms.rating("plain", pred) == pytest.approx(16.0 / (0.05 + 0.01))
+    arms.record("full", committed=20.0, expected=16.0, seconds=0.04, predicted=0.05, catch_up=False)
+    assert arms.rating("full", pred) == pytest.approx(20.0 / (0.04 + 0.01))

@@ -151,10 +151,7 @@ class GoodputPolicy:
             return [0] * b
         if coast == "full":  # fixed speculation by a wide margin: every row drafts all it may, unplanned
             self._mode, self._rate, self._probes, self._pred = "full", 0.0, set(), None
-            self._long_catch_up = sum(
-                n - 1 for s, m in zip(seqs, max_draft)
-                if m and (n := s.num_tokens - getattr(s, "draft_computed", s.num_tokens)) > self.LONG_CATCH_UP
-            ) if self.has_draft_model else 0
+            self._long_catch_up = sum(n - 1 for n, m in zip(self._lags(seqs), max_draft) if m and n > self.LONG_CATCH_UP)
             return list(max_draft)
         ctx = self._context(seqs)
         cal = self.calibration
@@ -171,8 +168,7 @@ class GoodputPolicy:
         draft = (lambda n: self.model.draft_step_seconds(n, ctx)) if self.has_draft_model else None
         # the drafter's catch-up before a row's first proposal (a new prompt, steps without
         # drafting), spread over the steps it serves (CATCH_UP_HORIZON): what starting costs
-        lag = [max(0, s.num_tokens - getattr(s, "draft_computed", s.num_tokens)) if self.has_draft_model else 0
-               for s in seqs]
+        lag = self._lags(seqs)
         catch = [(n - 1) * self._catch_up_per_token / self.CATCH_UP_HORIZON if n > 1 else 0.0 for n in lag]
         lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft,
                                              first_cost=catch)
@@ -211,6 +207,12 @@ class GoodputPolicy:
         # the tokens the proposer will feed in forwards of their own (see observe_step)
         self._long_catch_up = sum(n - 1 for n, m in zip(lag, lengths) if m and n > self.LONG_CATCH_UP)
         return lengths
+
+    def _lags(self, seqs) -> list[int]:
+        """Tokens each row's drafter cache is behind (fed before its first proposal; 0 for n-gram)."""
+        if not self.has_draft_model:
+            return [0] * len(seqs)
+        return [max(0, s.num_tokens - getattr(s, "draft_computed", s.num_tokens)) for s in seqs]
 
     def _predict(self, gains, lengths, b: int, ctx: float, catch) -> tuple[float, float, float]:
         """Expected committed tokens and seconds of a step drafting `lengths`: the estimates', the
@@ -324,7 +326,9 @@ class _Arms:
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
     "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
     to `COAST_STEPS` steps (`coast`). A new batch size starts from a neighbour's figures and
-    intervals (`seed`)."""
+    intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
+    times the neighbour's measured / predicted ratios (rates measured at another batch size do not
+    compare with this one's)."""
 
     BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
@@ -347,7 +351,8 @@ class _Arms:
         self.lead = 0.0  # the best arm's rating / the next best's, at the last decision
         self.coasted = 0  # steps run without a decision since the last one
         self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
-        if seed is not None:  # a neighbour's ratios, at the weight of one step each, and its intervals
+        self.own: set[str] = set()  # arms with steps of their own here (the others: a neighbour's figures)
+        if seed is not None:  # a neighbour's figures, at the weight of one step each, and its intervals
             for a, f in seed.figures.items():
                 if f[4] > 0:
                     self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
@@ -356,11 +361,16 @@ class _Arms:
 
     def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
         """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
-        that running it now would start with added; an arm never run, the model's figures."""
-        tok_m, _, sec_m, _, n = self.figures[arm]
+        that running it now would start with added; an arm with only a neighbouring batch size's
+        figures (`seed`), the model's figures corrected by that neighbour's measured / predicted
+        ratios; an arm never run, the model's figures."""
+        tok_m, tok_p, sec_m, sec_p, n = self.figures[arm]
         expected, seconds, catch_up = pred
-        if n > 0 and sec_m > 0:
+        if arm in self.own and sec_m > 0:
             expected, seconds = tok_m / n, sec_m / n
+        elif n > 0 and tok_p > 0 and sec_p > 0:  # a neighbour's: its rates belong to another batch size,
+            expected *= tok_m / tok_p  # its ratios to the model's figures carry over
+            seconds *= sec_m / sec_p
         return expected / max(seconds + catch_up, 1e-12)
 
     def coast(self) -> str | None:
@@ -414,8 +424,11 @@ class _Arms:
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
                catch_up: bool) -> None:
-        if catch_up and self.figures[arm][4] > 0:  # (the very first figure of an arm counts anyway)
+        if catch_up and arm in self.own:  # (the very first figure of an arm counts anyway)
             return
+        if arm not in self.own:  # its first step here replaces the neighbour's figures
+            self.own.add(arm)
+            self.figures[arm] = [0.0] * 5
         f, d = self.figures[arm], self.DECAY
         for i, v in enumerate((committed, expected, seconds, predicted, 1.0)):
             f[i] = f[i] * d + v
