@@ -79,48 +79,48 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
-def llamacpp_decode(binary: Path, gguf_path: Path, prompt: str, tokens: int, threads: int) -> tuple[int, float]:
-    """(decoded tokens after the first, their seconds) from llama.cpp's perf lines."""
+def run_llamacpp(cmd: list[str], prompt: str, parse):
+    """Run a llama.cpp tool on `prompt` (given as `-f FILE`) and parse its stderr; its log thread can
+    lose the last lines at exit (rc 0, no perf line), so a run whose stderr `parse` finds nothing
+    in is repeated, up to 3 times."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
-        for _ in range(3):  # its log thread can lose the last lines at exit (rc 0, no perf line): run again
-            r = subprocess.run([str(binary), "-m", str(gguf_path), "-f", f.name, "-n", str(tokens), "--ignore-eos",
-                                "--temp", "0", "-t", str(threads), "-tb", str(threads), "-c", "1024", "-no-cnv",
-                                "--no-display-prompt", "--perf", "--no-warmup"],
-                               capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-            evals = [m for line in r.stderr.splitlines() if "prompt eval" not in line
-                     for m in [EVAL_LINE.search(line)] if m]
-            if r.returncode != 0 or evals:
+        for _ in range(3):
+            r = subprocess.run(cmd + ["-f", f.name], capture_output=True, text=True, timeout=600,
+                               stdin=subprocess.DEVNULL)
+            got = parse(r.stderr)
+            if r.returncode != 0 or got is not None:
                 break
     finally:
         os.unlink(f.name)
-    if r.returncode != 0 or not evals:
-        raise RuntimeError(f"llama-completion failed (rc {r.returncode}): {r.stderr[-500:]}")
-    ms, n = float(evals[-1].group(1)), int(evals[-1].group(2))
-    return n, ms / 1e3
+    if r.returncode != 0 or got is None:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed (rc {r.returncode}): {r.stderr[-800:]}")
+    return got
+
+
+def llamacpp_decode(binary: Path, gguf_path: Path, prompt: str, tokens: int, threads: int) -> tuple[int, float]:
+    """(decoded tokens after the first, their seconds) from llama.cpp's perf lines."""
+    def parse(err: str):
+        evals = [m for line in err.splitlines() if "prompt eval" not in line for m in [EVAL_LINE.search(line)] if m]
+        return (int(evals[-1].group(2)), float(evals[-1].group(1)) / 1e3) if evals else None
+
+    return run_llamacpp([str(binary), "-m", str(gguf_path), "-n", str(tokens), "--ignore-eos", "--temp", "0",
+                         "-t", str(threads), "-tb", str(threads), "-c", "1024", "-no-cnv", "--no-display-prompt",
+                         "--perf", "--no-warmup"], prompt, parse)
 
 
 def llamacpp_speculative(binary: Path, gguf_path: Path, draft_gguf: Path, prompt: str, tokens: int,
                          threads: int, k: int) -> tuple[int, float]:
     """(decoded tokens, their seconds) of llama-speculative-simple (its own timing, after the prompt)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(prompt)
-    try:
-        for _ in range(3):  # (see llamacpp_decode: a lost last log line)
-            r = subprocess.run([str(binary), "-m", str(gguf_path), "-md", str(draft_gguf), "-f", f.name,
-                                "-n", str(tokens), "--ignore-eos", "--temp", "0", "-t", str(threads), "-tb", str(threads),
-                                "-td", str(threads), "-tbd", str(threads), "-c", "1024", "--spec-type", "draft-simple",
-                                "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"],
-                               capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-            m = DECODED_LINE.search(r.stderr)
-            if r.returncode != 0 or m is not None:
-                break
-    finally:
-        os.unlink(f.name)
-    if r.returncode != 0 or m is None:
-        raise RuntimeError(f"llama-speculative-simple failed (rc {r.returncode}): {r.stderr[-800:]}")
-    return int(m.group(1)), float(m.group(2))
+    def parse(err: str):
+        m = DECODED_LINE.search(err)
+        return (int(m.group(1)), float(m.group(2))) if m else None
+
+    return run_llamacpp([str(binary), "-m", str(gguf_path), "-md", str(draft_gguf), "-n", str(tokens),
+                         "--ignore-eos", "--temp", "0", "-t", str(threads), "-tb", str(threads), "-td", str(threads),
+                         "-tbd", str(threads), "-c", "1024", "--spec-type", "draft-simple", "--spec-draft-n-max",
+                         str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"], prompt, parse)
 
 
 def main() -> int:
@@ -140,6 +140,8 @@ def main() -> int:
     args = ap.parse_args()
     if (args.draft is None) != (args.draft_gguf is None):
         ap.error("--draft and --draft-gguf go together")
+    if args.draft_gguf is not None and not args.draft_gguf.is_file():
+        ap.error(f"--draft-gguf: no such file: {args.draft_gguf}")
     binary = find_binary(args.llamacpp)
     if binary is None:
         print("skipped: no llama-completion (pass --llamacpp or set $LLAMACPP; recipe in /work/shared/peers/README.md)")
@@ -166,7 +168,10 @@ def main() -> int:
     if args.workload is not None:
         from draftwise.lab.workload import load_workload
 
-        texts = [r.prompt for r in load_workload(args.workload).requests[: args.prompts]]
+        try:
+            texts = [r.prompt for r in load_workload(args.workload).requests[: args.prompts]]
+        except (ValueError, OSError) as e:
+            ap.error(f"--workload: {e}")
     else:
         chat = ChatTemplate(any_llm.engine.target.tokenizer_config)
         texts = [chat.render([{"role": "user", "content": q}]) for q in QUESTIONS]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import accumulate
 
 import torch
 
@@ -300,10 +301,7 @@ class LLMEngine:
         if all(_takes_argmax(s.seq) for s in sampling):  # greedy, nothing to process: p's argmax, on lists
             p_logits = logits if logits.dtype == torch.float32 else logits.float()
             toks, accepted, valid = verify_argmax(p_logits, ids)
-            starts, off = [], 0
-            for d in ids:
-                starts.append(off)
-                off += 1 + len(d)
+            starts = [0, *accumulate(1 + len(d) for d in ids)][:-1]  # row b's first logits row
             return Verification(rows, toks, accepted, valid, starts, p_logits)
         # p at every position j of every sequence: history = output + proposals before j
         params, prompts, hists = [], [], []

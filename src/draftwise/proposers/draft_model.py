@@ -72,12 +72,15 @@ class DraftModelProposer:
             unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab,
                                          short, i)
         active = [i for i in active if left[i][0] > 0 and not (i in cursors and cursors[i].done)]
+        # greedy rows with nothing to process (for the whole round: the rule reads the committed
+        # history): q's argmax is the raw logits', process_logits is skipped
+        raw = not any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in active)
         while active:
             logits = self.runner.run(
                 [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active),
                 provisional=[True] * len(active),  # a hybrid drafter's state waits for postprocess (else ignored)
             )  # [A, V]
-            if any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in active):
+            if not raw:
                 q_logits = process_logits(
                     logits,
                     [seqs[i].params for i in active],
@@ -86,7 +89,7 @@ class DraftModelProposer:
                     eos_ids=[self.eos_ids] * len(active),
                     token_bitmask=self._bitmask(active, cursors, logits.shape[1]),
                 )
-            else:  # greedy rows, nothing to process: q's argmax is the raw logits' (the same values)
+            else:  # the same values process_logits would return
                 q_logits = logits if logits.dtype == torch.float32 else logits.float()
             # greedy rows need only the argmax (their verification ignores q); others need q
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
