@@ -1,4 +1,5 @@
 """bfloat16 LM heads: the top logits recomputed in float32 (model/head_precision.py)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +47,26 @@ def test_a_bfloat16_model_refines_and_a_float32_one_does_not(target_dir):
     top = off.topk(8, dim=-1).indices
     assert torch.allclose(on.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
     assert m32.compute_logits(h).equal(m32.lm_head(h).float())
+
+
+def test_a_packed_bfloat16_head_gives_every_logit_in_float32():
+    """A bfloat16 head in dw_gemm_bf16's packing gives float32 sums for the whole vocabulary (no
+    bfloat16 rounding, so no refinement needed), a row's logits independent of the other rows."""
+    from draftwise.model import cpu_kernels
+    from draftwise.model.llama import NATIVE_MIN_NUMEL, PackedLinear
+
+    g = torch.Generator().manual_seed(2)
+    V, H = 4096, max(96, -(-NATIVE_MIN_NUMEL // 4096))
+    lin = torch.nn.Linear(H, V, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(V, H, generator=g))
+    head = PackedLinear.of(lin)
+    if cpu_kernels.kernels() is None or head.native is None:
+        pytest.skip("no dw_gemm_bf16 packing on this machine (AVX-512 BF16, or the kernels off)")
+    h = torch.randn(5, H, generator=g).bfloat16()
+    logits = head.float_logits(h)
+    exact = h.float() @ lin.weight.float().t()
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, exact, rtol=1e-5, atol=1e-4)
+    assert not logits.equal(head(h).float())  # the bfloat16 product's outputs are rounded
+    assert torch.cat([head.float_logits(h[i:i + 1]) for i in range(5)]).equal(logits)

@@ -26,6 +26,7 @@ class KVManager:
         self.tables: dict[int, list[int]] = {}
         self.prefix_cache = PrefixCache(self.pool) if prefix_caching else None
         self.free_hooks: list = []  # called with the seq_id when a sequence's blocks are freed
+        self._offsets: torch.Tensor | None = None  # arange(block_size), for `slots`
 
     def match_prefix(self, seq_id: int, tokens: list[int]) -> int:
         """A new sequence (no table yet): share the cached blocks of its longest cached prefix.
@@ -98,6 +99,8 @@ class KVManager:
             t = self.tables.get(sid, [])[:nb]
             rows.append(t + [0] * (nb - len(t)))
         table = torch.tensor(rows, dtype=torch.long).reshape(len(seq_ids), nb)  # [B, nb]
-        offsets = torch.arange(self.block_size)
-        slots = (table[:, :, None] * self.block_size + offsets).reshape(len(seq_ids), nb * self.block_size)
-        return slots[:, :L].to(device)
+        if self._offsets is None:
+            self._offsets = torch.arange(self.block_size)
+        slots = (table[:, :, None] * self.block_size + self._offsets).reshape(len(seq_ids), nb * self.block_size)
+        slots = slots[:, :L]
+        return slots if str(device) == "cpu" else slots.to(device)

@@ -162,3 +162,31 @@ class ConsecutiveMetadata(AttentionMetadata):
     write_slots = property(lambda self: self._tensors().write_slots)
     gather_slots = property(lambda self: self._tensors().gather_slots)
     mask = property(lambda self: self._tensors().mask)
+
+
+class PagedMetadata(AttentionMetadata):
+    """A batch on paged slots whose write indices, write slots and mask are built on first read
+    (`build()` is called then): the fused CPU path reads the gather slots and the runner's key and
+    new-token counts alone, and building the rest cost ~0.1 ms a step, a few percent of a batch-1
+    decode step of the 20M target."""
+
+    def __init__(self, gather_slots: torch.Tensor, seq_lens: list[int], seq_new: list[int], build):
+        self._gather = gather_slots
+        self.gather_start = self.row_offsets = None
+        self.seq_lens, self.seq_new = seq_lens, seq_new
+        self._build = build
+        self._built: AttentionMetadata | None = None
+
+    @property
+    def num_keys(self) -> int:
+        return self._gather.shape[1]
+
+    def _tensors(self) -> AttentionMetadata:
+        if self._built is None:
+            self._built = self._build()
+        return self._built
+
+    gather_slots = property(lambda self: self._gather)
+    write_index = property(lambda self: self._tensors().write_index)
+    write_slots = property(lambda self: self._tensors().write_slots)
+    mask = property(lambda self: self._tensors().mask)

@@ -89,6 +89,7 @@ class Kernels:
             "dw_linear_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
+            "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_pack": [p, p, i, i, i],
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int],
             "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p,

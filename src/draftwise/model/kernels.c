@@ -862,6 +862,20 @@ void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, u
     free(xf);
 }
 
+/* dw_gemm_bf16 with float32 results, not rounded to bfloat16 (bias added in float32): a bfloat16
+ * LM head's logits as float32 sums of the bfloat16 weights times the bfloat16 hidden states, the
+ * values head_precision.py's refinement recomputes for a row's top logits, for every logit. */
+void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
+                         long N, int threads) {
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
+    for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
+    gemm_threads(xf, wp, out, rows, O, N, threads, 1);
+    if (bias)
+        for (long r = 0; r < rows; r++)
+            for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
+    free(xf);
+}
+
 /* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it), elements of `es` bytes
  * (4: float32, 2: bfloat16); the last block's missing outputs zero */
 void dw_pack(const void *w, void *wp, long O, long N, long es) {

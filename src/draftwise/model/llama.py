@@ -245,6 +245,21 @@ class PackedLinear(nn.Module):
             return self._padded(x, lambda xp: F.linear(xp, self.weight, self.bias))
         return F.linear(x, self.weight, self.bias)
 
+    def float_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x times a bfloat16 weight packed for dw_gemm_bf16, the results in float32 without the
+        rounding to bfloat16 (dw_gemm_bf16_f32out), or None where that kernel does not run this
+        layer (another dtype or layout, the kernels switched off)."""
+        k = cpu_kernels.kernels()
+        if (k is None or self.native is None or self.native.dtype != torch.bfloat16
+                or x.dtype != torch.bfloat16 or x.device.type != "cpu"):
+            return None
+        x = x.contiguous()
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        k.gemm_bf16_f32out(x.data_ptr(), self.native.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
+                           out.data_ptr(), x.numel() // self.in_features, self.out_features, self.in_features,
+                           torch.get_num_threads())
+        return out
+
     def _padded(self, x, product):
         """`product` of x's rows padded with zero rows to `padded_rows` (a bounded set of shapes
         for oneDNN, see EXACT_ROWS); the padding's results are dropped."""
@@ -636,6 +651,13 @@ class LlamaModel(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
+        if hidden.dtype == torch.bfloat16 and self.refine_head:
+            # a bfloat16 head in dw_gemm_bf16's packing: every logit a float32 sum, not rounded to
+            # bfloat16 (what refine_top_logits recomputes for the top ones, for all of them)
+            exact = getattr(self.lm_head, "float_logits", None)
+            logits = exact(hidden) if exact is not None else None
+            if logits is not None:
+                return logits
         logits = self.lm_head(hidden).float()
         if hidden.dtype == torch.bfloat16 and self.refine_head and self.head_rows is not None:
             flat = refine_top_logits(logits.view(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),

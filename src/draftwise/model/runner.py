@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVManager
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, PagedMetadata
 from .loader import LoadedModel
 from .recurrent_state import RecurrentStatePool
 
@@ -81,13 +81,17 @@ class ModelRunner:
             meta = AttentionMetadata.consecutive(first, starts[0], T, pos, self.cfg.sliding_window)
         else:
             gather = self.kv.slots(seq_ids, ends)  # [B, L]
+            window = self.cfg.sliding_window
             if T * B == sum(lens):  # no padding: every token writes its slot
-                meta = AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, self.cfg.sliding_window)
+                def build(pos=pos):  # the CPU positions (a GPU run moves `pos` below)
+                    return AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, window)
             else:
-                valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
-                slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
-                meta = AttentionMetadata.build(pos, valid, slot_mapping, gather, self.cfg.sliding_window)
-            meta.seq_lens, meta.seq_new = ends, lens  # for the fused CPU path
+                def build(pos=pos):  # the CPU positions (a GPU run moves `pos` below)
+                    valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
+                    slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
+                    return AttentionMetadata.build(pos, valid, slot_mapping, gather, window)
+            # the key and new-token counts for the fused CPU path; the rest built if read
+            meta = PagedMetadata(gather, ends, lens, build)
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)

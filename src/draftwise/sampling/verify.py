@@ -27,6 +27,8 @@ guarantees (rejection.py) hold row by row. Nothing here depends on which drafter
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -157,7 +159,7 @@ def verify_argmax(
     if logits.shape[0] != want:
         raise ValueError(f"logits has {logits.shape[0]} rows, the drafts describe {want}")
     top, argmax = logits.max(dim=-1)  # [N], [N]
-    usable = (~torch.isnan(top) & (top > -torch.inf)).tolist()
+    usable = [t > -math.inf for t in top.tolist()]  # False for NaN (max propagates it) and for all -inf
     am = argmax.tolist()
     tokens, accepted, valid = [], [], []
     base = 0
