@@ -127,3 +127,24 @@ def test_slots_follow_the_block_tables():
     assert slots[1, :3].tolist() == [4, 5, 6]
     assert kv.slots([1], [2]).tolist() == [[4, 5]]
     assert tuple(kv.slots([], []).shape) == (0, 0)
+
+
+def test_slots_stay_true_as_the_tables_change():
+    """`slots` keeps a sequence's slots while its first blocks stay the same: growing, rolled back,
+    freed and reused tables still give the slots of their current blocks."""
+    kv = KVManager(16, 4)
+    kv.reserve(0, 5)  # blocks [0, 1]
+    assert kv.slots([0], [5]).tolist() == [[0, 1, 2, 3, 4]]
+    assert kv.slots([0], [6]).tolist() == [[0, 1, 2, 3, 4, 5]]  # one more position, the same blocks
+    kv.reserve(1, 4)  # block 2
+    kv.reserve(0, 9)  # a third block, 3
+    assert kv.slots([0], [9]).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 12]]
+    kv.truncate(0, 4)
+    kv.reserve(2, 4)
+    kv.reserve(0, 9)  # rolled back and grown again: its later blocks may differ
+    want = [b * 4 + i for b in kv.tables[0] for i in range(4)][:9]
+    assert kv.slots([0], [9]).tolist() == [want]
+    kv.free(0)
+    kv.reserve(0, 3)  # a new sequence with the same id
+    assert kv.slots([0], [3]).tolist() == [[kv.tables[0][0] * 4 + i for i in range(3)]]
+    assert kv.slots([1, 0], [4, 3])[0].tolist() == [8, 9, 10, 11]

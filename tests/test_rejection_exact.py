@@ -406,7 +406,7 @@ def test_greedy_rows_draw_no_randomness():
 def test_argmax_path_decides_as_verify_for_greedy_rows():
     """`verify_argmax` (the engine's path for greedy rows with nothing to process) commits exactly
     what `verify` commits for greedy rows: random drafts, half of them right, exact ties in the
-    logits (the first maximal id wins in both), rows with a NaN or every token masked."""
+    logits (the first maximal id wins in both), rows of NaN, with one NaN, or every token masked."""
     from draftwise.sampling.verify import VerifyMetadata, verify, verify_argmax
 
     gen = torch.Generator().manual_seed(0)
@@ -425,6 +425,8 @@ def test_argmax_path_decides_as_verify_for_greedy_rows():
             logits[int(torch.randint(0, logits.shape[0], (1,), generator=gen))] = float("nan")
         if trial % 11 == 0:
             logits[int(torch.randint(0, logits.shape[0], (1,), generator=gen))] = -torch.inf
+        if trial % 5 == 0:  # one NaN among finite logits
+            logits[int(torch.randint(0, logits.shape[0], (1,), generator=gen)), int(torch.randint(0, vocab, (1,), generator=gen))] = float("nan")
         want = verify(logits.clone(), VerifyMetadata.build(drafts, [True] * b), None)
         toks, acc, valid = verify_argmax(logits, drafts)
         assert valid == want.valid.tolist()

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .rejection import Generators, rejection_sample, rejection_sample_from_uniforms
@@ -158,9 +159,13 @@ def verify_argmax(
     want = sum(1 + len(d) for d in draft_token_ids)
     if logits.shape[0] != want:
         raise ValueError(f"logits has {logits.shape[0]} rows, the drafts describe {want}")
-    top, argmax = logits.max(dim=-1)  # [N], [N]
-    usable = [t > -math.inf for t in top.tolist()]  # False for NaN (max propagates it) and for all -inf
-    am = argmax.tolist()
+    # numpy's argmax: the first maximum as torch.max's, the first NaN where a row has one (NaN
+    # compares as the largest); 2 us against torch.max's 13 for one 8192-token row (233 / 23 us
+    # for 5 rows of 49152), which forks torch's thread team for a few microseconds of work
+    a = logits.detach().float().cpu().numpy()
+    idx = a.argmax(axis=-1)  # [N]
+    usable = [t > -math.inf for t in a[np.arange(len(idx)), idx].tolist()]  # False: NaN, or every logit -inf
+    am = idx.tolist()
     tokens, accepted, valid = [], [], []
     base = 0
     for d in draft_token_ids:
