@@ -16,6 +16,7 @@ References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), HF transformers 
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from typing import Callable, NamedTuple
@@ -415,6 +416,7 @@ class LlamaModel(nn.Module):
         self.plan: list[LayerWeights] | None = None  # set by fuse_projections (inference)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
         self._decoder_plan = None  # see _layer_pointers
+        self._fit: tuple | None = None  # (kv cache key, _kernels_fit's answer for it)
         self.head_rows: torch.Tensor | None = None  # the head's weight once packed (refine_top_logits)
         self.refine_head = True  # bfloat16 heads: the top logits recomputed in float32 (head_precision.py)
 
@@ -495,10 +497,14 @@ class LlamaModel(nn.Module):
         return self._kernels_fit(kv_cache)
 
     def _kernels_fit(self, kv_cache) -> bool:
-        cfg = self.cfg
-        return (self.plan is not None and not cfg.qk_norm and cfg.head_dim <= 1024
-                and kv_cache.dtype == self.model.norm.weight.dtype and kv_cache.is_contiguous()
-                and kv_cache.device.type == "cpu" and cpu_kernels.usable(kv_cache.dtype))
+        # the cache's layout, known per cache tensor (asked every step: ~25 us to work out again)
+        key = (kv_cache.data_ptr(), kv_cache.dtype, kv_cache.shape, kv_cache.device)
+        if self._fit is None or self._fit[0] != key:
+            cfg = self.cfg
+            self._fit = (key, self.plan is not None and not cfg.qk_norm and cfg.head_dim <= 1024
+                         and kv_cache.dtype == self.model.norm.weight.dtype and kv_cache.is_contiguous()
+                         and kv_cache.device.type == "cpu")
+        return self._fit[1] and cpu_kernels.usable(kv_cache.dtype)
 
     def packs(self, max_new_tokens: int, kv_cache) -> bool:
         """Can a batch of sequences feeding different numbers of tokens run packed (one row per real
@@ -529,10 +535,12 @@ class LlamaModel(nn.Module):
             slots_p = lens_p = news_p = 0
         else:  # paged: every key position's slot, per sequence; rows after a sequence's new tokens pad
             slot0, slots = 0, meta.gather_slots.contiguous()
-            lens_news = torch.tensor([meta.seq_lens, meta.seq_new], dtype=torch.long)
+            lens_news = (ctypes.c_int64 * (2 * B))(*meta.seq_lens, *meta.seq_new)  # alive until the call
             Lmax, slots_p = slots.shape[1], slots.data_ptr()
-            lens_p, news_p = lens_news[0].data_ptr(), lens_news[1].data_ptr()
-        x = self.model.embed_tokens(input_ids)  # [B, T, hidden], a new tensor: updated in place
+            lens_p = ctypes.addressof(lens_news)
+            news_p = lens_p + 8 * B
+        emb = self.model.embed_tokens  # [B, T, hidden], a new tensor: updated in place
+        x = F.embedding(input_ids, emb.weight) if type(emb) is nn.Embedding else emb(input_ids)
         h = torch.empty_like(x)  # the normalised input of the next product
         cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
         es = kv_cache.element_size()
@@ -583,8 +591,6 @@ class LlamaModel(nn.Module):
         calls in the same order with the same arguments: the same bits, without ~10 Python calls a
         layer (SmolLM2-135M: 300 a step). Prepared weights never move (see `_apply`), so the pointers
         stay valid. DRAFTWISE_NATIVE_STEP=0 keeps the per-layer path (benchmarks/native_gemm.py)."""
-        import ctypes
-
         if os.environ.get("DRAFTWISE_NATIVE_STEP", "1") == "0":
             return ()
         ptrs, kinds, max_rows = [], [], 1 << 30
