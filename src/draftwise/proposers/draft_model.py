@@ -94,12 +94,13 @@ class DraftModelProposer:
             # greedy rows need only the argmax (their verification ignores q); others need q
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
             q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
-            top, am = q_logits.max(dim=-1)  # [A], [A]
-            argmax = am.tolist() if len(sampled) < len(active) else None
-            # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn (only
-            # when the verification policy reads it)
-            conf = (torch.exp(top - torch.logsumexp(q_logits, dim=-1)).tolist() if self.confidence
-                    else [None] * len(active))  # [A]
+            if self.confidence:  # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn
+                top, am = q_logits.max(dim=-1)  # [A], [A]
+                argmax = am.tolist()
+                conf = torch.exp(top - torch.logsumexp(q_logits, dim=-1)).tolist()  # [A]
+            else:  # only greedy rows' argmax: numpy's (the first maximum, as torch.max's; ~6x faster a row)
+                argmax = q_logits.detach().cpu().numpy().argmax(axis=-1).tolist() if len(sampled) < len(active) else None
+                conf = [None] * len(active)
             nxt = []
             row = 0
             for r, i in enumerate(active):
