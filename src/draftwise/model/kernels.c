@@ -951,3 +951,81 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
     free(buf);
     return rc;
 }
+
+/* ---- a drafter's greedy steps in one call ----
+ * The first maximum of v[0..n) (the first NaN where there is one), as torch.max and numpy.argmax
+ * pick; *top gets its value. */
+static long argmax_first(const float *v, long n, float *top) {
+    long best = 0;
+    for (long i = 0; i < n; i++) {
+        if (v[i] != v[i]) { /* NaN: the maximum for both torch and numpy */
+            best = i;
+            break;
+        }
+        if (v[i] > v[best]) best = i;
+    }
+    *top = v[best];
+    return best;
+}
+
+/* k greedy proposals of one sequence: the calls the drafter's Python loop makes for such a row
+ * (runner.run of the fed tokens, the LM head on the last row, the argmax), in one call. Step 0
+ * feeds the n0 tokens of `feed` at positions start..start+n0-1, step s > 0 feeds step s-1's token
+ * at position start+n0+s-1; every step writes the fed tokens' K/V (the last proposal is not fed).
+ * The embedding: emb [V, hid] in the model's dtype (emb_packed 0) or the float32 head packing
+ * [ceil(V/16), hid, 16] (1: PackedEmbedding). The decoder's arguments as dw_decoder's; slot0 >= 0:
+ * positions 0.. on consecutive slots from slot0; else slots gives each position's slot (B = 1,
+ * Lmax slots). The head: kind 1 dw_gemm_f32, 2 dw_gemm_bf16_f32out (packed, float32 logits, no
+ * bias). out_tok [k]; out_conf [k] (may be NULL): max softmax probability of each step's logits.
+ * Returns 0, or -1 when scratch memory was not available. */
+int dw_draft_greedy(const void *emb, int emb_packed, const int64_t *feed, long n0, long start, long k, long layers,
+                    long hid, long H, long Hkv, long D, long I, void **w, const int *kinds, const void *final_norm,
+                    float eps, const float *cos, const float *sin, void *cache, long layer_stride, long kv_stride,
+                    long slot0, const int64_t *slots, long Lmax, long window, float scale, int bf, int threads,
+                    const void *head_w, int head_kind, long V, int64_t *out_tok, float *out_conf) {
+    long es = bf ? 2 : 4;
+    char *x = (char *)malloc(es * n0 * hid * 2 + sizeof(float) * V + sizeof(int64_t) * n0 + 64);
+    if (!x) return -1;
+    char *h = x + es * n0 * hid;
+    float *logits = (float *)(h + es * n0 * hid);
+    int64_t *pos = (int64_t *)(logits + V);
+    int64_t prev = 0;
+    int rc = 0;
+    for (long s = 0; s < k && rc == 0; s++) {
+        long T = s == 0 ? n0 : 1, p0 = s == 0 ? start : start + n0 + s - 1;
+        const int64_t *ids = s == 0 ? feed : &prev;
+        for (long t = 0; t < T; t++) {
+            int64_t id = ids[t];
+            pos[t] = p0 + t;
+            if (emb_packed) {
+                const float *src = (const float *)emb + (id / 16) * hid * 16 + id % 16;
+                for (long i = 0; i < hid; i++) ((float *)x)[t * hid + i] = src[i * 16];
+            } else {
+                memcpy(x + es * t * hid, (const char *)emb + es * id * hid, es * hid);
+            }
+        }
+        long L = p0 + T, lens = L, news = T;
+        if (slot0 >= 0)
+            rc = dw_decoder(x, h, 1, T, layers, hid, H, Hkv, D, I, w, kinds, final_norm, eps, pos, cos, sin, cache,
+                            layer_stride, kv_stride, slot0, L, NULL, 0, NULL, NULL, NULL, window, scale, bf, threads);
+        else
+            rc = dw_decoder(x, h, 1, T, layers, hid, H, Hkv, D, I, w, kinds, final_norm, eps, pos, cos, sin, cache,
+                            layer_stride, kv_stride, 0, L, slots, Lmax, &lens, &news, NULL, window, scale, bf, threads);
+        if (rc != 0) break;
+        const char *last = h + es * (T - 1) * hid;
+        if (head_kind == 1)
+            dw_gemm_f32((const float *)last, (const float *)head_w, NULL, logits, 1, V, hid, threads);
+        else
+            dw_gemm_bf16_f32out((const uint16_t *)last, (const uint16_t *)head_w, NULL, logits, 1, V, hid, threads);
+        float top;
+        prev = argmax_first(logits, V, &top);
+        out_tok[s] = prev;
+        if (out_conf) {
+            double z = 0.0;
+            for (long i = 0; i < V; i++) z += exp((double)logits[i] - (double)top);
+            out_conf[s] = (float)(1.0 / z);
+        }
+    }
+    free(x);
+    return rc;
+}

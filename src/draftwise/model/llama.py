@@ -582,6 +582,59 @@ class LlamaModel(nn.Module):
             k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), R, hid, eps, bf)
         return h
 
+    def greedy_steps(self, feed: list[int], start: int, k: int, kv_cache: torch.Tensor, slot0: int | None,
+                     slots: torch.Tensor | None, confidence: bool = False):
+        """A drafter's k greedy steps for one sequence in one kernel call (`dw_draft_greedy`): feed
+        `feed` at positions start.., take the last row's argmax, feed it, ... k times; the K/V of
+        every fed token written (the k-th proposal is not fed). The calls `ModelRunner.run`, the
+        head and the argmax make for such a row, with the same arguments: the same proposals,
+        without ~0.25 ms of Python a step. slot0: the first slot when positions 0.. lie on
+        consecutive slots, else `slots` holds each position's slot. Returns (tokens, max softmax
+        probability per step or None), or None where this model's forward is not one call
+        (another kernel layout, a bias on the head, too many tokens fed)."""
+        kern = cpu_kernels.kernels()
+        if kern is None or self.plan is None or not self._kernels_fit(kv_cache) or not feed or k < 1:
+            return None
+        if self._decoder_plan is None:
+            self._decoder_plan = self._layer_pointers()
+        if not self._decoder_plan or len(feed) > min(self._decoder_plan[2], self.FUSED_MAX_TOKENS):
+            return None
+        dtype = self.model.norm.weight.dtype
+        head, emb = self.lm_head, self.model.embed_tokens
+        native = getattr(head, "native", None)
+        if not isinstance(head, PackedLinear) or native is None or head.bias is not None:
+            return None
+        if dtype == torch.float32 and native.dtype == torch.float32:
+            head_kind = 1
+        elif dtype == torch.bfloat16 and native.dtype == torch.bfloat16 and self.refine_head:
+            head_kind = 2  # compute_logits' float_logits
+        else:
+            return None
+        if isinstance(emb, PackedEmbedding):
+            emb_ptr, emb_packed = emb.packed.data_ptr(), 1
+        elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
+            emb_ptr, emb_packed = emb.weight.data_ptr(), 0
+        else:
+            return None
+        cfg = self.cfg
+        n0 = len(feed)
+        cos, sin = self.rope_table(start + n0 + k, kv_cache.device)
+        ptrs, kinds, _ = self._decoder_plan
+        feed_c = (ctypes.c_int64 * n0)(*feed)
+        toks = (ctypes.c_int64 * k)()
+        conf = (ctypes.c_float * k)() if confidence else None
+        rc = kern.draft_greedy(
+            emb_ptr, emb_packed, ctypes.addressof(feed_c), n0, start, k, len(self.plan), cfg.hidden_size,
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, ptrs, kinds,
+            self.model.norm.weight.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+            kv_cache.stride(0), kv_cache.stride(1), -1 if slot0 is None else slot0,
+            0 if slots is None else slots.data_ptr(), 0 if slots is None else slots.numel(), cfg.sliding_window or 0,
+            cfg.head_dim ** -0.5, int(dtype == torch.bfloat16), torch.get_num_threads(), native.data_ptr(), head_kind,
+            cfg.vocab_size, ctypes.addressof(toks), 0 if conf is None else ctypes.addressof(conf))
+        if rc != 0:
+            raise MemoryError("fused draft steps: no scratch memory")
+        return list(toks), (list(conf) if conf is not None else None)
+
     def _layer_pointers(self):
         """For `dw_decoder` (every layer in one call): (14 pointers per layer, 4 product kinds per
         layer, the most rows it takes) when every projection runs in a kernel of kernels.c whatever

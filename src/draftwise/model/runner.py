@@ -114,6 +114,19 @@ class ModelRunner:
             return logits, sel
         return logits
 
+    @torch.inference_mode()
+    def greedy_steps(self, seq_id: int, feed: list[int], start: int, k: int, confidence: bool = False):
+        """k greedy proposals of one sequence in one call (`LlamaModel.greedy_steps`): what k calls of
+        `run` (feed, then each proposal but the last) and the argmax of their logits give. None
+        where the model cannot (a hybrid or non-CPU model, another kernel layout): then `run`."""
+        fn = getattr(self.model, "greedy_steps", None)
+        if fn is None or self.state is not None or self.device.type != "cpu":
+            return None
+        end = start + len(feed) + k - 1  # keys at the last step
+        first = self.kv.contiguous_start(seq_id, end)
+        slots = None if first is not None else self.kv.slots([seq_id], [end])[0].contiguous()
+        return fn(feed, start, k, self.cache, first, slots, confidence)
+
     def _run_split(self, seq_ids, new_tokens, starts, num_logits, return_hidden):
         """`run` one sequence at a time: prefill chunks of different lengths, too long for the
         packed path, would be padded to the longest (16 prompts of 50-400 tokens: ~half the

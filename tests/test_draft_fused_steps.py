@@ -1,0 +1,94 @@
+"""A drafter's greedy steps in one kernel call (`ModelRunner.greedy_steps`, `dw_draft_greedy`):
+the proposals, the K/V written and the speculative output are those of the step-by-step loop."""
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.model import cpu_kernels, load_model
+from draftwise.model.runner import ModelRunner
+from tiny_models import make_model_dir
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: the fused kernels are off")
+
+V = 2048  # a head of >= 2^17 elements at hidden 64: packed for dw_gemm (the fused steps' head)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tokenizer):
+    out = {}
+    for tie in (False, True):
+        root = tmp_path_factory.mktemp(f"fused-steps-{tie}")
+        out[tie] = (make_model_dir(root / "target", seed=0, tokenizer=tokenizer, vocab_size=V, layers=2, hidden=64),
+                    make_model_dir(root / "draft", seed=1, tokenizer=tokenizer, vocab_size=V, layers=1, hidden=64,
+                                   heads=2, kv_heads=1, inter=64, tie_word_embeddings=tie))
+    return out
+
+
+def _loop(runner, seq_id, feed, start, k):
+    """The step-by-step path: run, the last row's argmax, its max softmax probability."""
+    toks, conf = [], []
+    for _ in range(k):
+        logits = runner.run([seq_id], [feed], [start], [1])[0]
+        tok = int(logits.argmax())
+        toks.append(tok)
+        conf.append(float(torch.softmax(logits, -1).max()))
+        start += len(feed)
+        feed = [tok]
+    return toks, conf
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fused_steps_equal_the_loop(pair, dtype, tie, paged):
+    draft = load_model(pair[tie][1], dtype=dtype, load_tokenizer=False)
+    runs = {}
+    for fused in (True, False):
+        r = ModelRunner(draft, 64, 16)
+        if paged:  # interleaved block tables: sequence 0's blocks are not consecutive
+            for n in range(1, 6):
+                r.kv.reserve(0, 16 * n)
+                r.kv.reserve(1, 16 * n)
+        r.kv.reserve(0, 80)
+        assert (r.kv.contiguous_start(0, 40) is None) == paged
+        feed, start, k = [3, 17, 200, 45, 9], 0, 6
+        prompt = r.run([0], [[5] * 20], [0], [1])  # some context first
+        got = r.greedy_steps(0, feed, 20, k, confidence=True) if fused else _loop(r, 0, feed, 20, k)
+        assert got is not None, "the fused steps did not run"
+        # the K/V each path wrote: positions 0 .. 20 + len(feed) + k - 2
+        end = 20 + len(feed) + k - 1
+        slots = r.kv.slots([0], [end])[0]
+        runs[fused] = (got[0], got[1], r.cache[:, :, slots].clone(), prompt)
+    assert runs[True][0] == runs[False][0]
+    assert torch.allclose(torch.tensor(runs[True][1]), torch.tensor(runs[False][1]), rtol=1e-4, atol=1e-6)
+    assert torch.equal(runs[True][2], runs[False][2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_output_is_the_same_with_and_without_fused_steps(pair, dtype):
+    """Greedy speculative decoding through the engine: a lone request (consecutive slots) and a long
+    request left alone after a short one (interleaved blocks) give the same tokens and the same
+    acceptance either way, and the fused steps ran."""
+    target, draft = pair[True]
+    prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 5]
+    sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    outs, fused_calls = {}, 0
+    for fused in (True, False):
+        llm = LLM(str(target), draft=str(draft), spec=SpecConfig(method="draft", k=4), dtype=dtype)
+        prop = llm.engine.proposer
+        prop.fused_steps = fused
+        orig = prop.runner.greedy_steps
+
+        def counted(*a, **kw):
+            nonlocal fused_calls
+            got = orig(*a, **kw)
+            fused_calls += got is not None
+            return got
+
+        prop.runner.greedy_steps = counted
+        alone = llm.generate([prompts[0]], sps[0])
+        together = llm.generate(prompts, sps)
+        outs[fused] = [(o.token_ids, o.stats.accepted_tokens, o.stats.proposed_tokens) for o in alone + together]
+    assert outs[True] == outs[False]
+    assert fused_calls > 0
