@@ -1020,10 +1020,18 @@ int dw_draft_greedy(const void *emb, int emb_packed, const int64_t *feed, long n
         float top;
         prev = argmax_first(logits, V, &top);
         out_tok[s] = prev;
-        if (out_conf) {
+        if (out_conf) { /* 1 / sum exp(l - max): exp8 on 8 lanes (a libm exp per logit cost ~0.1 ms a step) */
+            v8f acc = {0}, t8 = bcast8(top);
+            long i = 0;
+            for (; i + 8 <= V; i += 8) {
+                v8f l;
+                memcpy(&l, logits + i, 32);
+                acc += exp8(l - t8);
+            }
             double z = 0.0;
-            for (long i = 0; i < V; i++) z += exp((double)logits[i] - (double)top);
-            out_conf[s] = (float)(1.0 / z);
+            for (int j = 0; j < 8; j++) z += acc[j];
+            for (; i < V; i++) z += exp1(logits[i] - top);
+            out_conf[s] = top != top ? top : (float)(1.0 / z); /* NaN logits: NaN, as torch's */
         }
     }
     free(x);

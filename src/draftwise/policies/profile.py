@@ -258,6 +258,17 @@ def _time_run(runner: ModelRunner, b: int, t: int, c: int) -> float:
     return time.perf_counter() - start
 
 
+def _time_draft_step(runner: ModelRunner, b: int, c: int, k: int) -> float:
+    """One drafter step of B sequences at context c: for B = 1, a k-step greedy round in one call
+    (`ModelRunner.greedy_steps`, what the drafter runs for a lone greedy row) over k; else (or where
+    the model cannot) one forward of one token per sequence."""
+    if b == 1:
+        start = time.perf_counter()
+        if runner.greedy_steps(0, [1], c, k) is not None:
+            return (time.perf_counter() - start) / k
+    return _time_run(runner, b, 1, c)
+
+
 def measure_profile(
     target: LoadedModel,
     draft: LoadedModel | None,
@@ -337,7 +348,8 @@ def measure_profile(
                 break
             if progress is not None:
                 progress(done, total, f"round {r}/{repeats}: {pt[0]} B={pt[1]} T={pt[2]} C={pt[3]}")
-            sec = _time_run(runners[pt[0]], *pt[1:])
+            sec = (_time_draft_step(runners["draft"], pt[1], pt[3], k) if pt[0] == "draft"
+                   else _time_run(runners[pt[0]], *pt[1:]))
             if r:
                 samples[pt].append(sec)
             done += 1
