@@ -599,7 +599,7 @@ class LlamaModel(nn.Module):
             self._decoder_plan = self._layer_pointers()
         if not self._decoder_plan or len(feed) > min(self._decoder_plan[2], self.FUSED_MAX_TOKENS):
             return None
-        dtype = self.model.norm.weight.dtype
+        cfg, dtype = self.cfg, self.model.norm.weight.dtype
         head, emb = self.lm_head, self.model.embed_tokens
         native = getattr(head, "native", None)
         if not isinstance(head, PackedLinear) or native is None or head.bias is not None:
@@ -610,13 +610,14 @@ class LlamaModel(nn.Module):
             head_kind = 2  # compute_logits' float_logits
         else:
             return None
-        if isinstance(emb, PackedEmbedding):
+        if any(not 0 <= t < cfg.vocab_size for t in feed):  # the step-by-step path raises the error
+            return None
+        if isinstance(emb, PackedEmbedding) and emb.packed.dtype == dtype == torch.float32:
             emb_ptr, emb_packed = emb.packed.data_ptr(), 1
         elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
             emb_ptr, emb_packed = emb.weight.data_ptr(), 0
         else:
             return None
-        cfg = self.cfg
         n0 = len(feed)
         cos, sin = self.rope_table(start + n0 + k, kv_cache.device)
         ptrs, kinds, _ = self._decoder_plan

@@ -81,7 +81,7 @@ class DraftModelProposer:
         if raw and self.fused_steps and len(active) == 1 and seqs[active[0]].params.is_greedy:
             i = active[0]
             got = self.runner.greedy_steps(seqs[i].seq_id, feeds[i], starts[i], left[i][0], self.confidence)
-            if got is not None:  # the loop below, run in the kernels: feeds, starts and cursors as it leaves them
+            if got is not None:  # the loop below, run in the kernels: blocks, feeds and starts as it leaves them
                 toks, conf = got
                 blocks[i].token_ids.extend(toks)
                 blocks[i].confidence.extend(conf if conf is not None else [None] * len(toks))
