@@ -52,16 +52,26 @@ def test_fused_steps_equal_the_loop(pair, dtype, tie, paged):
         r.kv.reserve(0, 80)
         assert (r.kv.contiguous_start(0, 40) is None) == paged
         feed, start, k = [3, 17, 200, 45, 9], 0, 6
-        prompt = r.run([0], [[5] * 20], [0], [1])  # some context first
+        r.run([0], [[5] * 20], [0], [1])  # some context first
         got = r.greedy_steps(0, feed, 20, k, confidence=True) if fused else _loop(r, 0, feed, 20, k)
         assert got is not None, "the fused steps did not run"
         # the K/V each path wrote: positions 0 .. 20 + len(feed) + k - 2
         end = 20 + len(feed) + k - 1
         slots = r.kv.slots([0], [end])[0]
-        runs[fused] = (got[0], got[1], r.cache[:, :, slots].clone(), prompt)
+        runs[fused] = (got[0], got[1], r.cache[:, :, slots].clone())
     assert runs[True][0] == runs[False][0]
     assert torch.allclose(torch.tensor(runs[True][1]), torch.tensor(runs[False][1]), rtol=1e-4, atol=1e-6)
     assert torch.equal(runs[True][2], runs[False][2])
+
+
+def test_fused_steps_leave_a_token_outside_the_vocabulary_to_the_step_by_step_path(pair):
+    """The kernel reads embedding rows by id unchecked: an id outside the vocabulary is not passed to
+    it (None: the caller's step-by-step path raises its error)."""
+    r = ModelRunner(load_model(pair[False][1], load_tokenizer=False), 16, 16)
+    r.kv.reserve(0, 32)
+    assert r.greedy_steps(0, [3, V], 0, 2) is None
+    assert r.greedy_steps(0, [3, -1], 0, 2) is None
+    assert r.greedy_steps(0, [3, V - 1], 0, 2) is not None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
