@@ -861,22 +861,7 @@ void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out,
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
 }
 
-/* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16,
- * for CPUs without native bfloat16 products (where torch's bfloat16 matmul is a generic loop): the
- * weights widened to float32 in registers (half the bytes of float32 to stream), float32 FMA
- * chains as dw_gemm_f32's, the bias added in float32, one rounding to bfloat16 at the end (as
- * F.linear rounds its float32 accumulation). */
-void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
-                  long N, int threads) {
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16)), *yf = xf + rows * N;
-    for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
-    gemm_threads(xf, wp, yf, rows, O, N, threads, 1);
-    for (long r = 0; r < rows; r++)
-        for (long o = 0; o < O; o++) out[r * O + o] = f2bf(bias ? yf[r * O + o] + bf2f(bias[o]) : yf[r * O + o]);
-    free(xf);
-}
-
-/* dw_gemm_bf16 with float32 results, not rounded to bfloat16 (bias added in float32): a bfloat16
+/* dw_gemm_bf16's product before its rounding: float32 results (bias added in float32): a bfloat16
  * LM head's logits as float32 sums of the bfloat16 weights times the bfloat16 hidden states, the
  * values head_precision.py's refinement recomputes for a row's top logits, for every logit. */
 void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
@@ -888,6 +873,19 @@ void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
     free(xf);
+}
+
+/* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16,
+ * for CPUs without native bfloat16 products (where torch's bfloat16 matmul is a generic loop): the
+ * weights widened to float32 in registers (half the bytes of float32 to stream), float32 FMA
+ * chains as dw_gemm_f32's, the bias added in float32, one rounding to bfloat16 at the end (as
+ * F.linear rounds its float32 accumulation). */
+void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
+                  long N, int threads) {
+    float *yf = (float *)malloc(sizeof(float) * (rows * O + 16));
+    dw_gemm_bf16_f32out(x, wp, bias, yf, rows, O, N, threads);
+    for (long i = 0; i < rows * O; i++) out[i] = f2bf(yf[i]); /* one rounding, as F.linear's */
+    free(yf);
 }
 
 /* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it), elements of `es` bytes
