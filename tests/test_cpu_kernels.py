@@ -301,3 +301,39 @@ def test_threads_do_not_change_the_bits(tmp_path, tokenizer, kernels_switch):
         torch.set_num_threads(before)
     for a, b in zip(out[1], out[2]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_argmax_confidence_is_torchs(enabled, kernels_switch):
+    """A drafter's argmax and confidence exp(max - logsumexp) per row: the kernel's (dw_argmax_conf)
+    and the fallback's equal torch's: the first maximum among ties, the value within float32
+    rounding, NaN for a row holding a NaN, an all -inf row or one with +inf; -inf entries (masked
+    tokens) count for nothing. Rows of 1..69 values: the 8-lane loop, its tail and the scalar scan."""
+    import math
+
+    kernels_switch(enabled)
+    if enabled and cpu_kernels.kernels() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        n, v = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 70, (1,), generator=g))
+        x = torch.randint(-3, 4, (n, v), generator=g).float()  # small integers: ties everywhere
+        r, i, j = trial % 6, int(torch.randint(n, (1,), generator=g)), int(torch.randint(v, (1,), generator=g))
+        if r == 1:
+            x[i, j] = math.nan
+        elif r == 2:
+            x[i, j] = math.inf
+        elif r == 3:
+            x[i] = -math.inf
+        elif r == 4:
+            x[i, j] = -math.inf
+        tok, conf = cpu_kernels.argmax_confidence(x)
+        top, am = x.max(dim=-1)
+        want = torch.exp(top - torch.logsumexp(x, dim=-1)).tolist()
+        assert tok == am.tolist(), (x, tok)
+        for a, b in zip(conf, want):
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5), (x, conf, want)
+    x = torch.randn(3, 8192, generator=g) * 4  # a drafter's vocabulary
+    tok, conf = cpu_kernels.argmax_confidence(x)
+    assert tok == x.argmax(dim=-1).tolist()
+    assert conf == pytest.approx(torch.softmax(x, dim=-1).max(dim=-1).values.tolist(), rel=1e-5)

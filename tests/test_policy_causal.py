@@ -465,3 +465,46 @@ def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
     assert arms.rating("plain", pred) == pytest.approx(16.0 / (0.05 + 0.01))
     arms.record("full", committed=20.0, expected=16.0, seconds=0.04, predicted=0.05, catch_up=False)
     assert arms.rating("full", pred) == pytest.approx(20.0 / (0.04 + 0.01))
+
+
+def _looking_cost(budget: float, cap: float, steps: int = 6000) -> tuple[float, float, int]:
+    """A clock where plain decoding leads at 4 rows and every look away costs: verified tokens
+    2 ms each, and the first drafting step after plain ones 100 ms of drafter catch-up. Returns
+    the seconds the looks cost against plain decoding's rate, the run's seconds, and the looks."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)  # COST says: speculate
+    policy.EXPLORE_BUDGET, policy.CREDIT_CAP = budget, cap
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(4)]
+    plain_rate = 4 / 0.005
+    lost = total = 0.0
+    looks, prev, seen_plain = 0, "plain", False
+    for _ in range(steps):
+        lengths = policy.plan(seqs, [4] * 4)
+        blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+        admitted = policy.admit(seqs, blocks, 0.0)
+        for s, blk, n in zip(seqs, blocks, admitted):
+            policy.observe(s, blk, n, min(n, 2))
+        tokens = 4 + sum(admitted)
+        catch_up = 0.1 if any(lengths) and prev == "plain" else 0.0
+        seconds = 0.005 + 0.002 * (tokens - 4) + catch_up
+        policy.observe_step(4, tokens, 50.0, list(lengths), seconds, catch_up_seconds=catch_up)
+        committed = 4 + sum(min(n, 2) for n in admitted)
+        if any(lengths) and seen_plain:  # (the steps before: the profile's word, not a look)
+            lost += seconds - committed / plain_rate
+            looks += prev == "plain"
+        total += seconds
+        prev = "drafting" if any(lengths) else "plain"
+        seen_plain = seen_plain or prev == "plain"
+    return lost, total, looks
+
+
+def test_goodput_looks_away_within_its_budget():
+    """Where plain decoding leads clearly and each look at speculation pays a long drafter
+    catch-up, the looks (bursts of the other arms, engine-wide probes) cost about EXPLORE_BUDGET
+    of the run, after the first look at each arm (free: its cost is not known); without the
+    budget the same run spends several times that."""
+    lost, total, looks = _looking_cost(GoodputPolicy.EXPLORE_BUDGET, GoodputPolicy.CREDIT_CAP)
+    first_look = 0.1 + _Arms.BURST * (0.005 + 0.002 * 16)  # its cost not known yet
+    assert looks >= 2  # it still looks
+    assert lost <= GoodputPolicy.EXPLORE_BUDGET * total + first_look, (lost, total, looks)
+    lost_free, total_free, looks_free = _looking_cost(1.0, float("inf"))  # every due look affordable
+    assert lost_free > 1.5 * lost and looks_free > looks, (lost_free, lost, looks_free, looks)

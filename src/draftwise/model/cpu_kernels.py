@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Kernels:
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_pack": [p, p, i, i, i],
+            "dw_argmax_conf": [p, i, i, p, p, ctypes.c_int],
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int],
             "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p,
                            p, p, p, i, i, i, i, p, i, p, p, p, i, f, ctypes.c_int, ctypes.c_int],
@@ -144,3 +146,21 @@ def bf16_native() -> bool:
 
 def usable(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and kernels() is not None
+
+
+def argmax_confidence(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's first maximum and its max softmax probability exp(max - logsumexp) ([N, V]
+    float32 logits): `dw_argmax_conf` (1 / sum exp(l - max) on 8 lanes) where the kernels run, else
+    torch's max and logsumexp. A drafter's confidence each step: torch's took 0.17 ms for 4 rows
+    of 8192 logits on 2 threads (0.26 ms for 8), the kernel's a few microseconds a row; the same
+    values within float32 rounding, NaN for a row holding a NaN or whose maximum is infinite."""
+    lib = kernels()
+    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        top, am = logits.float().max(dim=-1)
+        return am.tolist(), torch.exp(top - torch.logsumexp(logits.float(), dim=-1)).tolist()
+    x = logits.contiguous()
+    n, v = x.shape
+    tok = np.empty(n, dtype=np.int64)  # (numpy's buffers: a few microseconds less than torch's)
+    conf = np.empty(n, dtype=np.float32)
+    lib.argmax_conf(x.data_ptr(), n, v, tok.ctypes.data, conf.ctypes.data, torch.get_num_threads())
+    return tok.tolist(), conf.tolist()

@@ -184,13 +184,15 @@ static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
 typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8f vsel8(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
 
+static inline v8f bcast8(float s) { return (v8f){s, s, s, s, s, s, s, s}; } /* vbroadcastss; 0 + s is an add */
+
 /* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
  * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
  * polynomial), within ~2 ulp of the exact value. Written on 8-lane vectors (GCC/Clang vector
  * extensions: one AVX2 register; GCC scalarised a 16-lane version's conversions on AVX2) because
  * the C library's expf is one call per element. */
 static inline v8f exp8(v8f x) {
-    const v8f lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    const v8f lo = bcast8(-87.0f), hi = bcast8(88.0f); /* (not x * 0 - 87: NaN for x = -inf) */
     x = vsel8(x < lo, lo, x);
     x = vsel8(x > hi, hi, x);
     v8f t = x * 1.44269504088896341f + 0.5f;
@@ -215,7 +217,6 @@ static inline float exp1(float x) { /* one element through the same formula */
 }
 
 
-static inline v8f bcast8(float s) { return (v8f){s, s, s, s, s, s, s, s}; } /* vbroadcastss; 0 + s is an add */
 
 static inline v8f load8(const void *p, long i, int bf) {
     v8f r;
@@ -968,8 +969,35 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
  * The first maximum of v[0..n) (the first NaN where there is one), as torch.max and numpy.argmax
  * pick; *top gets its value. */
 static long argmax_first(const float *v, long n, float *top) {
-    long best = 0;
-    for (long i = 0; i < n; i++) {
+    /* the maximum on 8 lanes (and whether any lane saw a NaN), then the first index holding it */
+    long i = 0;
+    if (n >= 8) {
+        v8f m, l;
+        v8i nan = {0};
+        memcpy(&m, v, 32);
+        for (i = 0; i + 8 <= n; i += 8) {
+            memcpy(&l, v + i, 32);
+            nan |= l != l;
+            m = vsel8(l > m, l, m);
+        }
+        int any = 0;
+        for (int j = 0; j < 8; j++) any |= nan[j];
+        if (!any) {
+            float t = m[0];
+            for (int j = 1; j < 8; j++) t = m[j] > t ? m[j] : t;
+            for (; i < n; i++) { /* the tail */
+                if (v[i] != v[i]) break;
+                t = v[i] > t ? v[i] : t;
+            }
+            if (i == n) {
+                for (i = 0; v[i] != t; i++) {}
+                *top = t;
+                return i;
+            }
+        }
+    }
+    long best = 0; /* a NaN somewhere (or fewer than 8 values): the scalar scan */
+    for (i = 0; i < n; i++) {
         if (v[i] != v[i]) { /* NaN: the maximum for both torch and numpy */
             best = i;
             break;
@@ -977,6 +1005,28 @@ static long argmax_first(const float *v, long n, float *top) {
         if (v[i] > v[best]) best = i;
     }
     *top = v[best];
+    return best;
+}
+
+/* The first maximum of one row of logits; *conf (when not NULL) its max softmax probability,
+ * 1 / sum exp(l - max): exp8 on 8 lanes (a libm exp per logit cost ~0.1 ms a step). A row with a
+ * NaN gets NaN, one whose maximum is +-inf NaN (as torch's exp(max - logsumexp)). */
+static long argmax_conf_row(const float *logits, long V, float *conf) {
+    float top;
+    long best = argmax_first(logits, V, &top);
+    if (conf) {
+        v8f acc = {0}, t8 = bcast8(top);
+        long i = 0;
+        for (; i + 8 <= V; i += 8) {
+            v8f l;
+            memcpy(&l, logits + i, 32);
+            acc += exp8(l - t8);
+        }
+        double z = 0.0;
+        for (int j = 0; j < 8; j++) z += acc[j];
+        for (; i < V; i++) z += exp1(logits[i] - top);
+        *conf = top != top || top == INFINITY || top == -INFINITY ? NAN : (float)(1.0 / z);
+    }
     return best;
 }
 
@@ -1029,23 +1079,17 @@ int dw_draft_greedy(const void *emb, int emb_packed, const int64_t *feed, long n
             dw_gemm_f32((const float *)last, (const float *)head_w, NULL, logits, 1, V, hid, threads);
         else
             dw_gemm_bf16_f32out((const uint16_t *)last, (const uint16_t *)head_w, NULL, logits, 1, V, hid, threads);
-        float top;
-        prev = argmax_first(logits, V, &top);
+        prev = argmax_conf_row(logits, V, out_conf ? out_conf + s : NULL);
         out_tok[s] = prev;
-        if (out_conf) { /* 1 / sum exp(l - max): exp8 on 8 lanes (a libm exp per logit cost ~0.1 ms a step) */
-            v8f acc = {0}, t8 = bcast8(top);
-            long i = 0;
-            for (; i + 8 <= V; i += 8) {
-                v8f l;
-                memcpy(&l, logits + i, 32);
-                acc += exp8(l - t8);
-            }
-            double z = 0.0;
-            for (int j = 0; j < 8; j++) z += acc[j];
-            for (; i < V; i++) z += exp1(logits[i] - top);
-            out_conf[s] = top != top ? top : (float)(1.0 / z); /* NaN logits: NaN, as torch's */
-        }
     }
     free(x);
     return rc;
+}
+
+/* Each row's first maximum and, when conf is not NULL, its confidence max softmax = 1 / sum exp(l - max)
+ * (what the Python loop computes as exp(max - logsumexp)), for `rows` rows of V float32 logits. */
+void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads) {
+    int nt = rows > 1 ? threads : 1; /* rows apart on the threads */
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (long r = 0; r < rows; r++) tok[r] = argmax_conf_row(logits + r * V, V, conf ? conf + r : NULL);
 }

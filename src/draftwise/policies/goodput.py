@@ -109,6 +109,8 @@ class GoodputPolicy:
     probe_every = 32
     ARMS = ("spec", "full", "plain")  # planned lengths, every row its maximum (fixed k), no drafting
     max_probe_every = 512
+    EXPLORE_BUDGET = 0.02  # of the run's step time, spent at most on looking away from the leading arm
+    CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
     CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
 
@@ -137,6 +139,12 @@ class GoodputPolicy:
         self._mode = "spec"  # this step's arm
         self._bucket = 0
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
+        # the exploration budget: seconds of steps that looked away from the leading arm (bursts of
+        # the others, engine-wide probes) may cost at most EXPLORE_BUDGET of the time run
+        self._credit = 0.0  # seconds of exploration the budget allows now (negative: overspent)
+        self._looking: str | None = None  # this step explores: the arm of a burst, or "probe"
+        self._lead_rate = 0.0  # the leading arm's rating when this step was decided (tokens/s)
+        self._probe_cost = 0.0  # seconds an engine-wide probe cost last time (its catch-up mostly)
 
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
@@ -145,7 +153,8 @@ class GoodputPolicy:
         b = len(seqs)
         self._bucket = batch_bucket(b)
         arms = self._arms_at(self._bucket)
-        coast = arms.coast()
+        self._looking = None
+        coast = arms.coast(self._credit, self.CREDIT_CAP)
         if coast == "plain":  # plain by a wide margin here: no plan for a few steps
             self._mode, self._rate, self._probes, self._pred, self._long_catch_up = "plain", math.inf, set(), None, 0
             return [0] * b
@@ -177,7 +186,8 @@ class GoodputPolicy:
         else:  # the load or the engine-wide estimate stops every row: one engine-wide probe now and then
             probes = [0] * b
             i = next((i for i, m in enumerate(max_draft) if m), None)
-            if self._idle_steps >= self._engine_probe_interval and i is not None:
+            if self._idle_steps >= self._engine_probe_interval and i is not None \
+                    and self._credit >= min(self._probe_cost, self.CREDIT_CAP):
                 probes[i] = 1
         lengths = [max(n, p) for n, p in zip(lengths, probes)]
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
@@ -190,7 +200,10 @@ class GoodputPolicy:
         # the measured check decides even when the plan drafts nothing: estimates that an unlucky
         # start made pessimistic (a few rejections at temperature 1) recover through its bursts of
         # "full", which test every proposal, not only through one-proposal probes
-        self._mode = arms.choose(pred)
+        self._mode = arms.choose(pred, self._credit, self.CREDIT_CAP)
+        self._lead_rate = arms.lead_rate
+        if arms.exploring is not None:
+            self._looking = arms.exploring
         if planned_plain and self._mode == "spec":
             self._mode = "plain"
         self._pred = pred["spec"] if planned_plain and self._mode == "plain" else pred[self._mode]
@@ -201,12 +214,32 @@ class GoodputPolicy:
             # steps probe the rows that are due)
             lengths = [min(n, p) for n, p in zip(lengths, probes)] if planned_plain else [0] * b
             self._probes = {s.seq_id for s, n in zip(seqs, lengths) if n}
+            if self._probes and self._looking is None:
+                self._looking = "probe"
         elif self._mode == "full":  # every row drafts and verifies all it may: fixed speculation
             self._rate = 0.0
             lengths = list(max_draft)
         # the tokens the proposer will feed in forwards of their own (see observe_step)
         self._long_catch_up = sum(n - 1 for n, m in zip(lag, lengths) if m and n > self.LONG_CATCH_UP)
         return lengths
+
+    def _spend(self, committed: float, seconds: float) -> None:
+        """The exploration budget: every step adds EXPLORE_BUDGET of its seconds (up to
+        CREDIT_CAP); a step that looked away from the leading arm takes off what it cost against
+        that arm's rate (its seconds less the time the leader would have taken for its tokens,
+        the drafter's catch-up included), counted to the burst's arm (`_Arms.spend`) or as the
+        engine-wide probe's cost. A look is started only while the credit covers what the same
+        look cost last time, so where one arm leads clearly, looking costs at most about
+        EXPLORE_BUDGET of the run (the first look at an arm is free: its cost is not known)."""
+        self._credit = min(self.CREDIT_CAP, self._credit + self.EXPLORE_BUDGET * seconds)
+        if self._looking is None or self._lead_rate <= 0 or math.isinf(self._lead_rate):
+            return
+        cost = seconds - committed / self._lead_rate
+        self._credit -= cost
+        if self._looking == "probe":
+            self._probe_cost = max(0.0, cost)
+        else:
+            self._arms_at(self._bucket).spend(self._looking, cost)
 
     def _lags(self, seqs) -> list[int]:
         """Tokens each row's drafter cache is behind (fed before its first proposal; 0 for n-gram)."""
@@ -281,6 +314,7 @@ class GoodputPolicy:
         if seconds is None:  # a mixed step (prefill chunks in the same forward): nothing to learn from
             self._last_mode = self._mode
             return None
+        self._spend(committed, seconds)
         # a drafting step right after plain ones also feeds the drafter everything it missed: a cost
         # of switching, not of the arm (counted, a burst of exploration after a long plain run would
         # rate speculation by its catch-up)
@@ -352,11 +386,15 @@ class _Arms:
         self.coasted = 0  # steps run without a decision since the last one
         self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
         self.own: set[str] = set()  # arms with steps of their own here (the others: a neighbour's figures)
-        if seed is not None:  # a neighbour's figures, at the weight of one step each, and its intervals
+        self.lead_rate = 0.0  # the best arm's rating at the last decision (tokens/s)
+        self.look_cost: dict[str, float] = {}  # arm -> seconds its last burst cost against the leader
+        self._spent: dict[str, float] = {}  # arm -> seconds the running burst has cost so far
+        if seed is not None:  # a neighbour's figures, at the weight of one step each, its intervals and costs
             for a, f in seed.figures.items():
                 if f[4] > 0:
                     self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
             self.interval = dict(seed.interval)
+            self.look_cost = dict(seed.look_cost)
         self.due = dict(self.interval)
 
     def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
@@ -373,22 +411,33 @@ class _Arms:
             seconds *= sec_m / sec_p
         return expected / max(seconds + catch_up, 1e-12)
 
-    def coast(self) -> str | None:
+    def affordable(self, arm: str, credit: float, cap: float = math.inf) -> bool:
+        """The exploration budget covers a burst of `arm` now: what its last burst cost, or the
+        credit's cap for a look dearer than that (it leaves the credit in debt, repaid before the
+        next look: the budget holds on average)."""
+        return credit >= min(self.look_cost.get(arm, 0.0), cap)
+
+    def spend(self, arm: str, seconds: float) -> None:
+        """A step of the running burst of `arm` cost `seconds` against the leading arm."""
+        self._spent[arm] = self._spent.get(arm, 0.0) + seconds
+
+    def coast(self, credit: float = math.inf, cap: float = math.inf) -> str | None:
         """The arm to run again without planning ("plain" or "full"), or None: it led every other
         arm by more than COAST at the last decision, at most COAST_STEPS steps ago; it is not
-        exploring and no other arm's turn is due. (A request joining or leaving within the bucket
-        waits at most COAST_STEPS steps for a decision that sees it.)"""
+        exploring and no other arm's turn is due (and affordable). (A request joining or leaving
+        within the bucket waits at most COAST_STEPS steps for a decision that sees it.)"""
         if self.current == "spec" or self.burst_left > 0 or self.exploring is not None:
             return None
         if self.lead < self.COAST or self.coasted >= self.COAST_STEPS:
             return None
-        if any(self.steps + 1 >= self.due[a] for a in self.arms if a != self.current):
+        if any(self.steps + 1 >= self.due[a] and self.affordable(a, credit, cap) for a in self.arms if a != self.current):
             return None
         self.steps += 1
         self.coasted += 1
         return self.current
 
-    def choose(self, pred: dict[str, tuple[float, float, float]]) -> str:
+    def choose(self, pred: dict[str, tuple[float, float, float]], credit: float = math.inf,
+               cap: float = math.inf) -> str:
         self.steps += 1
         self.coasted = 0
         rate = {a: self.rating(a, pred[a]) for a in self.arms}
@@ -397,6 +446,7 @@ class _Arms:
             return self.current
         if self.exploring is not None:  # a burst has ended: when to look at that arm again
             arm, self.exploring = self.exploring, None
+            self.look_cost[arm] = max(0.0, self._spent.pop(arm, 0.0))
             others = max(rate[a] for a in self.arms if a != arm)
             if rate[arm] < self.MARGIN * others:  # behind: look later (far behind: much later)
                 grow = 4 if rate[arm] < self.FAR * others else 2
@@ -406,8 +456,9 @@ class _Arms:
             self.due[arm] = self.steps + self.interval[arm]
         best = max(self.arms, key=lambda a: rate[a])
         self.lead = rate[best] / max(max(rate[a] for a in self.arms if a != best), 1e-12)
+        self.lead_rate = rate[best]
         for arm in self.arms:
-            if arm != best and self.steps >= self.due[arm]:
+            if arm != best and self.steps >= self.due[arm] and self.affordable(arm, credit, cap):
                 if self.figures[arm][4] == 0 and rate[arm] < self.FAR * rate[best] and arm not in self.deferred:
                     # never run, and the model puts it far behind: its first look waits longer
                     self.deferred.add(arm)

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ..model.cpu_kernels import argmax_confidence
 from ..model.runner import ModelRunner
 from ..sampling import process_logits
 from ..sampling.processors import changes_logits
@@ -110,9 +111,7 @@ class DraftModelProposer:
             sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
             q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
             if self.confidence:  # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn
-                top, am = q_logits.max(dim=-1)  # [A], [A]
-                argmax = am.tolist()
-                conf = torch.exp(top - torch.logsumexp(q_logits, dim=-1)).tolist()  # [A]
+                argmax, conf = argmax_confidence(q_logits)  # [A], [A]
             else:  # only greedy rows' argmax: numpy's (the first maximum, as torch.max's; ~6x faster a row)
                 argmax = q_logits.detach().cpu().numpy().argmax(axis=-1).tolist() if len(sampled) < len(active) else None
                 conf = [None] * len(active)
