@@ -97,6 +97,14 @@ class OnlineCost:
         return (self.profile_seconds(num_seqs, num_tokens, context, draft_lengths)
                 + self.residual(num_seqs, num_tokens, steps))
 
+    def tokens_seconds(self, num_seqs: int, context: float):
+        """step_seconds(num_seqs, T, context) without drafting, as a function of T (what
+        `choose_lengths` asks for every candidate: the same value, fewer calls)."""
+        e0, e1, e2, _ = self._coef
+        const = e0 + e1 * num_seqs
+        target = self.cost.target_seconds
+        return lambda t: target(num_seqs, t, context) + const + e2 * t
+
     def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float,
                 profile: float | None = None) -> None:  # profile: profile_seconds(...) when already known
         lengths = list(draft_lengths)

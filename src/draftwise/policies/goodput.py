@@ -174,13 +174,15 @@ class GoodputPolicy:
             r = cal.requests.get(s.seq_id)
             every = self._probe_interval.get(s.seq_id, self.probe_every)
             due.append(1 if m and r is not None and r.steps_without_verifying >= every else 0)
-        draft = (lambda n: self.model.draft_step_seconds(n, ctx)) if self.has_draft_model else None
+        draft = None
+        if self.has_draft_model:
+            per_rows = [self.model.draft_step_seconds(n, ctx) for n in range(b + 1)]  # rows in a drafter step
+            draft = per_rows.__getitem__
         # the drafter's catch-up before a row's first proposal (a new prompt, steps without
         # drafting), spread over the steps it serves (CATCH_UP_HORIZON): what starting costs
         lag = self._lags(seqs)
         catch = [(n - 1) * self._catch_up_per_token / self.CATCH_UP_HORIZON if n > 1 else 0.0 for n in lag]
-        lengths, self._rate = choose_lengths(gains, lambda t: self.model.step_seconds(b, t, ctx), draft,
-                                             first_cost=catch)
+        lengths, self._rate = choose_lengths(gains, self.model.tokens_seconds(b, ctx), draft, first_cost=catch)
         if any(lengths):  # the rows the plan leaves out probe when due (their estimates may be stale)
             probes = due
         else:  # the load or the engine-wide estimate stops every row: one engine-wide probe now and then
