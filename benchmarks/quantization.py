@@ -1,14 +1,14 @@
-"""Weight-only int8 beside float32 and bfloat16: batch-1 decoding speed and the quality cost.
+"""Weight-only int8 and int4 beside float32 and bfloat16: batch-1 decoding speed and the quality cost.
 
     .venv/bin/python benchmarks/quantization.py [--models target,smollm2] [--tokens 64] [--rounds 3]
         [--threads 2] [--ppl-tokens 4096] [--skip-quality]
 
-Side by side in one process: every model is loaded in each setting (float32, bfloat16, int8 with
-float32 activations, int8 with bfloat16 activations); each round decodes every prompt once per
+Side by side in one process: every model is loaded in each setting (float32, bfloat16, int8 and
+int4 with float32 activations, int8 and int4 with bfloat16 activations); each round decodes every prompt once per
 setting, in alternation, so the machine's noise falls on all. The rate is tokens after the first
 over their seconds (the engine stepped by hand, timestamps per step: prefill excluded), summed over
 prompts and rounds; the best round is printed too. The embedded pair also runs speculative
-decoding (draft, k=4) with float targets and with the int8 target + int8 draft.
+decoding (draft, k=4) with float targets and with the int8 (int4) target + int8 (int4) draft.
 
 Quality: perplexity of each setting on held-out stdlib text (draftwise.corpus's held-out split,
 `--ppl-tokens` tokens in windows of 256, the full causal forward), and for the pair the mean
@@ -30,7 +30,8 @@ PROMPTS = [
     "The three most important ideas in computer science are",
 ]
 SETTINGS = [("float32", "float32", None), ("bfloat16", "bfloat16", None), ("int8 (f32 act)", "float32", "int8"),
-            ("int8 (bf16 act)", "bfloat16", "int8")]
+            ("int8 (bf16 act)", "bfloat16", "int8"), ("int4 (f32 act)", "float32", "int4"),
+            ("int4 (bf16 act)", "bfloat16", "int4")]
 
 
 def decode(llm, ids: list[int], tokens: int) -> tuple[int, float]:
@@ -92,7 +93,8 @@ def main() -> int:
                 for label, dt, q in SETTINGS}
         if model is None:  # the pair: float targets + the default (bfloat16) draft, int8 target + int8 draft
             for label, dt, q in [("spec float32", "float32", None), ("spec bfloat16", "bfloat16", None),
-                                 ("spec int8 (f32 act)", "float32", "int8"), ("spec int8 (bf16 act)", "bfloat16", "int8")]:
+                                 ("spec int8 (f32 act)", "float32", "int8"), ("spec int8 (bf16 act)", "bfloat16", "int8"),
+                                 ("spec int4 (f32 act)", "float32", "int4")]:
                 llms[label] = LLM(None, spec=SpecConfig(method="draft", k=4), dtype=dt, quantization=q, **small)
         tok = next(iter(llms.values())).tokenizer
         prompts = [tok.encode(p).ids for p in PROMPTS]

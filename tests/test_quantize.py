@@ -133,8 +133,8 @@ def test_small_projections_stay_float(target_dir, monkeypatch):
 
 
 def test_bad_quantization_is_a_clear_error(target_dir):
-    with pytest.raises(ValueError, match="quantization must be one of none, int8; got 'int4'"):
-        LLM(str(target_dir), quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4; got 'int3'"):
+        LLM(str(target_dir), quantization="int3")
     r = subprocess.run([sys.executable, "-m", "draftwise.cli.main", "generate", "--model", str(target_dir),
                         "--quantization", "int3", "hi"], capture_output=True, text=True)
     assert r.returncode == 2 and "--quantization" in r.stderr and "Traceback" not in r.stderr

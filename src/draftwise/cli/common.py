@@ -50,9 +50,10 @@ def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> No
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the target and the draft, made at load time: int8 = one "
-                        "symmetric scale per output channel, activations in --dtype (default none)")
+                        "symmetric scale per output channel; int4 = groups of 32 with a float16 step and minimum "
+                        "each (Q4_1's layout; the LM head int8); activations in --dtype (default none)")
 
 
 def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:

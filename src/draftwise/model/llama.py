@@ -29,7 +29,7 @@ from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
 from .head_precision import refine_top_logits
-from .quantize import KERNEL_MAX_ROWS, Int8Linear, check_method
+from .quantize import GROUP, KERNEL_MAX_ROWS, Int4Linear, Int8Linear, check_method
 
 
 class RMSNorm(nn.Module):
@@ -654,8 +654,9 @@ class LlamaModel(nn.Module):
             ptrs.append(w.ln1.data_ptr())
             for n, p in enumerate((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
                 bias = 0 if p.bias is None else p.bias.data_ptr()
-                if isinstance(p, Int8Linear) and not p.float_out:
-                    kind, weight, scale, max_rows = 3, p.qweight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
+                if isinstance(p, (Int8Linear, Int4Linear)) and not p.float_out:
+                    kind = 4 if isinstance(p, Int4Linear) else 3
+                    weight, scale, max_rows = p.qweight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
                 elif getattr(p, "native", None) is not None and p.native.dtype == dtype:
                     kind, weight, scale = (1 if dtype == torch.float32 else 2), p.native.data_ptr(), 0
                 elif getattr(p, "small", False) and p.weight.dtype == dtype:
@@ -673,7 +674,8 @@ class LlamaModel(nn.Module):
         """Prepare for inference: q/k/v and gate/up become one matmul each (fewer calls per
         layer), and every projection and the output layer become a `PackedLinear`, or with
         `quantization="int8"` an `Int8Linear` (quantize.py; the head's logits then stay float32;
-        projections below QUANT_MIN_NUMEL stay float).
+        projections below QUANT_MIN_NUMEL stay float); with "int4" the projections an `Int4Linear`
+        and the head int8.
 
         The result keeps its outputs but not Hugging Face parameter names: save unprepared models.
         """
@@ -682,7 +684,11 @@ class LlamaModel(nn.Module):
         if quantization is not None:
             def make(*lins):  # smaller weights stay float: see QUANT_MIN_NUMEL
                 big = sum(lin.weight.numel() for lin in lins) >= QUANT_MIN_NUMEL
-                return Int8Linear.of(*lins) if big else PackedLinear.of(*lins)
+                if not big:
+                    return PackedLinear.of(*lins)
+                if quantization == "int4" and lins[0].weight.shape[1] % GROUP == 0:
+                    return Int4Linear.of(*lins)
+                return Int8Linear.of(*lins)  # (int4: inputs not in whole groups stay int8)
 
             head = lambda lin: Int8Linear.of(lin, float_out=True)  # noqa: E731
         for layer in self.model.layers:

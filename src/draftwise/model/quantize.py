@@ -1,4 +1,5 @@
-"""Weight-only int8 quantization (`--quantization int8`): per-output-channel symmetric scales.
+"""Weight-only quantization: int8 per output channel (`--quantization int8`), int4 in groups of 32
+(`--quantization int4`).
 
 A weight `w [O, N]` becomes `q = round(w / s)` in int8 (-127..127) with one float32 scale per
 output channel, `s[o] = max|w[o, :]| / 127`, computed at load time from the float weights. The
@@ -22,6 +23,12 @@ What is quantized: every decoder projection (fused q/k/v, o, fused gate/up, down
 of the embeddings anyway). The LM head's outputs stay float32 (no bfloat16 rounding of logits, so
 no refinement by head_precision.py is needed). The embedding table stays float: a lookup reads one
 row per token. Norms, RoPE, attention and the K/V cache are untouched.
+
+int4 (`Int4Linear`): each output channel's weights in groups of 32 inputs, `w = d * q + m` with q in
+0..15 and the group's step d and minimum m in float16 (llama.cpp's Q4_1: 0.625 bytes a weight);
+`kernels.c`'s `dw_linear_q4` for a few rows, the dequantised float32 product for more. The LM head
+stays int8 with `--quantization int4` (the logits' precision; llama.cpp's Q4 files keep the output
+matrix at a higher precision too). A weight whose inputs are not a multiple of 32 stays int8.
 """
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 
-METHODS = ("int8",)
+METHODS = ("int8", "int4")
+GROUP = 32  # int4: inputs per group (one step and minimum each)
 KERNEL_MAX_ROWS = 16  # more rows (prefill chunks, large batches): the dequantised reference path
 
 
@@ -113,6 +121,77 @@ class Int8Linear(nn.Module):
 
 
 
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, N] float (N a multiple of GROUP) -> (q [O, N/2] uint8, sm [O, N/GROUP, 2] float16):
+    per group of 32 inputs the step d = (max - min) / 15 and the minimum m, rounded to float16,
+    and q = round((w - m) / d) in 0..15; byte i of a group's 16 holds q[i] (low nibble) and
+    q[i + 16] (high nibble)."""
+    o, n = w.shape
+    if n % GROUP:
+        raise ValueError(f"int4 needs the inputs in groups of {GROUP}; got {n}")
+    g = w.detach().float().reshape(o, n // GROUP, GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15.0).half()
+    m = lo.half()
+    df = d.float()
+    q = torch.where(df[..., None] > 0, torch.round((g - m.float()[..., None]) / df[..., None].clamp_min(1e-30)),
+                    torch.zeros_like(g)).clamp_(0, 15).to(torch.uint8)  # [O, G, 32]
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(o, n // 2)
+    return packed.contiguous(), torch.stack([d, m], dim=-1).contiguous()
+
+
+def dequantize_int4(q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """(q [O, N/2] uint8, sm [O, N/GROUP, 2] float16) -> the float32 weight [O, N] the products use."""
+    o = q.shape[0]
+    b = q.reshape(o, -1, GROUP // 2)
+    vals = torch.cat([b & 15, b >> 4], dim=-1).float()  # [O, G, 32]
+    smf = sm.float()
+    return (vals * smf[..., 0:1] + smf[..., 1:2]).reshape(o, -1)
+
+
+class Int4Linear(nn.Module):
+    """Inference-only int4 linear layer (group-wise, see quantize_int4), a drop-in for
+    `PackedLinear` like `Int8Linear`; `scale` holds the groups' (step, minimum) pairs, the pointer
+    `dw_decoder` passes as a projection's scale (kind 4: dw_linear_q4)."""
+
+    small = False
+    packed = None
+    float_out = False
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None):
+        super().__init__()
+        w = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.out_features, self.in_features = w.shape
+        q, sm = quantize_int4(w)
+        self.register_buffer("qweight", q)  # [O, N/2] uint8
+        self.register_buffer("scale", sm)  # [O, N/32, 2] float16
+        self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
+
+    @staticmethod
+    def of(*linears: nn.Linear) -> "Int4Linear":
+        has_bias = linears[0].bias is not None
+        return Int4Linear([l.weight.detach() for l in linears], [l.bias.detach() for l in linears] if has_bias else None)
+
+    def forward(self, x):  # [.., N] -> [.., O]
+        rows = x.numel() // self.in_features
+        if x.device.type == "cpu" and 0 < rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x.dtype):
+            k = cpu_kernels.kernels()
+            x = x.contiguous()
+            out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
+            bf = int(x.dtype == torch.bfloat16)
+            k.linear_q4(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
+                        0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
+                        self.in_features, torch.get_num_threads(), bf, bf)
+            return out
+        return F.linear(x.float(), dequantize_int4(self.qweight, self.scale), self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP}"
+
+
 def quantization_of(model: nn.Module) -> str | None:
-    """The weight-only quantization a prepared model runs with ("int8"), or None (float weights)."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+    """The weight-only quantization a prepared model runs with ("int4", "int8"), or None (float weights)."""
+    mods = list(model.modules())
+    if any(isinstance(m, Int4Linear) for m in mods):
+        return "int4"
+    return "int8" if any(isinstance(m, Int8Linear) for m in mods) else None
