@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
-# dw_linear_q8 splits its outputs across an OpenMP team (libgomp, which torch has loaded already:
+# the products split their outputs across an OpenMP team (libgomp, which torch has loaded already:
 # one thread pool); a compiler without OpenMP builds the same kernels single-threaded
 OPENMP = ["-fopenmp"]
 _LIB: "Kernels | None | bool" = False  # False: not tried yet
@@ -87,8 +87,8 @@ class Kernels:
             "dw_attend": [p, i, i, i, i, p, p, i, i, i, f, p, ctypes.c_int, ctypes.c_int],
             "dw_silu_mul": [p, p, i, i, ctypes.c_int],
             "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
-            "dw_linear_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_linear_q4": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_gemm_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],

@@ -557,172 +557,15 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
  * 4 outputs x up to 6 rows share each load (24 accumulators). A (row, output)'s sum runs in one
  * fixed order (16 lanes over the inputs, fused multiply-adds, hsum16, the tail, then the scale and
  * the bias) whatever the rows around it: a row's result is bitwise the same alone or in a block. */
-typedef int8_t v16c __attribute__((vector_size(16)));
-
-#ifdef __AVX512F__ /* GCC scalarises the generic int8 -> int32 conversion: one instruction here */
-#include <immintrin.h>
-static inline v16f q8x16(const int8_t *p) {
-    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline v16f fma16(v16f a, v16f b, v16f c) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else
-static inline v16f q8x16(const int8_t *p) {
-    v16c c;
-    memcpy(&c, p, 16);
-    return __builtin_convertvector(__builtin_convertvector(c, v16i), v16f);
-}
-static inline v16f fma16(v16f a, v16f b, v16f c) { return a * b + c; } /* the same order, two roundings */
-#endif
-
-/* NR rows (1..6, a constant after inlining) x NO outputs (1 or 4) from row r0, output o0. */
-static inline __attribute__((always_inline)) void q8_block(const float *xf, const int8_t *q, const float *scale,
-                                                           const float *bias, void *out, long r0, long o0, long O,
-                                                           long N, int NR, int NO, int obf) {
-    long Nv = N & ~15L;
-    v16f acc[6][4]; /* NR x NO <= 24 accumulators + 4 weight vectors: within 32 registers */
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NO; j++) acc[r][j] = (v16f){0};
-    const int8_t *qo = q + o0 * N;
-    for (long i = 0; i < Nv; i += 16) {
-        v16f w[4];
-        if ((i & 63) == 0) /* the rows 3 blocks ahead, a cache line each per 64 inputs: a model's weights
-                              stream from memory, and the hardware prefetcher alone left SmolLM2's
-                              decoding at 18 tok/s (with this: ~53, 1 thread, load ~5-7) */
-            for (int j = 0; j < NO; j++) __builtin_prefetch(qo + (3 * NO + j) * N + i, 0, 3);
-        for (int j = 0; j < NO; j++) w[j] = q8x16(qo + j * N + i);
-        for (int r = 0; r < NR; r++) {
-            v16f xv;
-            memcpy(&xv, xf + (r0 + r) * N + i, 64);
-            for (int j = 0; j < NO; j++) acc[r][j] = fma16(xv, w[j], acc[r][j]);
-        }
-    }
-    for (int r = 0; r < NR; r++) {
-        const float *xr = xf + (r0 + r) * N;
-        for (int j = 0; j < NO; j++) {
-            float s = hsum16(acc[r][j]);
-            for (long i = Nv; i < N; i++) s += xr[i] * (float)qo[j * N + i];
-            float y = s * scale[o0 + j];
-            if (bias) y += bias[o0 + j];
-            st(out, (r0 + r) * O + o0 + j, y, obf);
-        }
-    }
-}
-
-#define Q8_ROWS(NO)                                                                              \
-    for (long r0 = 0; r0 < rows; r0 += 6) {                                                      \
-        switch (rows - r0 < 6 ? rows - r0 : 6) {                                                 \
-        case 6: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 6, NO, obf); break;              \
-        case 5: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 5, NO, obf); break;              \
-        case 4: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 4, NO, obf); break;              \
-        case 3: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 3, NO, obf); break;              \
-        case 2: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 2, NO, obf); break;              \
-        default: q8_block(xf, q, scale, bias, out, r0, o0, O, N, 1, NO, obf); break;             \
-        }                                                                                        \
-    }
-
 /* Q8_MIN_PARALLEL: weights of fewer elements run on the calling thread alone (a fork of the OpenMP
- * team costs a few microseconds: more than a draft-sized product). The outputs are split into
- * `threads` ranges of whole 4-output blocks; a (row, output)'s arithmetic does not depend on it. */
+ * team costs a few microseconds: more than a draft-sized product); dw_gemm_* and dw_linear_q4. */
 #ifndef Q8_MIN_PARALLEL
 #define Q8_MIN_PARALLEL (1L << 17)
 #endif
 
-#ifdef __AVX512F__
-static void q8_range(const float *xf, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
-                     long O, long N, long o_begin, long o_end, int obf) {
-    long o0 = o_begin;
-    for (; o0 + 4 <= o_end; o0 += 4) Q8_ROWS(4)
-    for (; o0 < o_end; o0++) Q8_ROWS(1)
-}
-#else
-/* Without AVX-512: q8_block's arithmetic (16 lanes accumulated as a * b + c, hsum16's tree: the
- * same bits) on pairs of 8-lane vectors, in register blocks that fit 16 AVX2 registers (q8_block's
- * 6 x 4 blocks of 16-lane accumulators spilled there: SmolLM2's int8 step took 2x its float32 one).
- * Each weight block is converted once and used for every row of the block. */
 #ifdef __AVX2__
 #include <immintrin.h>
-static inline v8f q8x8(const int8_t *p) {
-    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-#else
-typedef int8_t v8c __attribute__((vector_size(8)));
-static inline v8f q8x8(const int8_t *p) {
-    v8c c;
-    memcpy(&c, p, 8);
-    return __builtin_convertvector(__builtin_convertvector(c, v8i), v8f);
-}
 #endif
-
-static inline __attribute__((always_inline)) void q8_block8(const float *xf, const int8_t *q, const float *scale,
-                                                            const float *bias, void *out, long r0, long o0, long O,
-                                                            long N, int NR, int NO, int obf) {
-    long Nv = N & ~15L;
-    v8f lo[4][4], hi[4][4]; /* NR x NO <= 4 (2 x 2 halves each: <= 8 registers), then the weights */
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NO; j++) lo[r][j] = hi[r][j] = (v8f){0};
-    const int8_t *qo = q + o0 * N;
-    for (long i = 0; i < Nv; i += 16) {
-        if ((i & 63) == 0) /* as q8_block: the rows 3 blocks ahead */
-            for (int j = 0; j < NO; j++) __builtin_prefetch(qo + (3 * NO + j) * N + i, 0, 3);
-        for (int j = 0; j < NO; j++) {
-            v8f wl = q8x8(qo + j * N + i), wh = q8x8(qo + j * N + i + 8);
-            for (int r = 0; r < NR; r++) {
-                v8f xl, xh;
-                memcpy(&xl, xf + (r0 + r) * N + i, 32);
-                memcpy(&xh, xf + (r0 + r) * N + i + 8, 32);
-                lo[r][j] = xl * wl + lo[r][j];
-                hi[r][j] = xh * wh + hi[r][j];
-            }
-        }
-    }
-    for (int r = 0; r < NR; r++) {
-        const float *xr = xf + (r0 + r) * N;
-        for (int j = 0; j < NO; j++) {
-            float s = tree16(lo[r][j], hi[r][j]);
-            for (long i = Nv; i < N; i++) s += xr[i] * (float)qo[j * N + i];
-            float y = s * scale[o0 + j];
-            if (bias) y += bias[o0 + j];
-            st(out, (r0 + r) * O + o0 + j, y, obf);
-        }
-    }
-}
-
-#define Q8_ROWS8(NO, MAXR)                                                                       \
-    for (long r0 = 0; r0 < rows; r0 += MAXR) {                                                   \
-        switch (rows - r0 < MAXR ? rows - r0 : MAXR) {                                           \
-        case 4: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 4, NO, obf); break;             \
-        case 3: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 3, NO, obf); break;             \
-        case 2: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 2, NO, obf); break;             \
-        default: q8_block8(xf, q, scale, bias, out, r0, o0, O, N, 1, NO, obf); break;            \
-        }                                                                                        \
-    }
-
-static void q8_range(const float *xf, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
-                     long O, long N, long o_begin, long o_end, int obf) {
-    long o0 = o_begin;
-    if (rows == 1)
-        for (; o0 + 4 <= o_end; o0 += 4) Q8_ROWS8(4, 1)
-    else if (rows == 2)
-        for (; o0 + 2 <= o_end; o0 += 2) Q8_ROWS8(2, 2)
-    for (; o0 < o_end; o0++) Q8_ROWS8(1, 4)
-}
-#undef Q8_ROWS8
-#endif
-
-void dw_linear_q8(const void *x, const int8_t *q, const float *scale, const float *bias, void *out, long rows,
-                  long O, long N, int threads, int bf, int obf) {
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
-    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1, blocks = (O + 3) / 4;
-    if (nt > blocks) nt = blocks;
-#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
-    for (long t = 0; t < nt; t++) {
-        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        q8_range(xf, q, scale, bias, out, rows, O, N, 4 * b0, 4 * b1 < O ? 4 * b1 : O, obf);
-    }
-    free(xf);
-}
-#undef Q8_ROWS
 
 /* ---- int4 weights (--quantization int4) ----
  * w [O, N] in groups of 32 inputs (Q4_1's layout): byte i of a group's 16 holds q[i] in its low
@@ -800,7 +643,8 @@ static inline __attribute__((always_inline)) void q4_block(const float *xf, cons
             macc[r][j] = 0.0f;
         }
     for (long g = 0; g < G; g++) {
-        if ((g & 3) == 0) /* as q8_block: the output rows 3 blocks ahead, a cache line each per 4 groups */
+        if ((g & 3) == 0) /* the output rows 3 blocks ahead, a cache line each per 4 groups (the hardware
+                             prefetcher alone left int8 weights in this layout at a third of the rate) */
             for (int j = 0; j < NO; j++) __builtin_prefetch(q + (o0 + 3 * NO + j) * rowb + g * 16, 0, 3);
         for (int j = 0; j < NO; j++) {
             v8f w[4];
@@ -854,7 +698,8 @@ static void q4_range(const float *xf, const float *xs, const uint8_t *q, const u
 #undef Q4_ROWS
 
 /* x [rows, N] (float32, or bfloat16 when bf) times the int4 weight above, N a multiple of 32; out
- * [rows, O] (bfloat16 when obf). Threads as dw_linear_q8's (whole 4-output blocks each). */
+ * [rows, O] (bfloat16 when obf). Weights of >= Q8_MIN_PARALLEL elements: the outputs split across
+ * `threads` OpenMP threads in whole 4-output blocks (a (row, output)'s arithmetic does not depend on it). */
 void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const float *bias, void *out, long rows,
                   long O, long N, int threads, int bf, int obf) {
     long G = N / 32;
@@ -906,21 +751,40 @@ void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const flo
 #define GEMM_PREFETCH 512 /* floats ahead in a block's stream (32 lines) */
 #endif
 
+/* 8 int8 weights -> 8 floats (dw_gemm_q8's packed int8 weights) */
+#ifdef __AVX2__
+static inline v8f i8x8f(const void *p) {
+    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+typedef int8_t v8sc __attribute__((vector_size(8)));
+static inline v8f i8x8f(const void *p) {
+    v8sc c;
+    memcpy(&c, p, 8);
+    return __builtin_convertvector(__builtin_convertvector(c, v8i), v8f);
+}
+#endif
+
 static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const void *wp, long ob,
                                                              long k0, long k1, float *out, long O, int NR, int NB,
                                                              int first, int WB) {
     v8f acc[6][4][2];
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
-    long es = WB ? 2 : 4; /* bfloat16 or float32 weights */
+    long es = WB == 2 ? 1 : WB ? 2 : 4; /* int8, bfloat16 or float32 weights */
     const char *w = (const char *)wp + (ob * N + k0) * 16 * es;
     for (long k = k0; k < k1; k++, w += 16 * es) {
         for (int j = 0; j < NB; j++) /* a line a k (float32; half a line for bfloat16) */
             __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, 0);
         v8f w0[4], w1[4];
         for (int j = 0; j < NB; j++) {
-            w0[j] = load8(w + j * N * 16 * es, 0, WB);
-            w1[j] = load8(w + j * N * 16 * es, 8, WB);
+            if (WB == 2) {
+                w0[j] = i8x8f(w + j * N * 16);
+                w1[j] = i8x8f(w + j * N * 16 + 8);
+            } else {
+                w0[j] = load8(w + j * N * 16 * es, 0, WB);
+                w1[j] = load8(w + j * N * 16 * es, 8, WB);
+            }
         }
         for (int r = 0; r < NR; r++) {
             v8f xb = bcast8(x[r * N + k]);
@@ -969,7 +833,15 @@ static void gemm_range(const float *x, const void *wp, float *out, long rows, lo
             for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
                 long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
                 int first = k0 == 0;
-                if (wb) {
+                if (wb == 2) {
+                    if (step == 4) {
+                        GEMM_ROWS(4, 2)
+                    } else if (step == 2) {
+                        GEMM_ROWS(2, 2)
+                    } else {
+                        GEMM_ROWS(1, 2)
+                    }
+                } else if (wb) {
                     if (step == 4) {
                         GEMM_ROWS(4, 1)
                     } else if (step == 2) {
@@ -1013,6 +885,25 @@ void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out,
     if (bias)
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
+}
+
+/* int8 weights packed by dw_pack (es 1) as dw_gemm_f32's, scale [O] per output: out = (x . q) * scale + bias
+ * (x float32, or bfloat16 when bf; out bfloat16 when obf). The products as dw_gemm_f32's (each
+ * output an FMA chain over k in order, restarted every GEMM_KB inputs): one weight stream per
+ * 16 outputs, a quarter of float32's bytes. */
+void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float *bias, void *out, long rows, long O,
+                long N, int threads, int bf, int obf) {
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16));
+    float *y = xf + rows * N;
+    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+    gemm_threads(xf, wp, y, rows, O, N, threads, 2);
+    for (long r = 0; r < rows; r++)
+        for (long o = 0; o < O; o++) {
+            float v = y[r * O + o] * scale[o];
+            if (bias) v += bias[o];
+            st(out, r * O + o, v, obf);
+        }
+    free(xf);
 }
 
 /* dw_gemm_bf16's product before its rounding: float32 results (bias added in float32): a bfloat16
@@ -1060,8 +951,9 @@ void dw_pack(const void *w, void *wp, long O, long N, long es) {
 
 /* ---- the whole decoder in one call ----
  * One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
- * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_linear_q8
- * (w int8 [O, N], scale [O] float32, bias float32): what the layer-by-layer path
+ * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
+ * (w int8 packed by dw_pack, scale [O] float32, bias float32), 4 dw_linear_q4 (int4 groups,
+ * scale the float16 (step, minimum) pairs): what the layer-by-layer path
  * (LlamaModel._fused_forward) calls for that weight, with the same arguments: the same bits. */
 static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
@@ -1070,7 +962,7 @@ static void dw_product(int kind, const void *x, const void *w, const void *bias,
     case 1: dw_gemm_f32(x, w, bias, out, rows, O, N, threads); break;
     case 2: dw_gemm_bf16(x, w, bias, out, rows, O, N, threads); break;
     case 4: dw_linear_q4(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
-    default: dw_linear_q8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
+    default: dw_gemm_q8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     }
 }
 

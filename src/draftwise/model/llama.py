@@ -640,7 +640,7 @@ class LlamaModel(nn.Module):
         """For `dw_decoder` (every layer in one call): (14 pointers per layer, 4 product kinds per
         layer, the most rows it takes) when every projection runs in a kernel of kernels.c whatever
         the rows up to that bound (a small weight's dw_linear up to 16 rows, a dw_gemm packing any
-        number, an int8 weight's dw_linear_q8 up to KERNEL_MAX_ROWS), else () (the per-layer path:
+        number, an int8 weight's dw_gemm_q8 and an int4 one's dw_linear_q4 up to KERNEL_MAX_ROWS), else () (the per-layer path:
         some product is oneDNN's, e.g. on an AVX-512 CPU). The call makes the per-layer path's kernel
         calls in the same order with the same arguments: the same bits, without ~10 Python calls a
         layer (SmolLM2-135M: 300 a step). Prepared weights never move (see `_apply`), so the pointers
@@ -655,8 +655,8 @@ class LlamaModel(nn.Module):
             for n, p in enumerate((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
                 bias = 0 if p.bias is None else p.bias.data_ptr()
                 if isinstance(p, (Int8Linear, Int4Linear)) and not p.float_out:
-                    kind = 4 if isinstance(p, Int4Linear) else 3
-                    weight, scale, max_rows = p.qweight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
+                    kind, weight = (4, p.qweight) if isinstance(p, Int4Linear) else (3, p.qpacked)
+                    weight, scale, max_rows = weight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
                 elif getattr(p, "native", None) is not None and p.native.dtype == dtype:
                     kind, weight, scale = (1 if dtype == torch.float32 else 2), p.native.data_ptr(), 0
                 elif getattr(p, "small", False) and p.weight.dtype == dtype:

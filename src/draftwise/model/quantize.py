@@ -10,7 +10,10 @@ Why: batch-1 decoding and verification on CPU are bound by reading the weights, 
 one byte per weight (float32 four, bfloat16 two). torch's `_weight_int8pack_mm` was slower than
 the oneDNN-packed float product on this project's CPU (10-40x with float32 activations at 1-5
 rows), so a few rows (`KERNEL_MAX_ROWS`: decode steps, verification blocks) run `kernels.c`'s
-`dw_linear_q8`, which widens int8 to float in registers. More rows (prefill chunks, large batches)
+`dw_gemm_q8`: the int8 weight in dw_gemm's packed layout (for each input the weights of 16
+outputs side by side: one stream per 16 outputs), widened to float in registers, dw_gemm_f32's
+FMA chains, then the channel's scale (SmolLM2's 30 layers and head at 1 row: 8.4 ms against 11.5
+for the row-major kernel it replaced, 19.2 against 30.6 at 5 rows). More rows (prefill chunks, large batches)
 take the reference path: the weight dequantised to float32 for that call, then `F.linear`.
 
 Both paths compute in float32 (a bfloat16 activation is exact in float32; the result is rounded to
@@ -79,7 +82,7 @@ class Int8Linear(nn.Module):
 
     `float_out`: outputs in float32 whatever the activations' dtype (the LM head: logits).
     `small = False` and `packed = None` tell llama.py that this is neither a small-weight loop's
-    weight nor a oneDNN one: `LlamaModel._layer_pointers` gives `dw_decoder` its dw_linear_q8 kind."""
+    weight nor a oneDNN one: `LlamaModel._layer_pointers` gives `dw_decoder` its dw_gemm_q8 kind."""
 
     small = False
     packed = None
@@ -90,10 +93,19 @@ class Int8Linear(nn.Module):
         w = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.out_features, self.in_features = w.shape
         q, scale = quantize_int8(w)
-        self.register_buffer("qweight", q)  # [O, N] int8
+        # dw_gemm's layout [ceil(O/16), N, 16] (the missing outputs of the last block zero): for each
+        # input the weights of 16 outputs side by side, one stream per 16 outputs
+        o, n = q.shape
+        pad = torch.zeros((-o) % 16, n, dtype=torch.int8)
+        self.register_buffer("qpacked", torch.cat([q, pad]).reshape(-1, 16, n).permute(0, 2, 1).contiguous())
         self.register_buffer("scale", scale)  # [O] float32
         self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
         self.float_out = float_out
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight [O, N] (a view of the packed one: the reference path, tests)."""
+        return self.qpacked.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
 
     @staticmethod
     def of(*linears: nn.Linear, float_out: bool = False) -> "Int8Linear":
@@ -109,7 +121,7 @@ class Int8Linear(nn.Module):
             k = cpu_kernels.kernels()
             x = x.contiguous()
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=out_dtype)
-            k.linear_q8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
+            k.gemm_q8(x.data_ptr(), self.qpacked.data_ptr(), self.scale.data_ptr(),
                         0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
                         self.in_features, torch.get_num_threads(), int(x.dtype == torch.bfloat16),
                         int(out_dtype == torch.bfloat16))
