@@ -98,7 +98,7 @@ class BenchPlan:
     served_model: str | None = None
     dtype: str = "float32"
     draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on a CPU with native bfloat16)
-    quantization: str | None = None  # "int8": weight-only, both models (model/quantize.py)
+    quantization: str | None = None  # "int8" or "int4": weight-only, both models (model/quantize.py)
     device: str = "cpu"
     slo: dict = field(default_factory=dict)
     dollars_per_hour: float | None = None

@@ -79,7 +79,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                load_tokenizer: bool = True, fuse: bool = True, quantization: str | None = None) -> LoadedModel:
-    """`quantization`: None or "int8" (weight-only, quantized from the float weights while the
+    """`quantization`: None, "int8" or "int4" (weight-only, quantized from the float weights while the
     model is prepared: see quantize.py); Llama-family models only."""
     quantization = check_method(quantization)
     path = resolve_model(path)

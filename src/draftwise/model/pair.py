@@ -8,7 +8,7 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
   target and the embedded draft would not share a tokenizer); a method that needs a draft and
   has none fails before anything is loaded;
 - the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`;
-- `quantization` ("int8": weight-only, quantize.py) applies to both, the activations keeping those dtypes.
+- `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes.
 
 It takes `needs_draft: bool` rather than a proposer, so that model/ stays below proposers/.
 """
