@@ -39,6 +39,18 @@ def near_tie(model, ids: list[int], pos: int) -> bool:
     return float(top2[0] - top2[1]) < 1e-5
 
 
+def near_tie_divergences(target, ps, outs, base) -> int:
+    """How many outputs differ from the plain ones; each must first differ at a near-tie."""
+    ties = 0
+    for p, o, b in zip(ps, outs, base):
+        if o.token_ids == b.token_ids:
+            continue
+        j = next(i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y)
+        assert near_tie(target, p + b.token_ids, len(p) + j), f"mismatch at output position {j} is not a near-tie"
+        ties += 1
+    return ties
+
+
 @pytest.fixture(scope="module")
 def plain(target_dir):
     llm = LLM(str(target_dir))
@@ -61,13 +73,7 @@ def test_greedy_speculative_equals_plain(plain, target_dir, draft_dir, method, d
               draft_dtype="float32" if draft == "target" else None)
     outs = llm.generate(ps, sp)
     target = load_model(target_dir, load_tokenizer=False).model
-    ties = 0
-    for p, o, b in zip(ps, outs, base):
-        if o.token_ids == b.token_ids:
-            continue
-        j = next(i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y)
-        assert near_tie(target, p + b.token_ids, len(p) + j), f"mismatch at output position {j} is not a near-tie"
-        ties += 1
+    ties = near_tie_divergences(target, ps, outs, base)
     print(f"{method}/{draft} k={k}: {ties} near-tie divergences")
     proposed = sum(o.stats.proposed_tokens for o in outs)
     accepted = sum(o.stats.accepted_tokens for o in outs)
@@ -103,11 +109,6 @@ def test_greedy_equality_with_packed_projections(target_dir, draft_dir, draft, m
     d = target_dir if draft == "target" else draft_dir
     outs = LLM(str(target_dir), draft=str(d), spec=SpecConfig(method="draft", k=4)).generate(ps, sp)
     target = load_model(target_dir, load_tokenizer=False).model
-    ties = 0
-    for p, o, b in zip(ps, outs, base):
-        if o.token_ids != b.token_ids:
-            j = next(i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y)
-            assert near_tie(target, p + b.token_ids, len(p) + j), f"mismatch at output position {j} is not a near-tie"
-            ties += 1
+    ties = near_tie_divergences(target, ps, outs, base)
     print(f"packed draft/{draft} k=4: {ties} near-tie divergences")
     assert sum(o.stats.accepted_tokens for o in outs) > 0

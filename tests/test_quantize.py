@@ -11,7 +11,7 @@ from draftwise.model import cpu_kernels, load_model
 from draftwise.model.config import ModelLoadError
 from draftwise.model.quantize import Int8Linear, dequantize_int8, int8_linear_reference, quantize_int8
 
-from test_greedy_equality import near_tie, prompts
+from test_greedy_equality import near_tie_divergences, prompts
 
 @pytest.fixture(autouse=True, scope="module")
 def quantize_every_projection():
@@ -169,13 +169,7 @@ def test_greedy_speculative_equals_plain_int8(plain_int8, target_dir, draft_dir,
         assert isinstance(llm.engine.proposer.runner.model.lm_head, Int8Linear)
     outs = llm.generate(ps, sp)
     target = load_model(target_dir, load_tokenizer=False, quantization="int8").model
-    ties = 0
-    for p, o, b in zip(ps, outs, base):
-        if o.token_ids != b.token_ids:
-            j = next(i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y)
-            assert near_tie(target, p + b.token_ids, len(p) + j), f"mismatch at output position {j} is not a near-tie"
-            ties += 1
-    assert ties <= 1
+    assert near_tie_divergences(target, ps, outs, base) <= 1
     proposed = sum(o.stats.proposed_tokens for o in outs)
     accepted = sum(o.stats.accepted_tokens for o in outs)
     assert proposed > 0
