@@ -39,7 +39,10 @@ are off (a profile measured on a loaded machine, the step's Python work, a calib
 overrates short blocks) then cost at most the exploration, not the operating point. A drafting
 step right after plain ones pays the drafter's catch-up: a cost of switching, left out of the
 arm's figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
-optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32).
+optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32). Looking away from the
+leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~2% of the run's
+step time, so that where one arm leads clearly the looks (mostly the drafter's catch-up after
+plain steps) cost little whatever the intervals say.
 
 `choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
