@@ -822,6 +822,18 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
         }                                                                                                \
     }
 
+/* the register block for this step's output blocks (step 4, 2 or 1), weights of kind WB */
+#define GEMM_STEP(WB)              \
+    {                              \
+        if (step == 4) {           \
+            GEMM_ROWS(4, WB)       \
+        } else if (step == 2) {    \
+            GEMM_ROWS(2, WB)       \
+        } else {                   \
+            GEMM_ROWS(1, WB)       \
+        }                          \
+    }
+
 static void gemm_range(const float *x, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
                        int wb) {
     int nb = rows == 1 ? 4 : rows <= GEMM_NB2_ROWS ? 2 : 1; /* output blocks per register block */
@@ -833,38 +845,22 @@ static void gemm_range(const float *x, const void *wp, float *out, long rows, lo
             for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
                 long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
                 int first = k0 == 0;
-                if (wb == 2) {
-                    if (step == 4) {
-                        GEMM_ROWS(4, 2)
-                    } else if (step == 2) {
-                        GEMM_ROWS(2, 2)
-                    } else {
-                        GEMM_ROWS(1, 2)
-                    }
-                } else if (wb) {
-                    if (step == 4) {
-                        GEMM_ROWS(4, 1)
-                    } else if (step == 2) {
-                        GEMM_ROWS(2, 1)
-                    } else {
-                        GEMM_ROWS(1, 1)
-                    }
-                } else if (step == 4) {
-                    GEMM_ROWS(4, 0)
-                } else if (step == 2) {
-                    GEMM_ROWS(2, 0)
-                } else {
-                    GEMM_ROWS(1, 0)
-                }
+                if (wb == 2)
+                    GEMM_STEP(2)
+                else if (wb)
+                    GEMM_STEP(1)
+                else
+                    GEMM_STEP(0)
             }
             ob += step;
         }
     }
 }
+#undef GEMM_STEP
 #undef GEMM_ROWS
 
 /* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
- * whole groups of 4 blocks when the weight is large enough; wb: bfloat16 weights. */
+ * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights. */
 static void gemm_threads(const float *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb) {
     long blocks = (O + 15) / 16;
     long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
