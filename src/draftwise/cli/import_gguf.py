@@ -11,6 +11,10 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="output directory (replaced if it exists)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the dequantised weights (default float32)")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="write the decoder projections stored as Q4_0/Q4_1 as they are (draftwise's int4: "
+                        "the model then runs --quantization int4 on the file's own 4-bit values); other "
+                        "tensors are dequantised")
     return p
 
 
@@ -18,7 +22,14 @@ def run(args) -> int:
     from ..model.gguf_import import import_gguf
 
     t0 = time.perf_counter()
-    out = import_gguf(args.file, args.out, dtype=args.dtype)
-    print(f"draftwise import-gguf: {args.file} -> {out} ({args.dtype}, {time.perf_counter() - t0:.1f} s)",
+    out = import_gguf(args.file, args.out, dtype=args.dtype, keep_quantized=args.keep_quantized)
+    kept = ""
+    if args.keep_quantized:
+        import json
+
+        n = json.loads((out / "config.json").read_text()).get("quantization_config", {}).get("kept_tensors", 0)
+        kept = (f", {n} Q4 projections kept as int4" if n else
+                ", no Q4_0/Q4_1 projections to keep: every tensor dequantised")
+    print(f"draftwise import-gguf: {args.file} -> {out} ({args.dtype}{kept}, {time.perf_counter() - t0:.1f} s)",
           file=sys.stderr)
     return 0

@@ -12,6 +12,14 @@ dequantises (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6
 llama.cpp's converter permutes the rows of Q and K for llama and mistral (it interleaves the two
 halves that Hugging Face's rotate-half RoPE pairs); `unpermute` undoes it. Qwen files are stored
 unpermuted. The runtime loader stays on safetensors: the import runs once.
+
+`keep_quantized=True` (`--keep-quantized`): the decoder projections stored as Q4_0 or Q4_1 are
+written as they are, as draftwise's int4 (quantize.py: groups of 32 inputs, a float16 step and
+minimum per group, the same nibble order; Q4_0's x = d * (q - 8) is d * q + m with m = -8d, exact
+in float16), under `<name>.qweight` / `<name>.qscale` with `quantization_config` in config.json:
+the model then runs `--quantization int4` on the file's own 4-bit values, not on values
+re-quantised from their dequantised floats (`load_model` dequantises them too, for the float
+paths: `fuse=False`, training). Other tensor types are dequantised as without the option.
 """
 from __future__ import annotations
 
@@ -170,7 +178,37 @@ def dequantize(t, source: str) -> np.ndarray:
     return np.array(arr, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
 
 
-def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: str) -> dict[str, torch.Tensor]:
+def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0 or Q4_1 reader tensor -> draftwise's int4 (q [O, N/2] uint8, sm [O, N/32, 2] float16),
+    the blocks' own values: per block of 32 inputs Q4_1 holds d, m (float16) and 16 bytes whose low
+    nibbles are inputs 0..15 and high nibbles 16..31 (Q4_0: d and the bytes, m = -8d)."""
+    import gguf
+
+    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+    raw = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(rows, -1)
+    size = 20 if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else 18
+    blocks = raw.reshape(rows, -1, size)
+    d = blocks[..., 0:2].copy().view(np.float16)  # [O, G, 1]
+    if size == 20:
+        m, qs = blocks[..., 2:4].copy().view(np.float16), blocks[..., 4:]
+    else:
+        m, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
+    q = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1))
+    sm = torch.from_numpy(np.concatenate([d, m], axis=-1))
+    return q.contiguous(), sm.contiguous()
+
+
+def keeps(t, name: str, keep_quantized: bool) -> bool:
+    """Whether this tensor is written as int4 blocks: a decoder projection's weight in Q4_0 or Q4_1."""
+    import gguf
+
+    kinds = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+    return (keep_quantized and t.tensor_type in kinds and name.startswith("model.layers.")
+            and name.endswith("_proj.weight"))
+
+
+def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: str,
+                    keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     permuted = ARCHITECTURES[arch][2]
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -180,6 +218,14 @@ def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: st
         name = hf_name(t.name)
         if name is None:
             raise GGUFImportError(f"{source}: tensor {t.name!r} has no counterpart in a {cfg['architectures'][0]}")
+        if keeps(t, name, keep_quantized):
+            q, sm = int4_blocks(t)
+            heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}.get(name.split(".")[-2])
+            if permuted and heads:  # a row permutation: each output's blocks move with it
+                q, sm = unpermute(q, heads), unpermute(sm, heads)
+            stem = name[: -len(".weight")]
+            out[f"{stem}.qweight"], out[f"{stem}.qscale"] = q.contiguous(), sm.contiguous()
+            continue
         w = torch.from_numpy(dequantize(t, source))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute(w, cfg["num_attention_heads"])
@@ -200,9 +246,10 @@ def generation_config(meta: dict) -> dict:
     return gen
 
 
-def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", keep_quantized: bool = False) -> Path:
     """Write the Hugging Face directory `out`, built aside and then moved in place (a failed import
-    leaves nothing); an existing `out` is replaced only when empty or a model directory."""
+    leaves nothing); an existing `out` is replaced only when empty or a model directory.
+    `keep_quantized`: Q4_0/Q4_1 projections written as int4 blocks (see the module's doc)."""
     from safetensors.torch import save_file
 
     from .loader import resolve_dtype
@@ -224,8 +271,14 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> Pa
         tokenizer = build_tokenizer(meta)
     except ValueError as e:
         raise GGUFImportError(f"{source}: {e}") from None
-    weights = convert_weights(reader, cfg, arch, resolve_dtype(dtype), source)
+    weights = convert_weights(reader, cfg, arch, resolve_dtype(dtype), source, keep_quantized)
     cfg["torch_dtype"] = dtype
+    kept = sum(1 for n in weights if n.endswith(".qweight"))
+    if kept:
+        from .quantize import GROUP
+
+        cfg["quantization_config"] = {"quant_method": "draftwise", "bits": 4, "group_size": GROUP,
+                                      "kept_tensors": kept, "source": "gguf"}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -249,4 +302,4 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> Pa
     return out
 
 
-__all__ = ["GGUFImportError", "import_gguf", "read_gguf"]
+__all__ = ["GGUFImportError", "import_gguf", "int4_blocks", "read_gguf"]

@@ -170,19 +170,28 @@ class Int4Linear(nn.Module):
     packed = None
     float_out = False
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+                 blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         super().__init__()
-        w = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.out_features, self.in_features = w.shape
-        q, sm = quantize_int4(w)
+        if blocks is not None:  # already int4 (a GGUF's Q4 blocks, loader.py): kept as they are
+            q, sm = (torch.cat(t) for t in zip(*blocks))
+            self.out_features, self.in_features = q.shape[0], 2 * q.shape[1]
+        else:
+            w = torch.cat(weights) if len(weights) > 1 else weights[0]
+            self.out_features, self.in_features = w.shape
+            q, sm = quantize_int4(w)
         self.register_buffer("qweight", q)  # [O, N/2] uint8
         self.register_buffer("scale", sm)  # [O, N/32, 2] float16
         self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
 
     @staticmethod
     def of(*linears: nn.Linear) -> "Int4Linear":
+        """`linears` fused along the outputs; when each carries `int4_blocks` (the loader's, from a
+        directory stored int4), those blocks, else the weights quantised here."""
         has_bias = linears[0].bias is not None
-        return Int4Linear([l.weight.detach() for l in linears], [l.bias.detach() for l in linears] if has_bias else None)
+        blocks = [getattr(l, "int4_blocks", None) for l in linears]
+        return Int4Linear([l.weight.detach() for l in linears], [l.bias.detach() for l in linears] if has_bias else None,
+                          blocks=blocks if all(b is not None for b in blocks) else None)
 
     def forward(self, x):  # [.., N] -> [.., O]
         rows = x.numel() // self.in_features
