@@ -39,7 +39,8 @@ are off (a profile measured on a loaded machine, the step's Python work, a calib
 overrates short blocks) then cost at most the exploration, not the operating point. A drafting
 step right after plain ones pays the drafter's catch-up: a cost of switching, left out of the
 arm's figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
-optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32). Looking away from the
+optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32), and of those plain steps
+one in four updates the cost model (the update is ~1% of a batch-1 plain step). Looking away from the
 leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~2% of the run's
 step time, so that where one arm leads clearly the looks (mostly the drafter's catch-up after
 plain steps) cost little whatever the intervals say.
@@ -116,6 +117,7 @@ class GoodputPolicy:
     CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
     CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
+    COAST_OBSERVE_EVERY = 4  # coasting plain steps: one in this many updates the cost model
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
         if cost is None:
@@ -140,6 +142,7 @@ class GoodputPolicy:
         self._catch_up_per_token = cost.draft[1] if cost.draft[1] > 0 else 2e-5
         self._long_catch_up = 0  # tokens this step's long catch-ups feed
         self._mode = "spec"  # this step's arm
+        self._coasted = 0  # coasting plain steps seen (the cost model observes one in COAST_OBSERVE_EVERY)
         self._bucket = 0
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
         # the exploration budget: seconds of steps that looked away from the leading arm (bursts of
@@ -320,6 +323,11 @@ class GoodputPolicy:
             self._last_mode = self._mode
             return None
         self._spend(committed, seconds)
+        if self._pred is None and self._mode == "plain":  # coasting plain (no plan, nothing to correct)
+            self._coasted += 1
+            if self._coasted % self.COAST_OBSERVE_EVERY:  # the cost model samples these: its update
+                self._last_mode = self._mode  # (~50-70 us a step in the engine) is ~1% of a plain step
+                return None
         # a drafting step right after plain ones also feeds the drafter everything it missed: a cost
         # of switching, not of the arm (counted, a burst of exploration after a long plain run would
         # rate speculation by its catch-up)
