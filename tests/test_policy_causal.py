@@ -467,6 +467,25 @@ def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
     assert arms.rating("full", pred) == pytest.approx(20.0 / (0.04 + 0.01))
 
 
+def test_idle_plan_coasts_plain_against_full_alone():
+    """Where the plan drafts for no row, its "spec" step is a plain one: "plain" and "spec" rate
+    alike, and coasting (no plan for a few steps) then needs "plain" to lead "full" only; with a
+    plan that drafts, "spec" is a rival and a near tie does not coast."""
+    arms = _Arms(GoodputPolicy.ARMS)
+    pred = {"spec": (1.0, 0.0101, 0.0), "plain": (1.0, 0.01, 0.0), "full": (1.2, 0.03, 0.0)}
+    arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
+    assert arms.choose(pred) == "plain"
+    assert arms.coast() is None  # "spec" within 1% of plain: a rival while the plan drafts
+    assert arms.coast(idle=True) == "plain"
+    arms.current = "spec"  # a near tie the other way: the idle plan's spec step is plain anyway
+    assert arms.coast(idle=True) == "plain"
+    arms.due["full"] = 0  # a burst of "full" due: decide instead
+    assert arms.coast(idle=True) is None
+    arms.due["full"] = 10**9
+    arms.coasted = _Arms.COAST_STEPS  # coasted long enough: decide again
+    assert arms.coast(idle=True) is None
+
+
 def _looking_cost(budget: float, cap: float, steps: int = 6000) -> tuple[float, float, int]:
     """A clock where plain decoding leads at 4 rows and every look away costs: verified tokens
     2 ms each, and the first drafting step after plain ones 100 ms of drafter catch-up. Returns
