@@ -374,7 +374,7 @@ class _Arms:
     than 20% behind waits four times as long for its first look. A clearly worse arm (speculation
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
     "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
-    to `COAST_STEPS` steps (`coast`). A new batch size starts from a neighbour's figures and
+    to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more than 1 / FAR). A new batch size starts from a neighbour's figures and
     intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
     times the neighbour's measured / predicted ratios (rates measured at another batch size do not
     compare with this one's)."""
@@ -387,6 +387,7 @@ class _Arms:
     FAR = 0.8
     COAST = 1.1
     COAST_STEPS = 16
+    FAR_COAST_STEPS = 64  # while the leader's lead is beyond 1 / FAR
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
         self.arms = tuple(arms)
@@ -438,17 +439,19 @@ class _Arms:
 
     def coast(self, credit: float = math.inf, cap: float = math.inf, idle: bool = False) -> str | None:
         """The arm to run again without planning ("plain" or "full"), or None: it led every other
-        arm by more than COAST at the last decision, at most COAST_STEPS steps ago; it is not
-        exploring and no other arm's turn is due (and affordable). (A request joining or leaving
-        within the bucket waits at most COAST_STEPS steps for a decision that sees it.)
+        arm by more than COAST at the last decision, at most COAST_STEPS steps ago (FAR_COAST_STEPS
+        when it led by more than 1 / FAR); it is not exploring and no other arm's turn is due (and
+        affordable). (A request joining or leaving within the bucket waits at most that many steps
+        for a decision that sees it.)
         `idle`: the last plan drafted for no row, so a "spec" step is a plain one: "plain" and
         "spec" are then one arm, which coasts while it leads "full" (a useless drafter, a load
         where nothing pays: the plan's Python work, ~0.5 ms a step at 16 rows, is skipped)."""
         current = "plain" if idle and self.current == "spec" else self.current
-        if current == "spec" or self.burst_left > 0 or self.exploring is not None or self.coasted >= self.COAST_STEPS:
+        if current == "spec" or self.burst_left > 0 or self.exploring is not None:
             return None
         rivals = [a for a in self.arms if a != current and not (idle and a == "spec")]
-        if self.rates.get(current, 0.0) < self.COAST * max(self.rates.get(a, 0.0) for a in rivals):
+        lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
+        if lead < self.COAST or self.coasted >= (self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS):
             return None
         if any(self.steps + 1 >= self.due[a] and self.affordable(a, credit, cap) for a in rivals):
             return None
