@@ -482,8 +482,13 @@ def test_idle_plan_coasts_plain_against_full_alone():
     arms.due["full"] = 0  # a burst of "full" due: decide instead
     assert arms.coast(idle=True) is None
     arms.due["full"] = 10**9
-    arms.coasted = _Arms.COAST_STEPS  # coasted long enough: decide again
+    arms.coasted = _Arms.COAST_STEPS  # far ahead of "full" (2.5x): coasts longer
+    assert arms.coast(idle=True) == "plain"
+    arms.coasted = _Arms.FAR_COAST_STEPS  # coasted long enough: decide again
     assert arms.coast(idle=True) is None
+    arms.rates["full"] = 0.85 * arms.rates["plain"]  # ahead, not far ahead: COAST_STEPS
+    arms.coasted = _Arms.COAST_STEPS - 1
+    assert arms.coast(idle=True) == "plain" and arms.coast(idle=True) is None
 
 
 def _looking_cost(budget: float, cap: float, steps: int = 6000) -> tuple[float, float, int]:
