@@ -1,5 +1,5 @@
 """`draftwise import-gguf --keep-quantized`: a GGUF's Q4_0/Q4_1 projections written as draftwise's
-int4 blocks and run as they are. The blocks dequantise to the file's own values bitwise (even
+int4 blocks, its Q8_0 ones as int8 with a scale per group of 32 (`dw_gemm_q8g`), run as they are. The blocks dequantise to the file's own values bitwise (even
 blocks that re-quantising their floats would change), the Q/K permutation is undone on them, the
 loaded model's Int4Linear holds them unchanged, the float paths read the same values as a plain
 import, and a broken directory gives a clear error."""
@@ -16,9 +16,12 @@ from safetensors.torch import load_file, save_file
 from draftwise import LLM, SamplingParams
 from draftwise.cli.main import main
 from draftwise.model import ModelLoadError, load_model
-from draftwise.model.gguf_import import import_gguf, int4_blocks
-from draftwise.model.quantize import Int4Linear, Int8Linear, dequantize_int4, quantize_int4
+from draftwise.model import cpu_kernels
+from draftwise.model.gguf_import import import_gguf, int4_blocks, q8_blocks
+from draftwise.model.quantize import Int4Linear, Int8Linear, dequantize_int4, dequantize_q8_groups, quantize_int4
 from gguf_files import write_gguf
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: kernels unavailable")
 
 
 @pytest.fixture
@@ -86,7 +89,7 @@ def test_directory_holds_the_blocks(kept, arch):
     fl, q4 = kept[arch]
     ours, ref = load_file(str(q4 / "model.safetensors")), load_file(str(fl / "model.safetensors"))
     cfg = json.loads((q4 / "config.json").read_text())
-    assert cfg["quantization_config"]["bits"] == 4 and cfg["quantization_config"]["kept_tensors"] == 14
+    assert cfg["quantization_config"]["int4_tensors"] == 14 and cfg["quantization_config"]["int8_tensors"] == 0
     projections = [k for k in ref if k.endswith("_proj.weight")]
     assert len(projections) == 14
     for k in projections:  # Q/K unpermuted on the blocks: they dequantise to the float import's rows
@@ -151,9 +154,127 @@ def test_cli_flag(tmp_path, capsys):
     f = tmp_path / "m.gguf"
     write_gguf(f, "llama", "Q4_1", layers=1)
     assert main(["import-gguf", str(f), "--out", str(tmp_path / "q4"), "--keep-quantized"]) == 0
-    assert "7 Q4 projections kept as int4" in capsys.readouterr().err
+    assert "projections kept: 7 Q4 as int4, 0 Q8_0 as int8" in capsys.readouterr().err
     g = tmp_path / "f.gguf"
     write_gguf(g, "llama", "F32", layers=1)
     assert main(["import-gguf", str(g), "--out", str(tmp_path / "f"), "--keep-quantized"]) == 0
-    assert "no Q4_0/Q4_1 projections to keep" in capsys.readouterr().err
+    assert "no Q4_0/Q4_1/Q8_0 projections to keep" in capsys.readouterr().err
     assert "quantization_config" not in json.loads((tmp_path / "f" / "config.json").read_text())
+
+
+# ---- Q8_0: int8 in groups of 32 with a float16 scale each (dw_gemm_q8g) ----
+
+def test_q8_blocks_dequantise_to_the_files_values():
+    import gguf
+
+    w = (np.random.default_rng(3).standard_normal((20, 64)) * 0.3).astype(np.float32)
+    t = _tensor("Q8_0", w)
+    q, d = q8_blocks(t)
+    assert q.dtype == torch.int8 and q.shape == (20, 64) and d.dtype == torch.float16 and d.shape == (20, 2)
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(20, 64)
+    assert torch.equal(dequantize_q8_groups(q, d), torch.from_numpy(np.ascontiguousarray(ref)))
+
+
+def _q8_layer(o: int, n: int, bias: bool = False, seed: int = 0):
+    """(an Int8Linear built from random Q8_0-style blocks, its q, its d)"""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (o, n), generator=g, dtype=torch.int8)
+    d = (torch.rand(o, n // 32, generator=g) * 0.01 + 1e-3).half()
+    lin = torch.nn.Linear(n, o, bias=bias)
+    lin.q8_blocks = (q, d)
+    if bias:
+        with torch.no_grad():
+            lin.bias.copy_(torch.randn(o, generator=g))
+    return Int8Linear.of(lin), q, d
+
+
+@needs_kernels
+@pytest.mark.parametrize("o,n", [(48, 64), (37, 96), (200, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_group_kernel_matches_reference(o, n, rows, dtype):
+    layer, q, d = _q8_layer(o, n, bias=True)
+    assert layer.group == 32
+    assert torch.equal(layer.qweight, q)
+    x = torch.randn(rows, n).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), dequantize_q8_groups(q, d), layer.bias)
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (rows, o)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    assert torch.equal(layer.dequantized(), dequantize_q8_groups(q, d))
+
+
+@needs_kernels
+def test_q8_group_rows_independent_and_threads_do_not_matter():
+    layer, _, _ = _q8_layer(200, 96, seed=1)
+    x = torch.randn(7, 96)
+    block = layer(x)
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(7)]), block)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), block)
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), block)
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def kept_q8(tmp_path_factory):
+    """(float import, kept import) of a llama Q8_0 file (Q/K permuted)."""
+    root = tmp_path_factory.mktemp("kept8")
+    f = root / "llama.gguf"
+    write_gguf(f, "llama", "Q8_0", seed=20)
+    return import_gguf(f, root / "float"), import_gguf(f, root / "q8", keep_quantized=True)
+
+
+def test_q8_directory_and_model(kept_q8, every_projection):
+    fl, q8 = kept_q8
+    ours, ref = load_file(str(q8 / "model.safetensors")), load_file(str(fl / "model.safetensors"))
+    qc = json.loads((q8 / "config.json").read_text())["quantization_config"]
+    assert (qc["int8_tensors"], qc["int4_tensors"]) == (14, 0)
+    for k in [k for k in ref if k.endswith("_proj.weight")]:
+        stem = k[: -len(".weight")]
+        assert ours[f"{stem}.qweight"].dtype == torch.int8
+        assert torch.equal(dequantize_q8_groups(ours[f"{stem}.qweight"], ours[f"{stem}.qscale"]), ref[k]), k
+    m = load_model(q8, load_tokenizer=False).model
+    qkv = m.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and qkv.group == 32
+    p = "model.layers.0.self_attn"
+    assert torch.equal(qkv.qweight, torch.cat([ours[f"{p}.{n}_proj.qweight"] for n in "qkv"]))
+    a = load_model(q8, load_tokenizer=False, fuse=False).model.state_dict()
+    b = load_model(fl, load_tokenizer=False, fuse=False).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    m4 = load_model(q8, load_tokenizer=False, quantization="int4").model  # asked: re-quantised
+    assert isinstance(m4.model.layers[0].self_attn.qkv_proj, Int4Linear)
+
+
+def test_q8_one_call_step_equals_layer_by_layer_bitwise(kept_q8, every_projection, monkeypatch):
+    from test_cpu_kernels import load_with_distinct_norms, run_batch_rounds, run_rounds
+
+    from draftwise.model import cpu_kernels
+    from draftwise.model.llama import LlamaModel
+
+    _, q8 = kept_q8
+    one = load_with_distinct_norms(q8, "float32")
+    a = run_rounds(one, []) + run_batch_rounds(load_with_distinct_norms(q8, "float32"))
+    if not one.model._decoder_plan:
+        pytest.skip("this CPU's products are oneDNN's: the per-layer path only")
+    assert set(one.model._decoder_plan[1]) == {5}
+    monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
+    b = run_rounds(load_with_distinct_norms(q8, "float32"), []) + run_batch_rounds(load_with_distinct_norms(q8, "float32"))
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_q8_greedy_speculative_equals_plain(kept_q8, every_projection):
+    from draftwise import SpecConfig
+
+    _, q8 = kept_q8
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ps = [[5, 17, 40, 99, 123, 5, 17, 40], [7, 8, 9, 7, 8, 9, 7]]
+    base = LLM(q8).generate(ps, sp)
+    spec = LLM(q8, draft=str(q8), spec=SpecConfig(method="draft", k=4)).generate(ps, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    assert sum(o.stats.accepted_tokens for o in spec) == sum(o.stats.proposed_tokens for o in spec) > 0

@@ -89,6 +89,7 @@ class Kernels:
             "dw_linear": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_linear_q4": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_gemm_q8g": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],

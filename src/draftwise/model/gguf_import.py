@@ -13,13 +13,14 @@ llama.cpp's converter permutes the rows of Q and K for llama and mistral (it int
 halves that Hugging Face's rotate-half RoPE pairs); `unpermute` undoes it. Qwen files are stored
 unpermuted. The runtime loader stays on safetensors: the import runs once.
 
-`keep_quantized=True` (`--keep-quantized`): the decoder projections stored as Q4_0 or Q4_1 are
-written as they are, as draftwise's int4 (quantize.py: groups of 32 inputs, a float16 step and
-minimum per group, the same nibble order; Q4_0's x = d * (q - 8) is d * q + m with m = -8d, exact
-in float16), under `<name>.qweight` / `<name>.qscale` with `quantization_config` in config.json:
-the model then runs `--quantization int4` on the file's own 4-bit values, not on values
-re-quantised from their dequantised floats (`load_model` dequantises them too, for the float
-paths: `fuse=False`, training). Other tensor types are dequantised as without the option.
+`keep_quantized=True` (`--keep-quantized`): the decoder projections stored as Q4_0, Q4_1 or Q8_0
+are written as they are, under `<name>.qweight` / `<name>.qscale` with `quantization_config` in
+config.json: Q4 as draftwise's int4 (quantize.py: groups of 32 inputs, a float16 step and minimum
+per group, the same nibble order; Q4_0's x = d * (q - 8) is d * q + m with m = -8d, exact in
+float16), Q8_0 as int8 with a float16 scale per group of 32 (run by `dw_gemm_q8g`). The model then
+runs on the file's own values, not on values re-quantised from their dequantised floats
+(`load_model` dequantises them too, for the float paths: `fuse=False`, training). Other tensor
+types (F32/F16/BF16, K-quants, the embeddings and LM head) are dequantised as without the option.
 """
 from __future__ import annotations
 
@@ -198,17 +199,30 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), sm.contiguous()
 
 
+def q8_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 reader tensor -> (q [O, N] int8, d [O, N/32] float16), the blocks' own values: per
+    block of 32 inputs a float16 scale d and 32 int8 values, w = d * q."""
+    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+    blocks = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(rows, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [O, G]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return torch.from_numpy(q).contiguous(), torch.from_numpy(d).contiguous()
+
+
 def keeps(t, name: str, keep_quantized: bool) -> bool:
-    """Whether this tensor is written as int4 blocks: a decoder projection's weight in Q4_0 or Q4_1."""
+    """Whether this tensor is written as stored blocks: a decoder projection's weight in Q4_0, Q4_1
+    or Q8_0."""
     import gguf
 
-    kinds = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+    kinds = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
     return (keep_quantized and t.tensor_type in kinds and name.startswith("model.layers.")
             and name.endswith("_proj.weight"))
 
 
 def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: str,
                     keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+    import gguf
+
     permuted = ARCHITECTURES[arch][2]
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -219,7 +233,8 @@ def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: st
         if name is None:
             raise GGUFImportError(f"{source}: tensor {t.name!r} has no counterpart in a {cfg['architectures'][0]}")
         if keeps(t, name, keep_quantized):
-            q, sm = int4_blocks(t)
+            q8 = t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            q, sm = q8_blocks(t) if q8 else int4_blocks(t)
             heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}.get(name.split(".")[-2])
             if permuted and heads:  # a row permutation: each output's blocks move with it
                 q, sm = unpermute(q, heads), unpermute(sm, heads)
@@ -273,12 +288,13 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", keep_
         raise GGUFImportError(f"{source}: {e}") from None
     weights = convert_weights(reader, cfg, arch, resolve_dtype(dtype), source, keep_quantized)
     cfg["torch_dtype"] = dtype
-    kept = sum(1 for n in weights if n.endswith(".qweight"))
+    kept = [w for n, w in weights.items() if n.endswith(".qweight")]
     if kept:
         from .quantize import GROUP
 
-        cfg["quantization_config"] = {"quant_method": "draftwise", "bits": 4, "group_size": GROUP,
-                                      "kept_tensors": kept, "source": "gguf"}
+        int4 = sum(1 for w in kept if w.dtype == torch.uint8)
+        cfg["quantization_config"] = {"quant_method": "draftwise", "group_size": GROUP, "kept_tensors": len(kept),
+                                      "int4_tensors": int4, "int8_tensors": len(kept) - int4, "source": "gguf"}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -302,4 +318,4 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", keep_
     return out
 
 
-__all__ = ["GGUFImportError", "import_gguf", "int4_blocks", "read_gguf"]
+__all__ = ["GGUFImportError", "import_gguf", "int4_blocks", "q8_blocks", "read_gguf"]

@@ -733,6 +733,7 @@ void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const flo
  * AVX2 registers): 1 row x 4 blocks, 2 x 2, or up to 6 x 1; the weights of a block stream from
  * memory once per 48 rows (RC) and stay in cache for the row blocks of that chunk. */
 #define GEMM_KB 1024
+#define GROUP_Q8 32 /* dw_gemm_q8g: inputs per scale (llama.cpp's Q8_0 block) */
 #define GEMM_RC 48
 /* 2 to GEMM_NB2_ROWS rows (a verification block of up to 5 tokens) take two output blocks per
  * register block, all their rows in one (GEMM_NB2_RS: 20 accumulators at 5 rows, a few spilled):
@@ -767,18 +768,18 @@ static inline v8f i8x8f(const void *p) {
 
 static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const void *wp, long ob,
                                                              long k0, long k1, float *out, long O, int NR, int NB,
-                                                             int first, int WB) {
+                                                             int first, int WB, const float *gs) {
     v8f acc[6][4][2];
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
-    long es = WB == 2 ? 1 : WB ? 2 : 4; /* int8, bfloat16 or float32 weights */
+    long es = WB >= 2 ? 1 : WB ? 2 : 4; /* int8 (3: with group scales), bfloat16 or float32 weights */
     const char *w = (const char *)wp + (ob * N + k0) * 16 * es;
     for (long k = k0; k < k1; k++, w += 16 * es) {
         for (int j = 0; j < NB; j++) /* a line a k (float32; half a line for bfloat16) */
             __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, 0);
         v8f w0[4], w1[4];
         for (int j = 0; j < NB; j++) {
-            if (WB == 2) {
+            if (WB >= 2) {
                 w0[j] = i8x8f(w + j * N * 16);
                 w1[j] = i8x8f(w + j * N * 16 + 8);
             } else {
@@ -801,7 +802,13 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
             memcpy(v + 8, &acc[r][j][1], 32);
             long o0 = (ob + j) * 16, n = O - o0 < 16 ? O - o0 : 16;
             float *y = out + r * O + o0;
-            if (first)
+            if (WB == 3) { /* this k-block is one group of GROUP_Q8 inputs: its 16 scales */
+                const float *sc = gs + ((ob + j) * (N / GROUP_Q8) + k0 / GROUP_Q8) * 16;
+                if (first)
+                    for (long l = 0; l < n; l++) y[l] = v[l] * sc[l];
+                else
+                    for (long l = 0; l < n; l++) y[l] = fmaf(v[l], sc[l], y[l]);
+            } else if (first)
                 for (long l = 0; l < n; l++) y[l] = v[l];
             else
                 for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
@@ -813,12 +820,12 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
         const float *xr = x + r0 * N;                                                                    \
         float *yr = out + r0 * O;                                                                        \
         switch (rc_end - r0 < rs ? rc_end - r0 : rs) {                                                   \
-        case 6: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first, WB); break;                           \
-        case 5: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first, WB); break;                           \
-        case 4: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first, WB); break;                           \
-        case 3: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first, WB); break;                           \
-        case 2: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first, WB); break;                           \
-        default: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first, WB); break;                          \
+        case 6: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first, WB, gs); break;                       \
+        case 5: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first, WB, gs); break;                       \
+        case 4: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first, WB, gs); break;                       \
+        case 3: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first, WB, gs); break;                       \
+        case 2: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first, WB, gs); break;                       \
+        default: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first, WB, gs); break;                      \
         }                                                                                                \
     }
 
@@ -835,17 +842,20 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
     }
 
 static void gemm_range(const float *x, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
-                       int wb) {
+                       int wb, const float *gs) {
+    long kb = wb == 3 ? GROUP_Q8 : GEMM_KB; /* group scales: one k-block a group */
     int nb = rows == 1 ? 4 : rows <= GEMM_NB2_ROWS ? 2 : 1; /* output blocks per register block */
     for (long rc = 0; rc < rows; rc += GEMM_RC) {
         long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
         for (long ob = b0; ob < b1;) {
             int step = (nb == 4 && ob + 4 <= b1) ? 4 : (nb >= 2 && ob + 2 <= b1) ? 2 : 1;
             long rs = step == 1 ? 6 : step == 2 ? GEMM_NB2_RS : 1; /* rows per register block */
-            for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
-                long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
+            for (long k0 = 0; k0 < N; k0 += kb) {
+                long k1 = k0 + kb < N ? k0 + kb : N;
                 int first = k0 == 0;
-                if (wb == 2)
+                if (wb == 3)
+                    GEMM_STEP(3)
+                else if (wb == 2)
                     GEMM_STEP(2)
                 else if (wb)
                     GEMM_STEP(1)
@@ -860,8 +870,10 @@ static void gemm_range(const float *x, const void *wp, float *out, long rows, lo
 #undef GEMM_ROWS
 
 /* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
- * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights. */
-static void gemm_threads(const float *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb) {
+ * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights,
+ * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16]). */
+static void gemm_threads(const float *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb,
+                         const float *gs) {
     long blocks = (O + 15) / 16;
     long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
     if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
@@ -870,14 +882,14 @@ static void gemm_threads(const float *x, const void *wp, float *out, long rows, 
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         b0 = (b0 + 3) & ~3L; /* whole groups of 4 blocks per thread (the last may be short) */
         b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
-        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, wb);
+        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, wb, gs);
     }
 }
 
 /* out [rows, O] = x [rows, N] times the packed weight (+ bias [O], may be NULL). */
 void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
                  int threads) {
-    gemm_threads(x, wp, out, rows, O, N, threads, 0);
+    gemm_threads(x, wp, out, rows, O, N, threads, 0, NULL);
     if (bias)
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
@@ -892,10 +904,30 @@ void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float
     float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16));
     float *y = xf + rows * N;
     for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    gemm_threads(xf, wp, y, rows, O, N, threads, 2);
+    gemm_threads(xf, wp, y, rows, O, N, threads, 2, NULL);
     for (long r = 0; r < rows; r++)
         for (long o = 0; o < O; o++) {
             float v = y[r * O + o] * scale[o];
+            if (bias) v += bias[o];
+            st(out, r * O + o, v, obf);
+        }
+    free(xf);
+}
+
+/* int8 weights packed as dw_gemm_q8's with one scale per group of GROUP_Q8 inputs of each output (llama.cpp's
+ * Q8_0 blocks kept as they are), gs [ceil(O/16)][N/GROUP_Q8][16] float32: out = sum over groups of
+ * (x . q)_group * scale_group + bias. Each group's products an FMA chain over its inputs in order, then
+ * added to the output's sum by one FMA with the group's scale, groups in order: one fixed order per
+ * (row, output), rows independent of the batch and threads. N a multiple of GROUP_Q8. */
+void dw_gemm_q8g(const void *x, const int8_t *wp, const float *gs, const float *bias, void *out, long rows, long O,
+                 long N, int threads, int bf, int obf) {
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16));
+    float *y = xf + rows * N;
+    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+    gemm_threads(xf, wp, y, rows, O, N, threads, 3, gs);
+    for (long r = 0; r < rows; r++)
+        for (long o = 0; o < O; o++) {
+            float v = y[r * O + o];
             if (bias) v += bias[o];
             st(out, r * O + o, v, obf);
         }
@@ -909,7 +941,7 @@ void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *
                          long N, int threads) {
     float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
     for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
-    gemm_threads(xf, wp, out, rows, O, N, threads, 1);
+    gemm_threads(xf, wp, out, rows, O, N, threads, 1, NULL);
     if (bias)
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
@@ -949,7 +981,7 @@ void dw_pack(const void *w, void *wp, long O, long N, long es) {
  * One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
  * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
  * (w int8 packed by dw_pack, scale [O] float32, bias float32), 4 dw_linear_q4 (int4 groups,
- * scale the float16 (step, minimum) pairs): what the layer-by-layer path
+ * scale the float16 (step, minimum) pairs), 5 dw_gemm_q8g (int8 packed, scale the group scales): what the layer-by-layer path
  * (LlamaModel._fused_forward) calls for that weight, with the same arguments: the same bits. */
 static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
@@ -958,6 +990,7 @@ static void dw_product(int kind, const void *x, const void *w, const void *bias,
     case 1: dw_gemm_f32(x, w, bias, out, rows, O, N, threads); break;
     case 2: dw_gemm_bf16(x, w, bias, out, rows, O, N, threads); break;
     case 4: dw_linear_q4(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
+    case 5: dw_gemm_q8g(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     default: dw_gemm_q8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     }
 }

@@ -655,7 +655,7 @@ class LlamaModel(nn.Module):
             for n, p in enumerate((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
                 bias = 0 if p.bias is None else p.bias.data_ptr()
                 if isinstance(p, (Int8Linear, Int4Linear)) and not p.float_out:
-                    kind, weight = (4, p.qweight) if isinstance(p, Int4Linear) else (3, p.qpacked)
+                    kind, weight = (4, p.qweight) if isinstance(p, Int4Linear) else (5 if p.group else 3, p.qpacked)
                     weight, scale, max_rows = weight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
                 elif getattr(p, "native", None) is not None and p.native.dtype == dtype:
                     kind, weight, scale = (1 if dtype == torch.float32 else 2), p.native.data_ptr(), 0
@@ -686,6 +686,10 @@ class LlamaModel(nn.Module):
                 big = sum(lin.weight.numel() for lin in lins) >= QUANT_MIN_NUMEL
                 if not big:
                     return PackedLinear.of(*lins)
+                if all(hasattr(lin, "q8_blocks") for lin in lins):  # a GGUF's Q8_0 blocks, kept (loader.py)
+                    return Int8Linear.of(*lins)
+                if all(hasattr(lin, "int4_blocks") for lin in lins):  # its Q4 blocks, kept
+                    return Int4Linear.of(*lins)
                 if quantization == "int4" and lins[0].weight.shape[1] % GROUP == 0:
                     return Int4Linear.of(*lins)
                 return Int8Linear.of(*lins)  # (int4: inputs not in whole groups stay int8)

@@ -21,7 +21,7 @@ from . import cpu_kernels
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
 from .llama import LlamaModel, native_gemm_wanted
-from .quantize import GROUP, check_method, dequantize_int4
+from .quantize import GROUP, check_method, dequantize_int4, dequantize_q8_groups
 
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,10 @@ def _weight_files(path: Path) -> list[Path]:
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                load_tokenizer: bool = True, fuse: bool = True, quantization: str | None = None) -> LoadedModel:
     """`quantization`: None, "int8" or "int4" (weight-only, quantized from the float weights while the
-    model is prepared: see quantize.py); Llama-family models only. A directory holding int4 blocks
-    (`import-gguf --keep-quantized`) runs int4 on them by default; "int8" re-quantises their values."""
+    model is prepared: see quantize.py); Llama-family models only. A directory holding quantized
+    blocks (`import-gguf --keep-quantized`: Q4_0/Q4_1 as int4, Q8_0 as int8 in groups) runs on them
+    by default (int4 when it has any, else int8); a method asked for re-quantises the other kind's
+    values (int8 asked of int4 blocks: per-channel int8 from their values)."""
     quantization = check_method(quantization)
     path = resolve_model(path)
     if not path.is_dir():
@@ -101,7 +103,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         model = model_class(cfg)(cfg)
     expected = dict(model.state_dict())
     loaded: dict[str, torch.Tensor] = {}
-    stored: dict[str, dict[str, torch.Tensor]] = {}  # weight name -> its int4 blocks as stored
+    stored: dict[str, dict[str, torch.Tensor]] = {}  # weight name -> its quantized blocks as stored
     for f in _weight_files(path):
         try:
             sf = safe_open(str(f), framework="pt")
@@ -112,7 +114,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         with sf:
             for name in sf.keys():
                 stem, _, part = name.rpartition(".")
-                if part in ("qweight", "qscale") and f"{stem}.weight" in expected:  # stored int4 (gguf_import)
+                if part in ("qweight", "qscale") and f"{stem}.weight" in expected:  # stored quantized (gguf_import)
                     stored.setdefault(f"{stem}.weight", {})[part] = sf.get_tensor(name)
                     continue
                 if name not in expected:
@@ -126,11 +128,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                         f"{f}: tensor '{name}' has shape {tuple(t.shape)}, config.json implies {want}"
                     )
                 loaded[name] = t.to(dt)
-    blocks = {name: _int4_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
-    for name, (q, sm) in blocks.items():  # the float paths (fuse=False, training) read their values
-        loaded[name] = dequantize_int4(q, sm).to(dt)
-    if blocks and quantization is None:
-        quantization = "int4"  # stored quantized: runs on its own blocks (fuse_projections)
+    blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
+    for name, (kind, q, sc) in blocks.items():  # the float paths (fuse=False, training) read their values
+        loaded[name] = (dequantize_int4(q, sc) if kind == "int4" else dequantize_q8_groups(q, sc)).to(dt)
+    as_stored = quantization is None
+    if blocks and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
+        quantization = "int4" if any(kind == "int4" for kind, _, _ in blocks.values()) else "int8"
     if cfg.tie_word_embeddings:
         loaded.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
@@ -141,9 +144,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     model.load_state_dict(loaded, strict=False)
     model.inv_freq = model.inv_freq.float()
     model.to(device).eval().requires_grad_(False)
-    if quantization == "int4":
-        for name, qsm in blocks.items():  # Int4Linear.of takes these instead of quantising the floats
-            model.get_submodule(name[: -len(".weight")]).int4_blocks = qsm
+    for name, (kind, q, sc) in blocks.items():  # Int4Linear.of / Int8Linear.of take these instead of
+        if as_stored or {"int4": "int4", "q8": "int8"}[kind] == quantization:  # quantising the floats
+            # (another method asked: re-quantised from them)
+            setattr(model.get_submodule(name[: -len(".weight")]), f"{kind}_blocks", (q, sc))
     if fuse:
         model.fuse_projections(quantization) if quantization else model.fuse_projections()
 
@@ -166,22 +170,25 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     return LoadedModel(path, cfg, model, tokenizer, tok_cfg, gen_cfg)
 
 
-def _int4_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
-    """A weight stored as int4 blocks (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]),
-    checked against the shape config.json implies."""
+def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
+    """A weight stored quantized by `import-gguf --keep-quantized`: ("int4", q, sm) for Q4 blocks
+    (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]) or ("q8", q, d) for Q8_0 blocks
+    (`.qweight` int8 [O, N], `.qscale` float16 [O, N/32]), checked against the shape config.json
+    implies."""
     stem = name[: -len(".weight")]
     if set(parts) != {"qweight", "qscale"}:
         missing = ({"qweight", "qscale"} - set(parts)).pop()
-        raise ModelLoadError(f"{path}: tensor '{stem}.{missing}' missing (int4 weights need both qweight and qscale)")
-    q, sm = parts["qweight"], parts["qscale"]
+        raise ModelLoadError(f"{path}: tensor '{stem}.{missing}' missing (quantized weights need both qweight and qscale)")
+    q, sc = parts["qweight"], parts["qscale"]
     o, n = shape
-    want_q, want_sm = (o, n // 2), (o, n // GROUP, 2)
-    if (n % GROUP or q.dtype != torch.uint8 or sm.dtype != torch.float16 or tuple(q.shape) != want_q
-            or tuple(sm.shape) != want_sm):
-        raise ModelLoadError(f"{path}: int4 tensors '{stem}.qweight' {tuple(q.shape)} {q.dtype} / '{stem}.qscale' "
-                             f"{tuple(sm.shape)} {sm.dtype} do not hold a {o}x{n} weight (want {want_q} uint8 / "
-                             f"{want_sm} float16)")
-    return q.contiguous(), sm.contiguous()
+    int4 = q.dtype == torch.uint8
+    want_q, want_sc = ((o, n // 2), (o, n // GROUP, 2)) if int4 else ((o, n), (o, n // GROUP))
+    if (n % GROUP or q.dtype not in (torch.uint8, torch.int8) or sc.dtype != torch.float16
+            or tuple(q.shape) != want_q or tuple(sc.shape) != want_sc):
+        raise ModelLoadError(f"{path}: quantized tensors '{stem}.qweight' {tuple(q.shape)} {q.dtype} / '{stem}.qscale' "
+                             f"{tuple(sc.shape)} {sc.dtype} do not hold a {o}x{n} weight (want int4 {(o, n // 2)} "
+                             f"uint8 / {(o, n // GROUP, 2)} float16, or int8 {(o, n)} / {(o, n // GROUP)} float16)")
+    return ("int4" if int4 else "q8"), q.contiguous(), sc.contiguous()
 
 
 def _read_json(f: Path) -> dict:

@@ -32,6 +32,10 @@ int4 (`Int4Linear`): each output channel's weights in groups of 32 inputs, `w = 
 `kernels.c`'s `dw_linear_q4` for a few rows, the dequantised float32 product for more. The LM head
 stays int8 with `--quantization int4` (the logits' precision; llama.cpp's Q4 files keep the output
 matrix at a higher precision too). A weight whose inputs are not a multiple of 32 stays int8.
+
+Kept GGUF blocks (`import-gguf --keep-quantized`, loader.py): Q4_0/Q4_1 projections become
+`Int4Linear`s holding the file's blocks; Q8_0 ones `Int8Linear`s with `group = 32` (a float16
+scale per 32 inputs, w = d * q, packed beside the weights as float32), run by `dw_gemm_q8g`.
 """
 from __future__ import annotations
 
@@ -64,6 +68,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def dequantize_q8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q [O, N] int8, d [O, N/GROUP] float16: Q8_0's blocks) -> the float32 weight [O, N]."""
+    o, n = q.shape
+    return (q.float().reshape(o, n // GROUP, GROUP) * d.float()[..., None]).reshape(o, n)
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(q [O, N] int8, scale [O]) -> the float32 weight [O, N] the products use."""
     return q.float() * scale[:, None]
@@ -88,17 +98,25 @@ class Int8Linear(nn.Module):
     packed = None
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
-                 float_out: bool = False):
+                 float_out: bool = False, blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         super().__init__()
-        w = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.out_features, self.in_features = w.shape
-        q, scale = quantize_int8(w)
+        self.group = 0  # inputs per scale: 0 = one scale per output channel
+        if blocks is not None:  # already int8 in groups (a GGUF's Q8_0 blocks, loader.py): kept as they are
+            q, gs = (torch.cat(t) for t in zip(*blocks))  # [O, N] int8, [O, N/GROUP] float16
+            self.group = GROUP
+        else:
+            w = torch.cat(weights) if len(weights) > 1 else weights[0]
+            q, scale = quantize_int8(w)
+        self.out_features, self.in_features = q.shape
         # dw_gemm's layout [ceil(O/16), N, 16] (the missing outputs of the last block zero): for each
         # input the weights of 16 outputs side by side, one stream per 16 outputs
         o, n = q.shape
         pad = torch.zeros((-o) % 16, n, dtype=torch.int8)
         self.register_buffer("qpacked", torch.cat([q, pad]).reshape(-1, 16, n).permute(0, 2, 1).contiguous())
-        self.register_buffer("scale", scale)  # [O] float32
+        if self.group:  # the group scales in the same layout: [ceil(O/16), N/GROUP, 16] float32
+            gpad = torch.zeros((-o) % 16, n // GROUP, dtype=torch.float32)
+            scale = torch.cat([gs.float(), gpad]).reshape(-1, 16, n // GROUP).permute(0, 2, 1).contiguous()
+        self.register_buffer("scale", scale)  # [O] float32, or the group scales
         self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
         self.float_out = float_out
 
@@ -107,11 +125,24 @@ class Int8Linear(nn.Module):
         """The int8 weight [O, N] (a view of the packed one: the reference path, tests)."""
         return self.qpacked.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
 
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [O, N] the products use."""
+        if not self.group:
+            return dequantize_int8(self.qweight, self.scale)
+        gs = self.scale.permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
+        return (self.qweight.float().reshape(self.out_features, -1, self.group) * gs[..., None]).reshape(
+            self.out_features, self.in_features)
+
     @staticmethod
     def of(*linears: nn.Linear, float_out: bool = False) -> "Int8Linear":
+        """`linears` fused along the outputs; when each carries `q8_blocks` (the loader's, from a
+        directory stored with Q8_0 blocks), those blocks and their group scales, else the weights
+        quantised here (one scale per output)."""
         has_bias = linears[0].bias is not None
+        blocks = [getattr(l, "q8_blocks", None) for l in linears]
         return Int8Linear([l.weight.detach() for l in linears],
-                          [l.bias.detach() for l in linears] if has_bias else None, float_out=float_out)
+                          [l.bias.detach() for l in linears] if has_bias else None, float_out=float_out,
+                          blocks=blocks if all(b is not None for b in blocks) else None)
 
     def forward(self, x):  # [.., N] -> [.., O]
         out_dtype = torch.float32 if self.float_out else x.dtype
@@ -121,15 +152,16 @@ class Int8Linear(nn.Module):
             k = cpu_kernels.kernels()
             x = x.contiguous()
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=out_dtype)
-            k.gemm_q8(x.data_ptr(), self.qpacked.data_ptr(), self.scale.data_ptr(),
-                        0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
-                        self.in_features, torch.get_num_threads(), int(x.dtype == torch.bfloat16),
-                        int(out_dtype == torch.bfloat16))
+            fn = k.gemm_q8g if self.group else k.gemm_q8
+            fn(x.data_ptr(), self.qpacked.data_ptr(), self.scale.data_ptr(),
+               0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
+               self.in_features, torch.get_num_threads(), int(x.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
             return out
-        return int8_linear_reference(x, self.qweight, self.scale, self.bias, out_dtype)
+        return F.linear(x.float(), self.dequantized(), self.bias).to(out_dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 per-channel, float_out={self.float_out}"
+        kind = f"groups of {self.group}" if self.group else "per-channel"
+        return f"in={self.in_features}, out={self.out_features}, int8 {kind}, float_out={self.float_out}"
 
 
 
