@@ -797,18 +797,32 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
     }
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NB; j++) {
+            if (WB == 3) { /* this k-block is one group of GROUP_Q8 inputs: y += acc * its 16 scales (the
+                              caller's rows are whole blocks of 16: O a multiple of 16) */
+                const float *sc = gs + ((ob + j) * (N / GROUP_Q8) + k0 / GROUP_Q8) * 16;
+                float *y = out + r * O + (ob + j) * 16;
+                v8f s0, s1, y0, y1;
+                memcpy(&s0, sc, 32);
+                memcpy(&s1, sc + 8, 32);
+                if (first) {
+                    y0 = acc[r][j][0] * s0;
+                    y1 = acc[r][j][1] * s1;
+                } else {
+                    memcpy(&y0, y, 32);
+                    memcpy(&y1, y + 8, 32);
+                    y0 = fma8(acc[r][j][0], s0, y0);
+                    y1 = fma8(acc[r][j][1], s1, y1);
+                }
+                memcpy(y, &y0, 32);
+                memcpy(y + 8, &y1, 32);
+                continue;
+            }
             float v[16];
             memcpy(v, &acc[r][j][0], 32);
             memcpy(v + 8, &acc[r][j][1], 32);
             long o0 = (ob + j) * 16, n = O - o0 < 16 ? O - o0 : 16;
             float *y = out + r * O + o0;
-            if (WB == 3) { /* this k-block is one group of GROUP_Q8 inputs: its 16 scales */
-                const float *sc = gs + ((ob + j) * (N / GROUP_Q8) + k0 / GROUP_Q8) * 16;
-                if (first)
-                    for (long l = 0; l < n; l++) y[l] = v[l] * sc[l];
-                else
-                    for (long l = 0; l < n; l++) y[l] = fmaf(v[l], sc[l], y[l]);
-            } else if (first)
+            if (first)
                 for (long l = 0; l < n; l++) y[l] = v[l];
             else
                 for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
@@ -921,13 +935,14 @@ void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float
  * (row, output), rows independent of the batch and threads. N a multiple of GROUP_Q8. */
 void dw_gemm_q8g(const void *x, const int8_t *wp, const float *gs, const float *bias, void *out, long rows, long O,
                  long N, int threads, int bf, int obf) {
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16));
+    long Op = (O + 15) & ~15L; /* the packed outputs (zero weights and scales past O): whole blocks a row */
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * Op + 16));
     float *y = xf + rows * N;
     for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    gemm_threads(xf, wp, y, rows, O, N, threads, 3, gs);
+    gemm_threads(xf, wp, y, rows, Op, N, threads, 3, gs);
     for (long r = 0; r < rows; r++)
         for (long o = 0; o < O; o++) {
-            float v = y[r * O + o];
+            float v = y[r * Op + o];
             if (bias) v += bias[o];
             st(out, r * O + o, v, obf);
         }
