@@ -206,19 +206,12 @@ def test_q8_group_kernel_matches_reference(o, n, rows, dtype):
 
 
 @needs_kernels
-def test_q8_group_rows_independent_and_threads_do_not_matter():
-    layer, _, _ = _q8_layer(200, 96, seed=1)
-    x = torch.randn(7, 96)
-    block = layer(x)
-    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(7)]), block)
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x), block)
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), block)
-    finally:
-        torch.set_num_threads(n)
+@pytest.mark.parametrize("o", [200, 1536])  # (1536 x 576 splits across threads)
+def test_q8_group_rows_independent_and_threads_do_not_matter(o):
+    from test_quantize_int4 import rows_and_threads_independent
+
+    layer, _, _ = _q8_layer(o, 576, seed=1)
+    assert rows_and_threads_independent(layer, torch.randn(7, 576))
 
 
 @pytest.fixture(scope="module")

@@ -909,44 +909,39 @@ void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out,
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
 }
 
-/* int8 weights packed by dw_pack (es 1) as dw_gemm_f32's, scale [O] per output: out = (x . q) * scale + bias
- * (x float32, or bfloat16 when bf; out bfloat16 when obf). The products as dw_gemm_f32's (each
- * output an FMA chain over k in order, restarted every GEMM_KB inputs): one weight stream per
- * 16 outputs, a quarter of float32's bytes. */
-void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float *bias, void *out, long rows, long O,
-                long N, int threads, int bf, int obf) {
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * O + 16));
+/* The int8 products (x float32, or bfloat16 when bf; out bfloat16 when obf): the weights packed by
+ * dw_pack (es 1), widened in registers, dw_gemm_f32's register blocks and FMA chains. group 0: one
+ * scale per output (scale [O]), out = (x . q) * scale + bias, each output's chain restarted every
+ * GEMM_KB inputs; group GROUP_Q8: scale [ceil(O/16)][N/GROUP_Q8][16], one k-block a group, its chain
+ * added to the output by one FMA with the group's scale, groups in order (the rows computed as whole
+ * blocks of 16 outputs). One fixed order per (row, output): rows independent of the batch and threads. */
+static void q8_product(const void *x, const int8_t *wp, const float *scale, int group, const float *bias, void *out,
+                       long rows, long O, long N, int threads, int bf, int obf) {
+    long Op = group ? (O + 15) & ~15L : O; /* group scales: the packed outputs (zero past O), whole blocks */
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * Op + 16));
     float *y = xf + rows * N;
     for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    gemm_threads(xf, wp, y, rows, O, N, threads, 2, NULL);
+    gemm_threads(xf, wp, y, rows, Op, N, threads, group ? 3 : 2, group ? scale : NULL);
     for (long r = 0; r < rows; r++)
         for (long o = 0; o < O; o++) {
-            float v = y[r * O + o] * scale[o];
+            float v = group ? y[r * Op + o] : y[r * O + o] * scale[o];
             if (bias) v += bias[o];
             st(out, r * O + o, v, obf);
         }
     free(xf);
 }
 
-/* int8 weights packed as dw_gemm_q8's with one scale per group of GROUP_Q8 inputs of each output (llama.cpp's
- * Q8_0 blocks kept as they are), gs [ceil(O/16)][N/GROUP_Q8][16] float32: out = sum over groups of
- * (x . q)_group * scale_group + bias. Each group's products an FMA chain over its inputs in order, then
- * added to the output's sum by one FMA with the group's scale, groups in order: one fixed order per
- * (row, output), rows independent of the batch and threads. N a multiple of GROUP_Q8. */
+/* int8 weights, scale [O] per output: one weight stream per 16 outputs, a quarter of float32's bytes. */
+void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float *bias, void *out, long rows, long O,
+                long N, int threads, int bf, int obf) {
+    q8_product(x, wp, scale, 0, bias, out, rows, O, N, threads, bf, obf);
+}
+
+/* int8 weights with one scale per group of GROUP_Q8 inputs of each output (llama.cpp's Q8_0 blocks kept
+ * as they are), gs [ceil(O/16)][N/GROUP_Q8][16] float32; N a multiple of GROUP_Q8. */
 void dw_gemm_q8g(const void *x, const int8_t *wp, const float *gs, const float *bias, void *out, long rows, long O,
                  long N, int threads, int bf, int obf) {
-    long Op = (O + 15) & ~15L; /* the packed outputs (zero weights and scales past O): whole blocks a row */
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * Op + 16));
-    float *y = xf + rows * N;
-    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    gemm_threads(xf, wp, y, rows, Op, N, threads, 3, gs);
-    for (long r = 0; r < rows; r++)
-        for (long o = 0; o < O; o++) {
-            float v = y[r * Op + o];
-            if (bias) v += bias[o];
-            st(out, r * O + o, v, obf);
-        }
-    free(xf);
+    q8_product(x, wp, gs, GROUP_Q8, bias, out, rows, O, N, threads, bf, obf);
 }
 
 /* dw_gemm_bf16's product before its rounding: float32 results (bias added in float32): a bfloat16
