@@ -264,7 +264,7 @@ def generation_config(meta: dict) -> dict:
 def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", keep_quantized: bool = False) -> Path:
     """Write the Hugging Face directory `out`, built aside and then moved in place (a failed import
     leaves nothing); an existing `out` is replaced only when empty or a model directory.
-    `keep_quantized`: Q4_0/Q4_1 projections written as int4 blocks (see the module's doc)."""
+    `keep_quantized`: Q4_0/Q4_1/Q8_0 projections written as their blocks (see the module's doc)."""
     from safetensors.torch import save_file
 
     from .loader import resolve_dtype

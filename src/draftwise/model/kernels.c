@@ -991,8 +991,9 @@ void dw_pack(const void *w, void *wp, long O, long N, long es) {
  * One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
  * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
  * (w int8 packed by dw_pack, scale [O] float32, bias float32), 4 dw_linear_q4 (int4 groups,
- * scale the float16 (step, minimum) pairs), 5 dw_gemm_q8g (int8 packed, scale the group scales): what the layer-by-layer path
- * (LlamaModel._fused_forward) calls for that weight, with the same arguments: the same bits. */
+ * scale the float16 (step, minimum) pairs), 5 dw_gemm_q8g (int8 packed, scale the group scales):
+ * what the layer-by-layer path (LlamaModel._fused_forward) calls for that weight, with the same
+ * arguments: the same bits. */
 static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
     switch (kind) {
