@@ -271,3 +271,17 @@ def test_q8_greedy_speculative_equals_plain(kept_q8, every_projection):
     spec = LLM(q8, draft=str(q8), spec=SpecConfig(method="draft", k=4)).generate(ps, sp)
     assert [o.token_ids for o in spec] == [o.token_ids for o in base]
     assert sum(o.stats.accepted_tokens for o in spec) == sum(o.stats.proposed_tokens for o in spec) > 0
+
+
+def test_stored_quantization_reported(kept, kept_q8, tmp_path):
+    """What a directory runs by default: bench's results record it instead of `--quantization none`."""
+    from draftwise.cli.bench import _quantization
+    from draftwise.model.loader import stored_quantization
+
+    fl, q4 = kept["qwen2"]
+    _, q8 = kept_q8
+    assert (stored_quantization(q4), stored_quantization(q8), stored_quantization(fl)) == ("int4", "int8", None)
+    args = SimpleNamespace(quantization="none", url=None, model=str(q4))
+    assert _quantization(args) == "int4"
+    assert _quantization(SimpleNamespace(quantization="int8", url=None, model=str(q4))) == "int8"
+    assert _quantization(SimpleNamespace(quantization="none", url=None, model=str(fl))) == "none"

@@ -73,6 +73,15 @@ def add_parser(sub):
     return p
 
 
+def _quantization(args) -> str:
+    """--quantization, or for a directory stored quantized (import-gguf --keep-quantized) what it runs."""
+    if args.quantization not in (None, "none") or args.url or not args.model:
+        return args.quantization
+    from ..model.loader import stored_quantization
+
+    return stored_quantization(args.model) or args.quantization
+
+
 def run(args) -> int:
     import torch
     from rich.console import Console
@@ -148,7 +157,7 @@ def run(args) -> int:
         "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "repeats": args.repeats, "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
-        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": args.quantization, "device": args.device, "seed": args.seed, "quick": args.quick,
+        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": _quantization(args), "device": args.device, "seed": args.seed, "quick": args.quick,
     }
     command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
     results = build_results(results, settings, command, time.perf_counter() - t0)

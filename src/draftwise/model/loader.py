@@ -170,6 +170,15 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     return LoadedModel(path, cfg, model, tokenizer, tok_cfg, gen_cfg)
 
 
+def stored_quantization(path: str | Path) -> str | None:
+    """The quantization a directory written by `import-gguf --keep-quantized` runs by default ("int4"
+    when it holds Q4 blocks, else "int8"), or None (float weights; also for a missing directory)."""
+    qc = _read_json(resolve_model(path) / "config.json").get("quantization_config") or {}
+    if qc.get("quant_method") != "draftwise":
+        return None
+    return "int4" if qc.get("int4_tensors") else "int8" if qc.get("int8_tensors") else None
+
+
 def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
     """A weight stored quantized by `import-gguf --keep-quantized`: ("int4", q, sm) for Q4 blocks
     (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]) or ("q8", q, d) for Q8_0 blocks
