@@ -587,6 +587,17 @@ static inline float h2f(uint16_t h) { /* float16 -> float32, exact */
     return f;
 }
 
+/* 8 float16 -> 8 floats (exact; dw_gemm_q8g's group scales) */
+static inline v8f h8x8f(const uint16_t *p) {
+#ifdef __F16C__
+    return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    v8f v;
+    for (int l = 0; l < 8; l++) v[l] = h2f(p[l]);
+    return v;
+#endif
+}
+
 /* One group's 32 weights of an output as 4 x 8 floats (the nibbles' values 0..15) */
 #ifdef __AVX2__
 static inline void q4_unpack(const uint8_t *p, v8f w[4]) {
@@ -768,7 +779,7 @@ static inline v8f i8x8f(const void *p) {
 
 static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const void *wp, long ob,
                                                              long k0, long k1, float *out, long O, int NR, int NB,
-                                                             int first, int WB, const float *gs) {
+                                                             int first, int WB, const uint16_t *gs) {
     v8f acc[6][4][2];
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
@@ -799,11 +810,9 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
         for (int j = 0; j < NB; j++) {
             if (WB == 3) { /* this k-block is one group of GROUP_Q8 inputs: y += acc * its 16 scales (the
                               caller's rows are whole blocks of 16: O a multiple of 16) */
-                const float *sc = gs + ((ob + j) * (N / GROUP_Q8) + k0 / GROUP_Q8) * 16;
+                const uint16_t *sc = gs + ((ob + j) * (N / GROUP_Q8) + k0 / GROUP_Q8) * 16;
                 float *y = out + r * O + (ob + j) * 16;
-                v8f s0, s1, y0, y1;
-                memcpy(&s0, sc, 32);
-                memcpy(&s1, sc + 8, 32);
+                v8f s0 = h8x8f(sc), s1 = h8x8f(sc + 8), y0, y1;
                 if (first) {
                     y0 = acc[r][j][0] * s0;
                     y1 = acc[r][j][1] * s1;
@@ -856,7 +865,7 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
     }
 
 static void gemm_range(const float *x, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
-                       int wb, const float *gs) {
+                       int wb, const uint16_t *gs) {
     long kb = wb == 3 ? GROUP_Q8 : GEMM_KB; /* group scales: one k-block a group */
     int nb = rows == 1 ? 4 : rows <= GEMM_NB2_ROWS ? 2 : 1; /* output blocks per register block */
     for (long rc = 0; rc < rows; rc += GEMM_RC) {
@@ -885,9 +894,9 @@ static void gemm_range(const float *x, const void *wp, float *out, long rows, lo
 
 /* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
  * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights,
- * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16]). */
+ * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16] float16). */
 static void gemm_threads(const float *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb,
-                         const float *gs) {
+                         const uint16_t *gs) {
     long blocks = (O + 15) / 16;
     long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
     if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
@@ -912,19 +921,19 @@ void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out,
 /* The int8 products (x float32, or bfloat16 when bf; out bfloat16 when obf): the weights packed by
  * dw_pack (es 1), widened in registers, dw_gemm_f32's register blocks and FMA chains. group 0: one
  * scale per output (scale [O]), out = (x . q) * scale + bias, each output's chain restarted every
- * GEMM_KB inputs; group GROUP_Q8: scale [ceil(O/16)][N/GROUP_Q8][16], one k-block a group, its chain
+ * GEMM_KB inputs; group GROUP_Q8: scale [ceil(O/16)][N/GROUP_Q8][16] float16, one k-block a group, its chain
  * added to the output by one FMA with the group's scale, groups in order (the rows computed as whole
  * blocks of 16 outputs). One fixed order per (row, output): rows independent of the batch and threads. */
-static void q8_product(const void *x, const int8_t *wp, const float *scale, int group, const float *bias, void *out,
+static void q8_product(const void *x, const int8_t *wp, const void *scale, int group, const float *bias, void *out,
                        long rows, long O, long N, int threads, int bf, int obf) {
     long Op = group ? (O + 15) & ~15L : O; /* group scales: the packed outputs (zero past O), whole blocks */
     float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * Op + 16));
     float *y = xf + rows * N;
     for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    gemm_threads(xf, wp, y, rows, Op, N, threads, group ? 3 : 2, group ? scale : NULL);
+    gemm_threads(xf, wp, y, rows, Op, N, threads, group ? 3 : 2, group ? (const uint16_t *)scale : NULL);
     for (long r = 0; r < rows; r++)
         for (long o = 0; o < O; o++) {
-            float v = group ? y[r * Op + o] : y[r * O + o] * scale[o];
+            float v = group ? y[r * Op + o] : y[r * O + o] * ((const float *)scale)[o];
             if (bias) v += bias[o];
             st(out, r * O + o, v, obf);
         }
@@ -938,8 +947,8 @@ void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float
 }
 
 /* int8 weights with one scale per group of GROUP_Q8 inputs of each output (llama.cpp's Q8_0 blocks kept
- * as they are), gs [ceil(O/16)][N/GROUP_Q8][16] float32; N a multiple of GROUP_Q8. */
-void dw_gemm_q8g(const void *x, const int8_t *wp, const float *gs, const float *bias, void *out, long rows, long O,
+ * as they are), gs [ceil(O/16)][N/GROUP_Q8][16] float16; N a multiple of GROUP_Q8. */
+void dw_gemm_q8g(const void *x, const int8_t *wp, const uint16_t *gs, const float *bias, void *out, long rows, long O,
                  long N, int threads, int bf, int obf) {
     q8_product(x, wp, gs, GROUP_Q8, bias, out, rows, O, N, threads, bf, obf);
 }

@@ -35,7 +35,7 @@ matrix at a higher precision too). A weight whose inputs are not a multiple of 3
 
 Kept GGUF blocks (`import-gguf --keep-quantized`, loader.py): Q4_0/Q4_1 projections become
 `Int4Linear`s holding the file's blocks; Q8_0 ones `Int8Linear`s with `group = 32` (a float16
-scale per 32 inputs, w = d * q, packed beside the weights as float32), run by `dw_gemm_q8g`.
+scale per 32 inputs, w = d * q, packed like the weights), run by `dw_gemm_q8g`.
 """
 from __future__ import annotations
 
@@ -113,9 +113,9 @@ class Int8Linear(nn.Module):
         o, n = q.shape
         pad = torch.zeros((-o) % 16, n, dtype=torch.int8)
         self.register_buffer("qpacked", torch.cat([q, pad]).reshape(-1, 16, n).permute(0, 2, 1).contiguous())
-        if self.group:  # the group scales in the same layout: [ceil(O/16), N/GROUP, 16] float32
-            gpad = torch.zeros((-o) % 16, n // GROUP, dtype=torch.float32)
-            scale = torch.cat([gs.float(), gpad]).reshape(-1, 16, n // GROUP).permute(0, 2, 1).contiguous()
+        if self.group:  # the group scales in the same layout: [ceil(O/16), N/GROUP, 16] float16
+            gpad = torch.zeros((-o) % 16, n // GROUP, dtype=torch.float16)
+            scale = torch.cat([gs.half(), gpad]).reshape(-1, 16, n // GROUP).permute(0, 2, 1).contiguous()
         self.register_buffer("scale", scale)  # [O] float32, or the group scales
         self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
         self.float_out = float_out
@@ -129,7 +129,7 @@ class Int8Linear(nn.Module):
         """The float32 weight [O, N] the products use."""
         if not self.group:
             return dequantize_int8(self.qweight, self.scale)
-        gs = self.scale.permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
+        gs = self.scale.float().permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
         return (self.qweight.float().reshape(self.out_features, -1, self.group) * gs[..., None]).reshape(
             self.out_features, self.in_features)
 
