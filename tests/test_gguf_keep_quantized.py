@@ -181,7 +181,7 @@ def _q8_layer(o: int, n: int, bias: bool = False, seed: int = 0):
     q = torch.randint(-127, 128, (o, n), generator=g, dtype=torch.int8)
     d = (torch.rand(o, n // 32, generator=g) * 0.01 + 1e-3).half()
     lin = torch.nn.Linear(n, o, bias=bias)
-    lin.q8_blocks = (q, d)
+    lin.int8_blocks = (q, d)
     if bias:
         with torch.no_grad():
             lin.bias.copy_(torch.randn(o, generator=g))

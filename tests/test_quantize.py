@@ -108,17 +108,35 @@ def test_many_rows_take_the_reference_path():
     torch.testing.assert_close(layer(x[:16]), ref[:16], rtol=1e-5, atol=1e-5)  # the kernel's rows
 
 
-def test_quantized_model_close_to_float(target_dir):
-    """int8 logits stay close to the float model's (quantization error, not a broken product)."""
+def quantized_and_error(target_dir, method: str):
+    """(the model loaded with `method`, the relative error of its float32 logits against the float
+    model's on one prompt)."""
     f = load_model(target_dir, load_tokenizer=False).model
-    q = load_model(target_dir, load_tokenizer=False, quantization="int8").model
-    assert isinstance(q.lm_head, Int8Linear) and q.head_rows is None
-    assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    q = load_model(target_dir, load_tokenizer=False, quantization=method).model
     ids = torch.tensor([prompts(f.cfg.vocab_size, 1)[0] + [5, 6, 7]])
     with torch.no_grad():
         lf, lq = f.logits(ids), q.logits(ids)
     assert lq.dtype == torch.float32
-    rel = float((lf - lq).norm() / lf.norm())
+    return q, float((lf - lq).norm() / lf.norm())
+
+
+def check_speculative_against_plain(target_dir, method: str, ps, outs, base, self_draft: bool) -> None:
+    """Greedy speculative outputs equal plain ones (near-ties aside); a model drafting for itself
+    has every proposal accepted."""
+    target = load_model(target_dir, load_tokenizer=False, quantization=method).model
+    assert near_tie_divergences(target, ps, outs, base) <= 1
+    proposed = sum(o.stats.proposed_tokens for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    assert proposed > 0
+    if self_draft:
+        assert accepted == proposed
+
+
+def test_quantized_model_close_to_float(target_dir):
+    """int8 logits stay close to the float model's (quantization error, not a broken product)."""
+    q, rel = quantized_and_error(target_dir, "int8")
+    assert isinstance(q.lm_head, Int8Linear) and q.head_rows is None
+    assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int8Linear)
     assert 0 < rel < 0.05, rel
 
 
@@ -168,10 +186,5 @@ def test_greedy_speculative_equals_plain_int8(plain_int8, target_dir, draft_dir,
     if d is not None:
         assert isinstance(llm.engine.proposer.runner.model.lm_head, Int8Linear)
     outs = llm.generate(ps, sp)
-    target = load_model(target_dir, load_tokenizer=False, quantization="int8").model
-    assert near_tie_divergences(target, ps, outs, base) <= 1
-    proposed = sum(o.stats.proposed_tokens for o in outs)
-    accepted = sum(o.stats.accepted_tokens for o in outs)
-    assert proposed > 0
-    if draft == "target" and dtype == "float32":
-        assert accepted == proposed  # the same int8 model drafting for itself: every proposal accepted
+    # (the same int8 model drafting for itself in float32: every proposal accepted)
+    check_speculative_against_plain(target_dir, "int8", ps, outs, base, draft == "target" and dtype == "float32")

@@ -8,7 +8,8 @@ from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import cpu_kernels, load_model
 from draftwise.model.quantize import GROUP, Int4Linear, Int8Linear, dequantize_int4, quantize_int4
 
-from test_greedy_equality import near_tie_divergences, prompts
+from test_greedy_equality import prompts
+from test_quantize import check_speculative_against_plain, quantized_and_error
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: kernels unavailable")
 
@@ -86,16 +87,10 @@ def test_int4_model_close_to_float(target_dir):
     """int4 projections and an int8 head (its logits float32), close to the float model's logits
     (quantization error, not a broken product; the one-call step against the per-layer path:
     test_cpu_kernels' test_one_call_step_equals_layer_by_layer_bitwise[int4])."""
-    q = load_model(target_dir, load_tokenizer=False, quantization="int4").model
+    q, rel = quantized_and_error(target_dir, "int4")
     assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int4Linear)
     assert isinstance(q.model.layers[0].mlp.down_proj, Int4Linear)
     assert isinstance(q.lm_head, Int8Linear) and q.head_rows is None
-    f = load_model(target_dir, load_tokenizer=False).model
-    ids = torch.tensor([prompts(f.cfg.vocab_size, 1)[0] + [5, 6, 7]])
-    with torch.no_grad():
-        lf, lq = f.logits(ids), q.logits(ids)
-    assert lq.dtype == torch.float32
-    rel = float((lf - lq).norm() / lf.norm())
     assert 0 < rel < 0.2, rel
 
 
@@ -108,10 +103,5 @@ def test_greedy_speculative_equals_plain_int4(target_dir, draft_dir, method, dra
     d = {"target": target_dir, "draft": draft_dir, None: None}[draft]
     spec = LLM(str(target_dir), draft=str(d) if d else None, spec=SpecConfig(method=method, k=4), quantization="int4")
     outs = spec.generate(ps, sp)
-    target = load_model(target_dir, load_tokenizer=False, quantization="int4").model
-    assert near_tie_divergences(target, ps, outs, base) <= 1
-    proposed = sum(o.stats.proposed_tokens for o in outs)
-    accepted = sum(o.stats.accepted_tokens for o in outs)
-    assert proposed > 0
-    if draft == "target":
-        assert accepted == proposed  # the same int4 model drafting for itself: every proposal accepted
+    # (the same int4 model drafting for itself: every proposal accepted)
+    check_speculative_against_plain(target_dir, "int4", ps, outs, base, draft == "target")

@@ -686,7 +686,7 @@ class LlamaModel(nn.Module):
                 big = sum(lin.weight.numel() for lin in lins) >= QUANT_MIN_NUMEL
                 if not big:
                     return PackedLinear.of(*lins)
-                if all(hasattr(lin, "q8_blocks") for lin in lins):  # a GGUF's Q8_0 blocks, kept (loader.py)
+                if all(hasattr(lin, "int8_blocks") for lin in lins):  # a GGUF's Q8_0 blocks, kept (loader.py)
                     return Int8Linear.of(*lins)
                 if all(hasattr(lin, "int4_blocks") for lin in lins):  # its Q4 blocks, kept
                     return Int4Linear.of(*lins)

@@ -145,8 +145,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     model.inv_freq = model.inv_freq.float()
     model.to(device).eval().requires_grad_(False)
     for name, (kind, q, sc) in blocks.items():  # Int4Linear.of / Int8Linear.of take these instead of
-        if as_stored or {"int4": "int4", "q8": "int8"}[kind] == quantization:  # quantising the floats
-            # (another method asked: re-quantised from them)
+        if as_stored or kind == quantization:  # quantising the floats (another method asked: re-quantised)
             setattr(model.get_submodule(name[: -len(".weight")]), f"{kind}_blocks", (q, sc))
     if fuse:
         model.fuse_projections(quantization) if quantization else model.fuse_projections()
@@ -181,7 +180,7 @@ def stored_quantization(path: str | Path) -> str | None:
 
 def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
     """A weight stored quantized by `import-gguf --keep-quantized`: ("int4", q, sm) for Q4 blocks
-    (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]) or ("q8", q, d) for Q8_0 blocks
+    (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]) or ("int8", q, d) for Q8_0 blocks
     (`.qweight` int8 [O, N], `.qscale` float16 [O, N/32]), checked against the shape config.json
     implies."""
     stem = name[: -len(".weight")]
@@ -197,7 +196,7 @@ def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape:
         raise ModelLoadError(f"{path}: quantized tensors '{stem}.qweight' {tuple(q.shape)} {q.dtype} / '{stem}.qscale' "
                              f"{tuple(sc.shape)} {sc.dtype} do not hold a {o}x{n} weight (want int4 {(o, n // 2)} "
                              f"uint8 / {(o, n // GROUP, 2)} float16, or int8 {(o, n)} / {(o, n // GROUP)} float16)")
-    return ("int4" if int4 else "q8"), q.contiguous(), sc.contiguous()
+    return ("int4" if int4 else "int8"), q.contiguous(), sc.contiguous()
 
 
 def _read_json(f: Path) -> dict:

@@ -135,11 +135,11 @@ class Int8Linear(nn.Module):
 
     @staticmethod
     def of(*linears: nn.Linear, float_out: bool = False) -> "Int8Linear":
-        """`linears` fused along the outputs; when each carries `q8_blocks` (the loader's, from a
+        """`linears` fused along the outputs; when each carries `int8_blocks` (the loader's, from a
         directory stored with Q8_0 blocks), those blocks and their group scales, else the weights
         quantised here (one scale per output)."""
         has_bias = linears[0].bias is not None
-        blocks = [getattr(l, "q8_blocks", None) for l in linears]
+        blocks = [getattr(l, "int8_blocks", None) for l in linears]
         return Int8Linear([l.weight.detach() for l in linears],
                           [l.bias.detach() for l in linears] if has_bias else None, float_out=float_out,
                           blocks=blocks if all(b is not None for b in blocks) else None)
