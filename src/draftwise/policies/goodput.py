@@ -117,7 +117,7 @@ class GoodputPolicy:
     CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
     CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
-    COAST_OBSERVE_EVERY = 4  # coasting plain steps: one in this many updates the cost model
+    COAST_OBSERVE_EVERY = 4  # coasting steps (plain or full): one in this many updates the cost model
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False, **_):
         if cost is None:
@@ -142,7 +142,7 @@ class GoodputPolicy:
         self._catch_up_per_token = cost.draft[1] if cost.draft[1] > 0 else 2e-5
         self._long_catch_up = 0  # tokens this step's long catch-ups feed
         self._mode = "spec"  # this step's arm
-        self._coasted = 0  # coasting plain steps seen (the cost model observes one in COAST_OBSERVE_EVERY)
+        self._coasted = 0  # coasting steps seen (the cost model observes one in COAST_OBSERVE_EVERY)
         self._idle_plan = False  # the last plan drafted for no row (its "spec" step is a plain one)
         self._bucket = 0
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
@@ -325,11 +325,13 @@ class GoodputPolicy:
             self._last_mode = self._mode
             return None
         self._spend(committed, seconds)
-        if self._pred is None and self._mode == "plain":  # coasting plain (no plan, nothing to correct)
+        if catch_up_seconds > 0 and self._long_catch_up > 0:
+            per = catch_up_seconds / self._long_catch_up
+            self._catch_up_per_token += 0.2 * (per - self._catch_up_per_token)
+        if self._pred is None and self._last_mode == self._mode:  # coasting (no plan, nothing to correct)
             self._coasted += 1
             if self._coasted % self.COAST_OBSERVE_EVERY:  # the cost model samples these: its update
-                self._last_mode = self._mode  # (~50-70 us a step in the engine) is ~1% of a plain step
-                return None
+                return None  # (~50-70 us a step in the engine) is ~1% of a plain step at batch 1
         # a drafting step right after plain ones also feeds the drafter everything it missed: a cost
         # of switching, not of the arm (counted, a burst of exploration after a long plain run would
         # rate speculation by its catch-up)
@@ -339,9 +341,6 @@ class GoodputPolicy:
         if self._pred is not None and not (self._mode == "plain" and self._probes):
             self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], seconds - catch_up_seconds,
                                                self._pred[1], catch_up)
-        if catch_up_seconds > 0 and self._long_catch_up > 0:
-            per = catch_up_seconds / self._long_catch_up
-            self._catch_up_per_token += 0.2 * (per - self._catch_up_per_token)
         self._last_mode = self._mode
         lengths = list(draft_lengths) if self.has_draft_model else []
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
