@@ -89,3 +89,58 @@ def test_preemption_with_shared_blocks_keeps_outputs(target_dir):
     assert got == want
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.runner.kv.pool.num_free == 24
+
+
+def _fed_tokens(llm) -> list[int]:
+    """Spy on the drafter's forwards: the tokens fed in each call go into the returned list."""
+    fed, run = [], llm.engine.proposer.runner.run
+
+    def spy(seq_ids, feeds, *a, **k):
+        fed.append(sum(len(f) for f in feeds))
+        return run(seq_ids, feeds, *a, **k)
+
+    llm.engine.proposer.runner.run = spy
+    llm.engine.proposer.fused_steps = False  # every drafter forward through run
+    return fed
+
+
+def test_the_drafter_finds_a_cached_prefix_too(target_dir, draft_dir):
+    """A prompt whose prefix the drafter's cache holds is not fed to the drafter again."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    counts = {}
+    for caching in (False, True):
+        llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3),
+                  enable_prefix_caching=caching)
+        llm.generate([PREFIX + [1, 2]], sp)
+        fed = _fed_tokens(llm)
+        out = llm.generate([PREFIX + [3, 4]], sp)[0].token_ids
+        counts[caching] = (sum(fed), out)
+        assert llm.engine.occupancy()["kv"]["draft"]["used"] == 0
+    assert counts[True][1] == counts[False][1]
+    assert counts[False][0] - counts[True][0] == 64  # the 4 cached blocks of 16 prompt tokens
+    assert llm.engine.proposer.kv.prefix_cache.hit_tokens >= 64
+
+
+def test_the_drafter_caches_committed_blocks_only(target_dir, draft_dir):
+    """After every step, the drafter's registered blocks hold committed tokens its cache computed:
+    never a block holding proposals (accepted or not) beyond them."""
+    llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=4))
+    eng = llm.engine
+    pc = eng.proposer.kv.prefix_cache
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    seqs = [eng.add_request(f"r{i}", PREFIX[: 30 + 7 * i] + [i + 1], sp) for i in range(3)]
+    by_id = {}
+    for key, (_, pid) in pc._blocks.items():
+        by_id[pid] = key
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        by_id.update({pid: key for key, (_, pid) in pc._blocks.items()})
+        for seq in seqs:
+            ids = pc._ids.get(seq.seq_id, [])
+            assert len(ids) * 16 <= seq.draft_computed <= seq.num_tokens
+            got = [t for pid in ids for t in by_id[pid][1]]
+            assert got == seq.all_ids[: len(got)]
+            checked += len(ids)
+    assert checked > 0
+    assert sum(s.stats.proposed_tokens - s.stats.accepted_tokens for s in seqs) > 0  # rejections happened

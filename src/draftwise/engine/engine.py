@@ -95,6 +95,7 @@ class LLMEngine:
             self.proposer = cls(
                 target=target, draft=draft, num_blocks=num_blocks, block_size=cfg.block_size,
                 eos_ids=self.eos_ids, ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
+                prefix_caching=cfg.enable_prefix_caching,
             )
         self.policy = None
         if cls is not None:

@@ -39,7 +39,7 @@ class DraftModelProposer:
     needs_draft_model = True
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
-                 eos_ids: list[int] | None = None, **_):
+                 eos_ids: list[int] | None = None, prefix_caching: bool = False, **_):
         if draft is None:
             raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
         if target is not None and draft.config.vocab_size != target.config.vocab_size:
@@ -47,7 +47,11 @@ class DraftModelProposer:
                 f"draft vocabulary size ({draft.config.vocab_size}, {draft.path}/config.json) does not match "
                 f"the target's ({target.config.vocab_size}, {target.path}/config.json)"
             )
-        self.runner = ModelRunner(draft, num_blocks, block_size)
+        # prefix caching for the drafter's own cache too (the scheduler matches a sequence's cached
+        # prefix before the drafter first reserves for it; postprocess registers its committed
+        # blocks): a prompt the target finds cached would otherwise be prefilled by the drafter
+        # again (its catch-up) before the first proposal (off for a hybrid drafter, as for a target)
+        self.runner = ModelRunner(draft, num_blocks, block_size, prefix_caching=prefix_caching)
         self.kv = self.runner.kv
         self.eos_ids = list(eos_ids or [])
         self.vocab = draft.config.vocab_size
@@ -182,6 +186,8 @@ class DraftModelProposer:
         seq.draft_computed = num_tokens_before + min(num_accepted, fed)
         self.kv.truncate(seq.seq_id, seq.draft_computed)
         self.runner.commit_state(seq.seq_id, seq.draft_computed)  # a hybrid drafter's recurrent state
+        # the drafter's K/V of committed tokens only (accepted proposals are committed tokens)
+        self.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.draft_computed)
 
     @staticmethod
     def _bitmask(active, cursors, vocab: int) -> torch.Tensor | None:  # [A, W] int32 or None
