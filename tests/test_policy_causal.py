@@ -467,6 +467,22 @@ def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
     assert arms.rating("full", pred) == pytest.approx(20.0 / (0.04 + 0.01))
 
 
+def test_the_plan_runs_only_when_clearly_ahead_of_fixed_speculation():
+    """"spec" (the planned lengths) is chosen over "full" (every proposal: fixed speculation) only
+    when rated more than PLAN_EDGE ahead: their ratings are estimates from a few noisy steps, and
+    a plan that ties with fixed speculation risks shorter blocks for nothing."""
+    arms = _Arms(GoodputPolicy.ARMS)
+    arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
+    full, plain = (3.0, 0.010, 0.0), (1.0, 0.008, 0.0)
+    assert _Arms.PLAN_EDGE > 1.0
+    near = {"spec": (3.0 * (1.0 + _Arms.PLAN_EDGE) / 2, 0.010, 0.0), "full": full, "plain": plain}  # ahead, not clearly
+    assert arms.choose(near) == "full"
+    clear = {"spec": (3.0 * (_Arms.PLAN_EDGE + 0.01), 0.010, 0.0), "full": full, "plain": plain}
+    assert arms.choose(clear) == "spec"
+    behind = {"spec": (3.0 * (_Arms.PLAN_EDGE + 0.01), 0.010, 0.0), "full": full, "plain": (5.0, 0.008, 0.0)}
+    assert arms.choose(behind) == "plain"  # plain ahead of both: no edge needed
+
+
 def test_idle_plan_coasts_plain_against_full_alone():
     """Where the plan drafts for no row, its "spec" step is a plain one: "plain" and "spec" rate
     alike, and coasting (no plan for a few steps) then needs "plain" to lead "full" only; with a
