@@ -475,7 +475,7 @@ def test_the_plan_runs_only_when_clearly_ahead_of_fixed_speculation():
     arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
     full, plain = (3.0, 0.010, 0.0), (1.0, 0.008, 0.0)
     assert _Arms.PLAN_EDGE > 1.0
-    near = {"spec": (3.0 * (1.0 + _Arms.PLAN_EDGE) / 2, 0.010, 0.0), "full": full, "plain": plain}  # ahead, not clearly
+    near = {"spec": (3.0 * (1.0 + _Arms.PLAN_EDGE) / 2, 0.010, 0.0), "full": full, "plain": plain}  # ahead a little
     assert arms.choose(near) == "full"
     clear = {"spec": (3.0 * (_Arms.PLAN_EDGE + 0.01), 0.010, 0.0), "full": full, "plain": plain}
     assert arms.choose(clear) == "spec"

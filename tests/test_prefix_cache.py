@@ -129,9 +129,7 @@ def test_the_drafter_caches_committed_blocks_only(target_dir, draft_dir):
     pc = eng.proposer.kv.prefix_cache
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     seqs = [eng.add_request(f"r{i}", PREFIX[: 30 + 7 * i] + [i + 1], sp) for i in range(3)]
-    by_id = {}
-    for key, (_, pid) in pc._blocks.items():
-        by_id[pid] = key
+    by_id = {}  # prefix id -> its key (parent id, the block's token ids), as registered
     checked = 0
     while eng.has_unfinished():
         eng.step()

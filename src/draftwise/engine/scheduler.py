@@ -135,8 +135,9 @@ class Scheduler:
             f = self.num_forced_for(seq, k, budget - 1 - k)
             # the drafter feeds forced tokens too (at most k + f - 1 proposals past the committed ones)
             draft_tokens = seq.num_tokens + k + f - 1 if k else 0
-            if draft_tokens and self.draft_kv is not None and seq.draft_computed == 0:  # the drafter's first blocks:
-                # its cached prefix (prefix caching: a prompt the drafter has seen is not fed again)
+            # the drafter's first blocks for this sequence: its cached prefix (prefix caching; a
+            # prompt the drafter's cache holds is not fed to the drafter again)
+            if draft_tokens and self.draft_kv is not None and seq.draft_computed == 0:
                 seq.draft_computed = self.draft_kv.match_prefix(seq.seq_id, seq.all_ids)
             while not self._reserve_ok(seq, seq.num_computed + n + k + f, draft_tokens):
                 victim = self.running[-1]

@@ -368,8 +368,9 @@ class _Arms:
     The best-rated arm runs ("spec" only when rated more than `PLAN_EDGE` ahead of "full": two
     ratings from a few noisy steps each, and a plan that merely ties with fixed speculation
     verified shorter blocks for nothing: on grounded at 4 rows, 3.36 against 3.50 tokens a round
-    and 0.88x fixed's rate, 1.03x with the edge); another is tried in a burst of `BURST` consecutive steps (one step is
-    too noisy a sample, and its first step may pay the drafter's catch-up) when its turn is due:
+    and 0.88x fixed's rate, 1.03x with the edge); another is tried in a burst of `BURST`
+    consecutive steps (one step is too noisy a sample, and its first step may pay the drafter's
+    catch-up) when its turn is due:
     every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
     5% behind (`MARGIN`; four times when more than 20% behind, `FAR`), up to `MAX_EXPLORE_EVERY`,
     back to `EXPLORE_EVERY` after one that came close; an arm never run that the model rates more
