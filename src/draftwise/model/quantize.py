@@ -129,9 +129,8 @@ class Int8Linear(nn.Module):
         """The float32 weight [O, N] the products use."""
         if not self.group:
             return dequantize_int8(self.qweight, self.scale)
-        gs = self.scale.float().permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
-        return (self.qweight.float().reshape(self.out_features, -1, self.group) * gs[..., None]).reshape(
-            self.out_features, self.in_features)
+        gs = self.scale.permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
+        return dequantize_q8_groups(self.qweight, gs)  # (group is always GROUP: a GGUF's Q8_0 blocks)
 
     @staticmethod
     def of(*linears: nn.Linear, float_out: bool = False) -> "Int8Linear":
