@@ -131,6 +131,56 @@ def test_one_call_step_equals_layer_by_layer_bitwise(variant, tmp_path, tokenize
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_step_with_embeddings_and_head_equals_separate_calls(dtype, tied, tmp_path, tokenizer, kernels_switch,
+                                                                   monkeypatch):
+    """dw_forward (the embeddings, every layer and the head of the rows that need logits, in one
+    call: `LlamaModel.native_logits`) gives bitwise the logits of the decoder call beside
+    PyTorch's embedding, row selection and compute_logits, for a lone sequence on consecutive and
+    on paged slots and for batches (padded and packed); a token outside the vocabulary still gets
+    the step-by-step path's error."""
+    kernels_switch(True)
+    if cpu_kernels.kernels() is None:
+        pytest.skip("fused kernels unavailable (no C compiler)")
+    # a vocabulary large enough for a head packed for dw_gemm (the tiny tokenizer's is not)
+    path = make_model_dir(tmp_path, seed=6, tokenizer=tokenizer, vocab_size=1024, tie_word_embeddings=tied, **BIG)
+    taken = []
+    real = LlamaModel.native_logits
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        taken.append(out is not None)
+        return out
+
+    def rounds(loaded):
+        out = run_rounds(loaded, []) + run_batch_rounds(load_with_distinct_norms(path, dtype))
+        runner = ModelRunner(loaded, num_blocks=12, block_size=8)  # a lone sequence on paged slots
+        runner.kv.reserve(1, 8)
+        runner.kv.reserve(0, 8)
+        runner.kv.reserve(1, 16)
+        runner.kv.reserve(0, 24)
+        assert runner.kv.contiguous_start(0, 20) is None
+        ids = list(range(3, 23))
+        out += [runner.run([0], [ids[:15]], [0], [2]), runner.run([0], [ids[15:20]], [15], [5])]
+        with pytest.raises(Exception):
+            runner.run([0], [[1024]], [20], [1])
+        return out
+
+    monkeypatch.setattr(LlamaModel, "native_logits", spy)
+    one = load_with_distinct_norms(path, dtype)
+    a = rounds(one)
+    if not one.model._decoder_plan:  # e.g. an AVX-512 CPU: oneDNN keeps the float32 products
+        pytest.skip("this CPU's products are oneDNN's: the per-layer path only")
+    assert one.model._native_io() is not None
+    assert taken.count(True) == len(a) and taken.count(False) == 1  # the out-of-vocabulary token: None
+    monkeypatch.setattr(LlamaModel, "native_logits", lambda self, *a, **kw: None)
+    b = rounds(load_with_distinct_norms(path, dtype))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_qk_norm_models_keep_the_pytorch_path(tmp_path, tokenizer, monkeypatch, kernels_switch):
     kernels_switch(True)
     if cpu_kernels.kernels() is None:  # without kernels the fused path is never taken: nothing to check

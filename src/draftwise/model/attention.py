@@ -58,12 +58,12 @@ class AttentionMetadata:
         return AttentionMetadata(write_index, write_slots, gather_slots, mask.unsqueeze(1))
 
     @staticmethod
-    def consecutive(start_slot: int, start: int, T: int, positions: torch.Tensor,
+    def consecutive(start_slot: int, start: int, T: int, positions: torch.Tensor | None,
                     sliding_window: int | None = None) -> "AttentionMetadata":
         """One sequence whose positions 0..start+T-1 lie on slots start_slot.. (consecutive): its T
-        new tokens at positions start..start+T-1 (`positions` [1, T]). No slot lists to look up,
-        and the tensors are built only if read (the fused CPU path needs the first slot and the
-        number of keys alone)."""
+        new tokens at positions start..start+T-1 (`positions` [1, T], or None: made from start and
+        T if read). No slot lists to look up, and the tensors are built only if read (the fused
+        CPU path needs the first slot and the number of keys alone)."""
         return ConsecutiveMetadata(start_slot, start, T, positions, sliding_window)
 
     @property
@@ -150,6 +150,8 @@ class ConsecutiveMetadata(AttentionMetadata):
     def _tensors(self) -> AttentionMetadata:
         if self._built is None:
             start_slot, start, T, positions, sliding_window = self._args
+            if positions is None:
+                positions = torch.arange(start, start + T)[None]
             gather = torch.arange(start_slot, start_slot + start + T, device=positions.device)[None]
             meta = AttentionMetadata.build_dense(positions, gather[:, start:], gather, sliding_window)
             if meta.mask is not None:  # additive 0 / -inf: SDPA would convert a boolean mask in every layer

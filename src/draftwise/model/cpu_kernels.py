@@ -71,7 +71,7 @@ def _build(source: Path = SOURCE) -> Path:
     return lib
 
 
-INT_RESULT = ("dw_decoder", "dw_attend", "dw_attend_batch", "dw_draft_greedy")  # 0, or -1: no scratch memory
+INT_RESULT = ("dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy")  # 0, or -1: no scratch memory
 
 
 class Kernels:
@@ -98,6 +98,9 @@ class Kernels:
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int],
             "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p,
                            p, p, p, i, i, i, i, p, i, p, p, p, i, f, ctypes.c_int, ctypes.c_int],
+            "dw_forward": [p, ctypes.c_int, p, p, ctypes.c_int, i, p, i, p, i, i, i, i, i, i, i, i,
+                           ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p, p, p, p, i, i, i, i, p, i, p, p,
+                           p, i, f, ctypes.c_int, ctypes.c_int],
             "dw_draft_greedy": [p, ctypes.c_int, p, i, i, i, i, i, i, i, i, i, ctypes.POINTER(p),
                                 ctypes.POINTER(ctypes.c_int), p, f, p, p, p, i, i, i, p, i, i, f, ctypes.c_int,
                                 ctypes.c_int, p, ctypes.c_int, i, p, p],

@@ -1060,6 +1060,56 @@ int dw_decoder(void *x, void *h, long B, long T, long layers, long hid, long H, 
     return rc;
 }
 
+/* Rows 0..n-1 of x [n, hid] = the embeddings of ids (a table [V, hid] of the model's dtype, or a
+ * tied model's float32 head packed by dw_pack, [ceil(V/16)][hid][16]: emb_packed): copies. */
+static void embed_rows(const void *emb, int emb_packed, const int64_t *ids, long n, long hid, long es, char *x) {
+    for (long t = 0; t < n; t++) {
+        int64_t id = ids[t];
+        if (emb_packed) {
+            const float *src = (const float *)emb + (id / 16) * hid * 16 + id % 16;
+            for (long i = 0; i < hid; i++) ((float *)x)[t * hid + i] = src[i * 16];
+        } else {
+            memcpy(x + es * t * hid, (const char *)emb + es * id * hid, es * hid);
+        }
+    }
+}
+
+/* The head's float32 logits [n, V] of n rows of h [n, hid]: head_kind 1 dw_gemm_f32 (float32, packed),
+ * 2 dw_gemm_bf16_f32out (bfloat16, packed; float32 sums not rounded): what compute_logits calls. */
+static void head_rows(const void *h, long n, long hid, const void *head_w, int head_kind, long V, float *logits,
+                      int threads) {
+    if (head_kind == 1)
+        dw_gemm_f32((const float *)h, (const float *)head_w, NULL, logits, n, V, hid, threads);
+    else
+        dw_gemm_bf16_f32out((const uint16_t *)h, (const uint16_t *)head_w, NULL, logits, n, V, hid, threads);
+}
+
+/* A target's whole decode / verification step in one call: the embeddings of ids (one per row, R
+ * rows as dw_decoder counts them; padding rows' ids 0), dw_decoder with the same arguments after
+ * its x and h, then the head (head_rows' kinds) on the nsel rows listed in sel into logits [nsel, V]
+ * float32: what the embedding, LlamaModel._fused_forward, the row selection and compute_logits give,
+ * bit for bit, without ~10 PyTorch calls a step. Returns 0, or -1 when scratch memory is not available. */
+int dw_forward(const void *emb, int emb_packed, const int64_t *ids, const void *head_w, int head_kind, long V,
+               const int64_t *sel, long nsel, float *logits, long B, long T, long layers, long hid, long H, long Hkv,
+               long D, long I, void **w, const int *kinds, const void *final_norm, float eps, const int64_t *pos,
+               const float *cos, const float *sin, void *cache, long layer_stride, long kv_stride, long slot0, long L,
+               const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, const int64_t *offs,
+               long window, float scale, int bf, int threads) {
+    long es = bf ? 2 : 4, R = offs ? offs[B] : B * T;
+    char *x = (char *)malloc(es * hid * (2 * R + nsel) + 64);
+    if (!x) return -1;
+    char *h = x + es * R * hid, *hs = h + es * R * hid;
+    embed_rows(emb, emb_packed, ids, R, hid, es, x);
+    int rc = dw_decoder(x, h, B, T, layers, hid, H, Hkv, D, I, w, kinds, final_norm, eps, pos, cos, sin, cache,
+                        layer_stride, kv_stride, slot0, L, slots, Lmax, lens, news, offs, window, scale, bf, threads);
+    if (rc == 0) {
+        for (long r = 0; r < nsel; r++) memcpy(hs + es * r * hid, h + es * sel[r] * hid, es * hid);
+        head_rows(hs, nsel, hid, head_w, head_kind, V, logits, threads);
+    }
+    free(x);
+    return rc;
+}
+
 /* ---- a drafter's greedy steps in one call ----
  * The first maximum of v[0..n) (the first NaN where there is one), as torch.max and numpy.argmax
  * pick; *top gets its value. */
@@ -1151,16 +1201,8 @@ int dw_draft_greedy(const void *emb, int emb_packed, const int64_t *feed, long n
     for (long s = 0; s < k && rc == 0; s++) {
         long T = s == 0 ? n0 : 1, p0 = s == 0 ? start : start + n0 + s - 1;
         const int64_t *ids = s == 0 ? feed : &prev;
-        for (long t = 0; t < T; t++) {
-            int64_t id = ids[t];
-            pos[t] = p0 + t;
-            if (emb_packed) {
-                const float *src = (const float *)emb + (id / 16) * hid * 16 + id % 16;
-                for (long i = 0; i < hid; i++) ((float *)x)[t * hid + i] = src[i * 16];
-            } else {
-                memcpy(x + es * t * hid, (const char *)emb + es * id * hid, es * hid);
-            }
-        }
+        for (long t = 0; t < T; t++) pos[t] = p0 + t;
+        embed_rows(emb, emb_packed, ids, T, hid, es, x);
         long L = p0 + T, lens = L, news = T;
         if (slot0 >= 0)
             rc = dw_decoder(x, h, 1, T, layers, hid, H, Hkv, D, I, w, kinds, final_norm, eps, pos, cos, sin, cache,
@@ -1170,10 +1212,7 @@ int dw_draft_greedy(const void *emb, int emb_packed, const int64_t *feed, long n
                             layer_stride, kv_stride, 0, L, slots, Lmax, &lens, &news, NULL, window, scale, bf, threads);
         if (rc != 0) break;
         const char *last = h + es * (T - 1) * hid;
-        if (head_kind == 1)
-            dw_gemm_f32((const float *)last, (const float *)head_w, NULL, logits, 1, V, hid, threads);
-        else
-            dw_gemm_bf16_f32out((const uint16_t *)last, (const uint16_t *)head_w, NULL, logits, 1, V, hid, threads);
+        head_rows(last, 1, hid, head_w, head_kind, V, logits, threads);
         prev = argmax_conf_row(logits, V, out_conf ? out_conf + s : NULL);
         out_tok[s] = prev;
     }

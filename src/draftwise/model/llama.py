@@ -416,6 +416,7 @@ class LlamaModel(nn.Module):
         self.plan: list[LayerWeights] | None = None  # set by fuse_projections (inference)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
         self._decoder_plan = None  # see _layer_pointers
+        self._io = None  # see _native_io
         self._fit: tuple | None = None  # (kv cache key, _kernels_fit's answer for it)
         self.head_rows: torch.Tensor | None = None  # the head's weight once packed (refine_top_logits)
         self.refine_head = True  # bfloat16 heads: the top logits recomputed in float32 (head_precision.py)
@@ -512,59 +513,130 @@ class LlamaModel(nn.Module):
         attends each sequence's rows where they are; the PyTorch path takes a padded [B, T] batch."""
         return max_new_tokens <= self.FUSED_MAX_TOKENS and self._kernels_fit(kv_cache)
 
+    def _decoder_args(self, B: int, T: int, pos_ptr: int, kv_cache, meta: AttentionMetadata, max_position):
+        """dw_decoder's arguments after x and h (dw_forward's after its head and rows), and the objects
+        they point into, to keep alive until the call: B sequences of T rows, or packed rows
+        (`meta.row_offsets`); positions at `pos_ptr` (int64, one per row)."""
+        cfg = self.cfg
+        keep = []
+        offs_p = 0
+        if meta.row_offsets is not None:  # packed: [1, R] rows, sequence b's at row_offsets[b]..
+            offs = (ctypes.c_int64 * len(meta.row_offsets))(*meta.row_offsets)
+            keep.append(offs)
+            offs_p, B, T = ctypes.addressof(offs), len(meta.seq_lens), 0
+        L = meta.num_keys  # the longest sequence's
+        cos, sin = self.rope_table(max(L, int(max_position or 0)), kv_cache.device)
+        if meta.gather_start is not None and B == 1:  # consecutive slots
+            slot0, Lmax, slots_p, lens_p, news_p = meta.gather_start, 0, 0, 0, 0
+        else:  # paged: every key position's slot, per sequence; rows after a sequence's new tokens pad
+            slot0, slots = 0, meta.gather_slots.contiguous()
+            lens_news = (ctypes.c_int64 * (2 * B))(*meta.seq_lens, *meta.seq_new)
+            keep += [slots, lens_news]
+            Lmax, slots_p = slots.shape[1], slots.data_ptr()
+            lens_p = ctypes.addressof(lens_news)
+            news_p = lens_p + 8 * B
+        ptrs, kinds, _ = self._decoder_plan or (None, None, 0)  # () : the per-layer path's calls
+        bf = int(kv_cache.dtype == torch.bfloat16)
+        args = (B, T, len(self.plan), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                cfg.head_dim, cfg.intermediate_size, ptrs, kinds, self.model.norm.weight.data_ptr(), cfg.rms_norm_eps,
+                pos_ptr, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
+                slot0, L, slots_p, Lmax, lens_p, news_p, offs_p, cfg.sliding_window or 0, cfg.head_dim ** -0.5, bf,
+                torch.get_num_threads())
+        return args, keep
+
+    def _native_io(self):
+        """(embedding pointer, packed?, head pointer, head kind) when the input embedding and the
+        head run inside the kernels (`dw_forward`, `dw_draft_greedy`): an `nn.Embedding` of the
+        model's dtype or the packed tied one, and a bias-free head packed for dw_gemm_f32 (kind 1,
+        float32) or dw_gemm_bf16 with float32 logits (kind 2, bfloat16 with `refine_head`:
+        compute_logits' float_logits); else None. The pointers are found once (prepared weights
+        never move, see `_apply`), the kind every call (`refine_head` may change)."""
+        if self._io is None:
+            dtype, head, emb = self.model.norm.weight.dtype, self.lm_head, self.model.embed_tokens
+            native = getattr(head, "native", None)
+            io = ()
+            if isinstance(head, PackedLinear) and native is not None and head.bias is None and native.dtype == dtype:
+                if isinstance(emb, PackedEmbedding) and emb.packed.dtype == dtype == torch.float32:
+                    io = (emb.packed.data_ptr(), 1, native.data_ptr(), dtype)
+                elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
+                    io = (emb.weight.data_ptr(), 0, native.data_ptr(), dtype)
+            self._io = io
+        if not self._io:
+            return None
+        emb, packed, head, dtype = self._io
+        kind = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 and self.refine_head else 0
+        return (emb, packed, head, kind) if kind else None
+
+    def native_logits(self, ids: list[int], positions: list[int], B: int, T: int, kv_cache,
+                      meta: AttentionMetadata, max_position: int, rows: list[int]) -> torch.Tensor | None:
+        """The logits [len(rows), V] (float32) of the listed rows of a step on the fused CPU path, in
+        one kernel call (`dw_forward`: embeddings, every layer, the final norm, the head): what
+        `forward` then `compute_logits` of those rows give, bit for bit, without their PyTorch calls
+        (~0.4 ms of a batch-1 step, most of it the interpreter and PyTorch's dispatch run cold after
+        the weights streamed through the caches). `ids` and `positions` hold one entry per row (B x T
+        rows, or packed rows: `meta.row_offsets`). None where that call does not run this step
+        (the kernels off, another layout, too many rows, a token outside the vocabulary: the
+        step-by-step path raises the error): then the caller takes `forward`."""
+        kern = cpu_kernels.kernels()
+        if kern is None or self.plan is None or not rows or len(ids) > self.FUSED_MAX_TOKENS * max(B, 1):
+            return None
+        if meta.row_offsets is None and not ((B == 1 and meta.gather_start is not None)
+                                             or (meta.seq_lens is not None and len(meta.seq_lens) == B)):
+            return None
+        if not self._kernels_fit(kv_cache):
+            return None
+        if self._decoder_plan is None:
+            self._decoder_plan = self._layer_pointers()
+        io = self._native_io()
+        V = self.cfg.vocab_size
+        if not self._decoder_plan or io is None or len(ids) > self._decoder_plan[2] or max(T, 1) > self.FUSED_MAX_TOKENS:
+            return None
+        if min(ids) < 0 or max(ids) >= V:
+            return None
+        ids_c = (ctypes.c_int64 * len(ids))(*ids)
+        pos_c = (ctypes.c_int64 * len(positions))(*positions)
+        sel = (ctypes.c_int64 * len(rows))(*rows)
+        args, keep = self._decoder_args(B, T, ctypes.addressof(pos_c), kv_cache, meta, max_position)
+        logits = torch.empty(len(rows), V, dtype=torch.float32)
+        emb, packed, head, kind = io
+        rc = kern.forward(emb, packed, ctypes.addressof(ids_c), head, kind, V, ctypes.addressof(sel), len(rows),
+                          logits.data_ptr(), *args)
+        if rc != 0:
+            raise MemoryError("fused forward: no scratch memory")
+        return logits
+
     def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position):
         """`paged_layer`'s computation in 5 kernel calls per layer besides the 4 products: RMSNorm,
         RoPE in place, attention with the K/V write, residual add + RMSNorm, SiLU-and-multiply
-        (kernels.c). The residual stream `x` is updated in place. Rows are tokens: B sequences of T."""
+        (kernels.c), or every layer in one call (`dw_decoder`) where its products all run in the
+        kernels. The residual stream `x` is updated in place. Rows are tokens: B sequences of T."""
         k = cpu_kernels.kernels()
         cfg = self.cfg
         B, T = input_ids.shape
         R = B * T
-        offs_p = 0
-        if meta.row_offsets is not None:  # packed: [1, R] rows, sequence b's at row_offsets[b]..
-            offs = torch.tensor(meta.row_offsets, dtype=torch.long)
-            offs_p, B, T = offs.data_ptr(), len(meta.seq_lens), 0
-        H, Hkv, D, hid, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                               cfg.hidden_size, cfg.rms_norm_eps)
-        bf = int(kv_cache.dtype == torch.bfloat16)
-        L = meta.num_keys  # the longest sequence's
-        cos, sin = self.rope_table(max(L, int(max_position or 0)), input_ids.device)
         pos = positions.contiguous()
-        if meta.gather_start is not None and B == 1:  # consecutive slots
-            slot0, slots, Lmax = meta.gather_start, None, 0
-            slots_p = lens_p = news_p = 0
-        else:  # paged: every key position's slot, per sequence; rows after a sequence's new tokens pad
-            slot0, slots = 0, meta.gather_slots.contiguous()
-            lens_news = (ctypes.c_int64 * (2 * B))(*meta.seq_lens, *meta.seq_new)  # alive until the call
-            Lmax, slots_p = slots.shape[1], slots.data_ptr()
-            lens_p = ctypes.addressof(lens_news)
-            news_p = lens_p + 8 * B
         emb = self.model.embed_tokens  # [B, T, hidden], a new tensor: updated in place
         x = F.embedding(input_ids, emb.weight) if type(emb) is nn.Embedding else emb(input_ids)
         h = torch.empty_like(x)  # the normalised input of the next product
-        cache, layer_stride, kv_stride = kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1)
-        es = kv_cache.element_size()
-        plan = self.plan
-        window, scale = cfg.sliding_window or 0, D ** -0.5
         if self._decoder_plan is None:
             self._decoder_plan = self._layer_pointers()
-        threads = torch.get_num_threads()
-        if self._decoder_plan and R <= self._decoder_plan[2]:  # every layer in one call
-            ptrs, kinds, _ = self._decoder_plan
-            rc = k.decoder(x.data_ptr(), h.data_ptr(), B, T, len(plan), hid, H, Hkv, D, cfg.intermediate_size,
-                           ptrs, kinds, self.model.norm.weight.data_ptr(), eps, pos.data_ptr(), cos.data_ptr(),
-                           sin.data_ptr(), cache, layer_stride, kv_stride, slot0, L, slots_p, Lmax, lens_p, news_p,
-                           offs_p, window, scale, bf, threads)
+        args, keep = self._decoder_args(B, T, pos.data_ptr(), kv_cache, meta, max_position)
+        if self._decoder_plan and R <= self._decoder_plan[2]:
+            rc = k.decoder(x.data_ptr(), h.data_ptr(), *args)  # every layer in one call
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
             return h
+        (B, T, _, hid, H, Hkv, D, _, _, _, _, eps, _, cos_p, sin_p, cache, layer_stride, kv_stride, slot0, L,
+         slots_p, Lmax, lens_p, news_p, offs_p, window, scale, bf, threads) = args
+        es = kv_cache.element_size()
+        plan = self.plan
         k.rms_norm(x.data_ptr(), plan[0].ln1.data_ptr(), h.data_ptr(), R, hid, eps, bf)
         for i, w in enumerate(plan):
             qkv = w.qkv(h)  # [B, T, (H + 2 Hkv) * D]
-            k.rope(qkv.data_ptr(), R, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), bf)
+            k.rope(qkv.data_ptr(), R, (H + 2 * Hkv) * D, H + Hkv, D, pos.data_ptr(), cos_p, sin_p, bf)
             y = torch.empty(*x.shape[:-1], H * D, dtype=x.dtype)
             kc = cache + i * layer_stride * es
-            if slots is None:
+            if not slots_p:  # consecutive slots
                 rc = k.attend(qkv.data_ptr(), T, H, Hkv, D, kc, kc + kv_stride * es, slot0, L, window, scale,
                               y.data_ptr(), bf, threads)
             else:
@@ -599,24 +671,11 @@ class LlamaModel(nn.Module):
             self._decoder_plan = self._layer_pointers()
         if not self._decoder_plan or len(feed) > min(self._decoder_plan[2], self.FUSED_MAX_TOKENS):
             return None
-        cfg, dtype = self.cfg, self.model.norm.weight.dtype
-        head, emb = self.lm_head, self.model.embed_tokens
-        native = getattr(head, "native", None)
-        if not isinstance(head, PackedLinear) or native is None or head.bias is not None:
+        cfg, dtype, io = self.cfg, self.model.norm.weight.dtype, self._native_io()
+        if io is None:
             return None
-        if dtype == torch.float32 and native.dtype == torch.float32:
-            head_kind = 1
-        elif dtype == torch.bfloat16 and native.dtype == torch.bfloat16 and self.refine_head:
-            head_kind = 2  # compute_logits' float_logits
-        else:
-            return None
+        emb_ptr, emb_packed, head_ptr, head_kind = io
         if any(not 0 <= t < cfg.vocab_size for t in feed):  # the step-by-step path raises the error
-            return None
-        if isinstance(emb, PackedEmbedding) and emb.packed.dtype == dtype == torch.float32:
-            emb_ptr, emb_packed = emb.packed.data_ptr(), 1
-        elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
-            emb_ptr, emb_packed = emb.weight.data_ptr(), 0
-        else:
             return None
         n0 = len(feed)
         cos, sin = self.rope_table(start + n0 + k, kv_cache.device)
@@ -630,7 +689,7 @@ class LlamaModel(nn.Module):
             self.model.norm.weight.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
             kv_cache.stride(0), kv_cache.stride(1), -1 if slot0 is None else slot0,
             0 if slots is None else slots.data_ptr(), 0 if slots is None else slots.numel(), cfg.sliding_window or 0,
-            cfg.head_dim ** -0.5, int(dtype == torch.bfloat16), torch.get_num_threads(), native.data_ptr(), head_kind,
+            cfg.head_dim ** -0.5, int(dtype == torch.bfloat16), torch.get_num_threads(), head_ptr, head_kind,
             cfg.vocab_size, ctypes.addressof(toks), 0 if conf is None else ctypes.addressof(conf))
         if rc != 0:
             raise MemoryError("fused draft steps: no scratch memory")
@@ -713,6 +772,7 @@ class LlamaModel(nn.Module):
             # embedding reads the head's packed copy: one copy of the matrix instead of two
             self.model.embed_tokens, self.head_rows = PackedEmbedding(self.lm_head.native), None
         self.plan = [LayerWeights.of(layer) for layer in self.model.layers]
+        self._decoder_plan = self._io = None  # the kernels' pointers: found again on first use
         return self
 
     def _apply(self, fn, *args, **kwargs):

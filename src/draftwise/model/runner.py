@@ -38,6 +38,8 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.state = None  # the recurrent state pool of a hybrid model
+        # a CPU model that can run a whole step in one kernel call (LlamaModel.native_logits)
+        self._native = self.device.type == "cpu" and hasattr(self.model, "native_logits")
         hs = cfg.hybrid
         if hs is not None:
             self.state = RecurrentStatePool(len(hs.recurrent_layers), hs.num_v_heads, hs.k_head_dim, hs.v_head_dim,
@@ -72,26 +74,35 @@ class ModelRunner:
             return self._run_split(seq_ids, new_tokens, starts, num_logits, return_hidden)
         # plain lists, one tensor each (per-element tensor writes cost more than the forward of a
         # small draft); padding: token 0 at position 0, marked invalid
-        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)
+        id_rows = [t + [0] * (T - len(t)) for t in new_tokens]
         pos_rows = [list(range(s, s + n)) + [0] * (T - n) for s, n in zip(starts, lens)]
-        pos = torch.tensor(pos_rows, dtype=torch.long)
         ends = [s + n for s, n in zip(starts, lens)]
         first = self.kv.contiguous_start(seq_ids[0], ends[0]) if B == 1 else None
         if first is not None:  # one sequence on consecutive slots (the usual case at batch 1)
-            meta = AttentionMetadata.consecutive(first, starts[0], T, pos, self.cfg.sliding_window)
+            meta = AttentionMetadata.consecutive(first, starts[0], T, None, self.cfg.sliding_window)
         else:
             gather = self.kv.slots(seq_ids, ends)  # [B, L]
             window = self.cfg.sliding_window
             if T * B == sum(lens):  # no padding: every token writes its slot
-                def build(pos=pos):  # the CPU positions (a GPU run moves `pos` below)
+                def build():  # the CPU positions (a GPU run moves the tensors below)
+                    pos = torch.tensor(pos_rows, dtype=torch.long)
                     return AttentionMetadata.build_dense(pos, gather.gather(1, pos), gather, window)
             else:
-                def build(pos=pos):  # the CPU positions (a GPU run moves `pos` below)
+                def build():
+                    pos = torch.tensor(pos_rows, dtype=torch.long)
                     valid = torch.tensor([[1] * n + [0] * (T - n) for n in lens], dtype=torch.bool)
                     slot_mapping = torch.where(valid, gather.gather(1, pos.clamp(max=gather.shape[1] - 1)), -1)
                     return AttentionMetadata.build(pos, valid, slot_mapping, gather, window)
             # the key and new-token counts for the fused CPU path; the rest built if read
             meta = PagedMetadata(gather, ends, lens, build)
+        rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
+        if self._native and not return_hidden and self.state is None:  # the whole step in one kernel call
+            logits = self.model.native_logits([t for r in id_rows for t in r], [p for r in pos_rows for p in r],
+                                              B, T, self.cache, meta, max(ends), rows)
+            if logits is not None:
+                return logits
+        ids = torch.tensor(id_rows, dtype=torch.long)
+        pos = torch.tensor(pos_rows, dtype=torch.long)
         dev = self.device
         if dev.type != "cpu":
             ids, pos = ids.to(dev), pos.to(dev)
@@ -107,7 +118,6 @@ class ModelRunner:
         if T == 1:
             sel = hidden[:, 0]  # decode: one logits row per sequence, no gather
         else:
-            rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
             sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
         if return_hidden:
@@ -146,12 +156,18 @@ class ModelRunner:
         offs = [0]
         for n in lens:
             offs.append(offs[-1] + n)
-        ids = torch.tensor([[t for row in new_tokens for t in row]], dtype=torch.long)  # [1, N]
-        pos = torch.tensor([[p for s, n in zip(starts, lens) for p in range(s, s + n)]], dtype=torch.long)
+        flat_ids = [t for row in new_tokens for t in row]
+        flat_pos = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         gather = self.kv.slots(seq_ids, ends)  # [B, L]: the fused kernels write each new token's K/V there
         meta = AttentionMetadata(None, None, gather, None, seq_lens=ends, seq_new=lens, row_offsets=offs)
-        hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [1, N, hidden]
         rows = [offs[b] + t for b in range(len(lens)) for t in range(lens[b] - num_logits[b], lens[b])]
+        if self._native and not return_hidden:  # the whole step in one kernel call
+            logits = self.model.native_logits(flat_ids, flat_pos, len(lens), 0, self.cache, meta, max(ends), rows)
+            if logits is not None:
+                return logits
+        ids = torch.tensor([flat_ids], dtype=torch.long)  # [1, N]
+        pos = torch.tensor([flat_pos], dtype=torch.long)
+        hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [1, N, hidden]
         sel = hidden[0].index_select(0, torch.tensor(rows, dtype=torch.long))
         logits = self.model.compute_logits(sel)  # [sum(num_logits), V]
         if return_hidden:
