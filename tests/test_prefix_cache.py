@@ -119,6 +119,10 @@ def test_the_drafter_finds_a_cached_prefix_too(target_dir, draft_dir):
     assert counts[True][1] == counts[False][1]
     assert counts[False][0] - counts[True][0] == 64  # the 4 cached blocks of 16 prompt tokens
     assert llm.engine.proposer.kv.prefix_cache.hit_tokens >= 64
+    # reported beside the target's (stats, the lab's metrics, /metrics read the same keys)
+    st = llm.engine.stats.snapshot()
+    assert st["draft_prefix_cache_hit_tokens"] == llm.engine.proposer.kv.prefix_cache.hit_tokens >= 64
+    assert st["draft_prefix_cache_queried_tokens"] >= st["draft_prefix_cache_hit_tokens"] + 2
 
 
 def test_the_drafter_caches_committed_blocks_only(target_dir, draft_dir):

@@ -246,6 +246,9 @@ class LLMEngine:
         pc = self.runner.kv.prefix_cache
         if pc is not None:
             st.prefix_cache_queried_tokens, st.prefix_cache_hit_tokens = pc.queried_tokens, pc.hit_tokens
+        dpc = self.scheduler.draft_kv.prefix_cache if self.scheduler.draft_kv is not None else None
+        if dpc is not None:
+            st.draft_prefix_cache_queried_tokens, st.draft_prefix_cache_hit_tokens = dpc.queried_tokens, dpc.hit_tokens
         return outputs
 
     def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:

@@ -36,6 +36,9 @@ class EngineStats:
     # prefix caching: prompt (and recompute) tokens looked up at admission, and those found cached
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # ... and in the drafter's own pool: tokens looked up when a sequence first drafts, those found
+    draft_prefix_cache_queried_tokens: int = 0
+    draft_prefix_cache_hit_tokens: int = 0
 
     def snapshot(self) -> dict:
         return {
@@ -67,6 +70,8 @@ class EngineStats:
             "step_time_ratio_profile": dict(self.step_time_ratio_profile),
             "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "draft_prefix_cache_queried_tokens": self.draft_prefix_cache_queried_tokens,
+            "draft_prefix_cache_hit_tokens": self.draft_prefix_cache_hit_tokens,
         }
 
     def record_prediction(self, predicted: float, profile_only: float, measured: float) -> None:

@@ -160,6 +160,9 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
         "steps_speculating": stats.get("speculative_steps", 0) / decode_steps if decode_steps else None,
         "prefix_cache_hit_rate": (stats.get("prefix_cache_hit_tokens", 0) / stats["prefix_cache_queried_tokens"]
                                   if stats.get("prefix_cache_queried_tokens") else None),
+        "draft_prefix_cache_hit_rate": (stats.get("draft_prefix_cache_hit_tokens", 0)
+                                        / stats["draft_prefix_cache_queried_tokens"]
+                                        if stats.get("draft_prefix_cache_queried_tokens") else None),
         # the cost model's predicted step time against the clock (goodput policy): median and total ratio
         "step_time_measured_over_predicted": {
             "median": median_ratio(stats.get("step_time_ratio", {})),
