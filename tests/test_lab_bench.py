@@ -113,14 +113,29 @@ def test_find_capacity_search_and_report(target_dir, tmp_path):
     out = tmp_path / "cap"
     rc = main(["bench", "--model", str(target_dir), "--configs", "ngram:k=2", "--workload", "grounded",
                "--num-requests", "3", "--max-tokens", "6", "--find-capacity", "--slo", "e2e=60000",
-               "--capacity-start-rate", "50", "--out", str(out)])
+               "--capacity-start-rate", "50", "--repeats", "2", "--out", str(out)])
     assert rc == 0
     wl = json.loads((out / "results.json").read_text())["workloads"][0]
     assert set(wl["capacity"]) == {"none", "ngram:k=2"} and not wl["runs"]
     for c in wl["capacity"].values():
-        assert c["requests_per_s"] >= 50 and c["probes"][0]["held"]
+        assert c["requests_per_s"] >= 50 and c["probes"][0]["held"] and c["probes"][0]["runs"] == 2
     assert "requests/s at the latency limit" in (out / "report.md").read_text()
     assert main(["bench", "--model", str(target_dir), "--find-capacity", "--out", str(out)]) == 2  # no --slo
+
+
+def test_a_repeated_capacity_probe_is_decided_by_its_median_run():
+    from draftwise.lab.capacity import median_probe, slo_margin
+
+    def run(p90, completed=8):
+        return {"num_requests": 8, "completed": completed, "tpot_ms": {"p90": p90}, "ttft_ms": {"p90": 100.0}}
+
+    slo = {"tpot": 20.0, "ttft": 1000.0}
+    assert slo_margin(run(30.0), slo) == 1.5 and slo_margin(run(10.0), slo) == 0.5
+    assert slo_margin(run(10.0, completed=7), slo) == float("inf")
+    # one slow run of three does not break the rate, one fast run does not save it
+    assert median_probe([run(30.0), run(12.0), run(15.0)], slo)["tpot_ms"]["p90"] == 15.0
+    assert median_probe([run(25.0), run(12.0), run(22.0)], slo)["tpot_ms"]["p90"] == 22.0
+    assert median_probe([run(5.0, completed=7), run(12.0), run(9.0)], slo)["tpot_ms"]["p90"] == 12.0
 
 
 def test_bench_repeats_reports_the_median_round(target_dir, draft_dir, tmp_path):

@@ -41,7 +41,8 @@ def add_parser(sub):
                         "decoding rather than prefill dominates; prompts keep their tails to fit the context)")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every config per level, the config order rotated each round; each config's "
-                        "figures are its median round by output tokens/s, the faster of two (noisy machines; default 1)")
+                        "figures are its median round by output tokens/s, the faster of two (noisy machines; default 1); "
+                        "with --find-capacity, runs per probed rate, the median run by the SLO deciding")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
                                                "(keys: ttft, tpot, itl, e2e)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -5,8 +5,9 @@
 For each config the same requests are replayed at Poisson arrival rates chosen by a search:
 first doubling from a start rate until the SLO breaks (or the rate stops being reachable), then
 bisection between the last rate that held and the first that broke, until they are within
-`rel_tol` of each other or `max_probes` runs were made. The SLO holds at a rate when every
-request completed and the p90 of each limited metric (TTFT, TPOT, ITL, E2E) is within its limit.
+`rel_tol` of each other or `max_probes` rates were probed. The SLO holds at a rate when every
+request completed and the p90 of each limited metric (TTFT, TPOT, ITL, E2E) is within its limit;
+with `--repeats N` a probe runs N times and its median run (`median_probe`) decides.
 The answer, "requests/s at the latency limit", is the highest rate that held (0 if none did);
 every probe is kept (rate, held, the p90s) so the search can be read back.
 """
@@ -28,6 +29,21 @@ def slo_holds(summary: dict, slo: dict[str, float]) -> bool:
     return True
 
 
+def slo_margin(summary: dict, slo: dict[str, float]) -> float:
+    """How far a run is from breaking the SLO: the largest p90 / limit over the limited metrics
+    (<= 1 holds), infinite when a request did not complete."""
+    if summary["completed"] < summary["num_requests"]:
+        return float("inf")
+    ratios = [(summary.get(SLO_METRICS[k]) or {}).get("p90") for k in slo]
+    return max((r / slo[k] for k, r in zip(slo, ratios) if r is not None), default=0.0)
+
+
+def median_probe(summaries: list[dict], slo: dict[str, float]) -> dict:
+    """Of a probe's repeated runs at one rate, the median by `slo_margin` (one noisy run does not
+    decide whether the rate held)."""
+    return {**sorted(summaries, key=lambda s: slo_margin(s, slo))[len(summaries) // 2], "runs": len(summaries)}
+
+
 def find_capacity(
     measure: Callable[[float], dict],  # rate (requests/s) -> a `summarize` dict of one run at it
     slo: dict[str, float],
@@ -43,7 +59,8 @@ def find_capacity(
     def probe(rate: float) -> bool:
         s = measure(rate)
         ok = slo_holds(s, slo)
-        probes.append({"rate": rate, "held": ok, "achieved_requests_per_s": s["requests_per_s"],
+        probes.append({"rate": rate, "held": ok, "runs": s.get("runs", 1),
+                       "achieved_requests_per_s": s["requests_per_s"],
                        **{f"{k}_p90_ms": (s.get(SLO_METRICS[k]) or {}).get("p90") for k in slo}})
         return ok
 

@@ -21,7 +21,7 @@ from ..model.chat_template import ChatTemplate
 from . import correctness, memory
 from .arrivals import LoadLevel
 from .backends import EngineBackend, HTTPBackend, sampling_params
-from .capacity import find_capacity
+from .capacity import find_capacity, median_probe
 from .metrics import speculation_figures, summarize
 from .workload import Workload
 
@@ -268,10 +268,14 @@ def median_trial(trials: list[tuple[dict, object]]) -> tuple[dict, object]:
 
 
 def _capacity(plan: BenchPlan, backend, reqs, prompts, params) -> dict:
-    """The highest Poisson request rate at which the SLO holds at p90 for this config."""
+    """The highest Poisson request rate at which the SLO holds at p90 for this config (each
+    probe `plan.repeats` runs of the same arrivals, the median run deciding)."""
     def measure(rate: float) -> dict:
-        out = backend.run(reqs, prompts, params, LoadLevel("rate", rate, plan.burstiness), seed=plan.seed)
-        return summarize(out.records, out.wall, plan.slo)
+        runs = []
+        for _ in range(plan.repeats):
+            out = backend.run(reqs, prompts, params, LoadLevel("rate", rate, plan.burstiness), seed=plan.seed)
+            runs.append(summarize(out.records, out.wall, plan.slo))
+        return median_probe(runs, plan.slo)
 
     return find_capacity(measure, plan.slo, start_rate=plan.capacity_start_rate)
 
