@@ -71,7 +71,8 @@ def _build(source: Path = SOURCE) -> Path:
     return lib
 
 
-INT_RESULT = ("dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy")  # 0, or -1: no scratch memory
+# 0, or -1: no scratch memory
+INT_RESULT = ("dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy")
 
 
 class Kernels:

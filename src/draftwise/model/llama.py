@@ -535,7 +535,7 @@ class LlamaModel(nn.Module):
             Lmax, slots_p = slots.shape[1], slots.data_ptr()
             lens_p = ctypes.addressof(lens_news)
             news_p = lens_p + 8 * B
-        ptrs, kinds, _ = self._decoder_plan or (None, None, 0)  # () : the per-layer path's calls
+        ptrs, kinds, _ = self._decoder_plan or (None, None, 0)  # (): no one-call plan, the per-layer path
         bf = int(kv_cache.dtype == torch.bfloat16)
         args = (B, T, len(self.plan), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                 cfg.head_dim, cfg.intermediate_size, ptrs, kinds, self.model.norm.weight.data_ptr(), cfg.rms_norm_eps,
@@ -589,7 +589,7 @@ class LlamaModel(nn.Module):
             self._decoder_plan = self._layer_pointers()
         io = self._native_io()
         V = self.cfg.vocab_size
-        if not self._decoder_plan or io is None or len(ids) > self._decoder_plan[2] or max(T, 1) > self.FUSED_MAX_TOKENS:
+        if not self._decoder_plan or io is None or len(ids) > self._decoder_plan[2] or T > self.FUSED_MAX_TOKENS:
             return None
         if min(ids) < 0 or max(ids) >= V:
             return None
