@@ -458,7 +458,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # hidden [B, T, hidden]
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        if kv_cache is not None and self.plan is not None and self._fusable(input_ids, kv_cache, meta):
+        if (kv_cache is not None and self.plan is not None and input_ids.device.type == "cpu"
+                and self._fusable(*input_ids.shape, kv_cache, meta)):
             return self._fused_forward(input_ids, positions, kv_cache, meta, max_position)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
@@ -482,16 +483,16 @@ class LlamaModel(nn.Module):
     # of a step that decodes too (engine: `mixed`), which runs as one packed forward.
     FUSED_MAX_TOKENS = 128
 
-    def _fusable(self, input_ids, kv_cache, meta) -> bool:
-        """On the CPU with the fused kernels built (see cpu_kernels.py), at most FUSED_MAX_TOKENS new
-        tokens per sequence, and either one sequence on consecutive cache slots (the runner sets
+    def _fusable(self, B: int, T: int, kv_cache, meta) -> bool:
+        """Can B sequences of T new tokens on the CPU (`forward`, `native_logits` ask) run fused? With
+        the kernels built (see cpu_kernels.py), at most FUSED_MAX_TOKENS new tokens per sequence,
+        and either one sequence on consecutive cache slots (the runner sets
         `gather_start` only then, with positions L-T..L-1) or a batch whose sequences' key counts
         and new-token counts the runner gave (`seq_lens`, `seq_new`: sequence b's new tokens are
         its last keys, in its first rows; the other rows are padding)."""
-        B, T = input_ids.shape
         if meta.row_offsets is not None:  # packed rows: the runner asked `packs` first
             return True
-        if T > self.FUSED_MAX_TOKENS or input_ids.device.type != "cpu":
+        if T > self.FUSED_MAX_TOKENS:
             return False
         if not ((B == 1 and meta.gather_start is not None) or (meta.seq_lens is not None and len(meta.seq_lens) == B)):
             return False
@@ -578,18 +579,13 @@ class LlamaModel(nn.Module):
         (the kernels off, another layout, too many rows, a token outside the vocabulary: the
         step-by-step path raises the error): then the caller takes `forward`."""
         kern = cpu_kernels.kernels()
-        if kern is None or self.plan is None or not rows or len(ids) > self.FUSED_MAX_TOKENS * max(B, 1):
-            return None
-        if meta.row_offsets is None and not ((B == 1 and meta.gather_start is not None)
-                                             or (meta.seq_lens is not None and len(meta.seq_lens) == B)):
-            return None
-        if not self._kernels_fit(kv_cache):
+        if kern is None or self.plan is None or not rows or not self._fusable(B, T, kv_cache, meta):
             return None
         if self._decoder_plan is None:
             self._decoder_plan = self._layer_pointers()
         io = self._native_io()
         V = self.cfg.vocab_size
-        if not self._decoder_plan or io is None or len(ids) > self._decoder_plan[2] or T > self.FUSED_MAX_TOKENS:
+        if not self._decoder_plan or io is None or len(ids) > self._decoder_plan[2]:
             return None
         if min(ids) < 0 or max(ids) >= V:
             return None
