@@ -483,6 +483,28 @@ def test_the_plan_runs_only_when_clearly_ahead_of_fixed_speculation():
     assert arms.choose(behind) == "plain"  # plain ahead of both: no edge needed
 
 
+def test_switching_between_drafting_and_plain_steps_needs_a_clear_lead():
+    """Drafting after plain steps first feeds the drafter all it missed (its catch-up), so the
+    measured check keeps the step before's side (drafting or not) unless the other side is rated
+    more than SWITCH ahead; between two drafting arms ("spec" and "full") nothing sticks."""
+    assert _Arms.SWITCH > 1.0
+    plain = (1.0, 0.010, 0.0)  # 100 tokens/s
+    slightly = (1.0 * (1.0 + _Arms.SWITCH) / 2, 0.010, 0.0)  # ahead, by less than SWITCH
+    clearly = (1.0 * (_Arms.SWITCH + 0.02), 0.010, 0.0)
+    low = (0.5, 0.010, 0.0)
+    for last, want in (("plain", "plain"), ("full", "full"), (None, "full")):
+        arms = _Arms(GoodputPolicy.ARMS)
+        arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
+        assert arms.choose({"spec": low, "full": slightly, "plain": plain}, last=last) == want
+    arms = _Arms(GoodputPolicy.ARMS)
+    arms.due = {a: 10**9 for a in arms.arms}
+    assert arms.choose({"spec": low, "full": clearly, "plain": plain}, last="plain") == "full"
+    assert arms.choose({"spec": low, "full": plain, "plain": slightly}, last="full") == "full"
+    assert arms.choose({"spec": low, "full": plain, "plain": clearly}, last="full") == "plain"
+    # "spec" to "full" (both draft): the better one, no stickiness
+    assert arms.choose({"spec": (1.0, 0.010, 0.0), "full": slightly, "plain": low}, last="spec") == "full"
+
+
 def test_idle_plan_coasts_plain_against_full_alone():
     """Where the plan drafts for no row, its "spec" step is a plain one: "plain" and "spec" rate
     alike, and coasting (no plan for a few steps) then needs "plain" to lead "full" only; with a

@@ -210,7 +210,7 @@ class GoodputPolicy:
         # the measured check decides even when the plan drafts nothing: estimates that an unlucky
         # start made pessimistic (a few rejections at temperature 1) recover through its bursts of
         # "full", which test every proposal, not only through one-proposal probes
-        self._mode = arms.choose(pred, self._credit, self.CREDIT_CAP)
+        self._mode = arms.choose(pred, self._credit, self.CREDIT_CAP, last=self._last_mode)
         self._lead_rate = arms.lead_rate
         if arms.exploring is not None:
             self._looking = arms.exploring
@@ -368,7 +368,12 @@ class _Arms:
     The best-rated arm runs ("spec" only when rated more than `PLAN_EDGE` ahead of "full": two
     ratings from a few noisy steps each, and a plan that merely ties with fixed speculation
     verified shorter blocks for nothing: on grounded at 4 rows, 3.36 against 3.50 tokens a round
-    and 0.88x fixed's rate, 1.03x with the edge); another is tried in a burst of `BURST`
+    and 0.88x fixed's rate, 1.03x with the edge). Between drafting and plain steps it keeps the
+    previous step's side unless the other is rated more than `SWITCH` ahead: each return to
+    drafting first pays the drafter's catch-up, and under open-loop arrivals the batch size (so
+    the bucket, and the arm its figures favour) changes every few steps; without it the policy
+    flipped sides every few steps at 16 requests/s on code-easy (TPOT p90 worse in 4 of 4 rounds of
+    the same arrivals, e.g. 42.2 against 32.7 ms; `/work/scratch/s17_cap.py`). Another is tried in a burst of `BURST`
     consecutive steps (one step is too noisy a sample, and its first step may pay the drafter's
     catch-up) when its turn is due:
     every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
@@ -392,6 +397,7 @@ class _Arms:
     COAST_STEPS = 16
     FAR_COAST_STEPS = 64  # while the leader's lead is beyond 1 / FAR
     PLAN_EDGE = 1.03  # "spec" runs instead of "full" only when rated this much ahead
+    SWITCH = 1.05  # from drafting to plain steps or back only when the other side is rated this much ahead
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
         self.arms = tuple(arms)
@@ -464,7 +470,7 @@ class _Arms:
         return current
 
     def choose(self, pred: dict[str, tuple[float, float, float]], credit: float = math.inf,
-               cap: float = math.inf) -> str:
+               cap: float = math.inf, last: str | None = None) -> str:
         self.steps += 1
         self.coasted = 0
         rate = {a: self.rating(a, pred[a]) for a in self.arms}
@@ -484,6 +490,9 @@ class _Arms:
         best = max(self.arms, key=lambda a: rate[a])
         if best == "spec" and "full" in rate and rate["full"] * self.PLAN_EDGE >= rate["spec"]:
             best = "full"  # the plan must beat fixed speculation clearly: their rates are noisy estimates
+        if last in rate and last != best and (last == "plain") != (best == "plain") \
+                and rate[last] * self.SWITCH >= rate[best]:
+            best = last  # between drafting and not, the step before's side unless the other is clearly ahead
         self.rates = rate
         self.lead_rate = rate[best]
         for arm in self.arms:
