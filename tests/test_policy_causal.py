@@ -9,6 +9,7 @@ token), is the control: the enumeration and `draftwise
 check`'s distribution test must both see its bias.
 """
 import itertools
+import random
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -515,18 +516,43 @@ def test_idle_plan_coasts_plain_against_full_alone():
     assert arms.choose(pred) == "plain"
     assert arms.coast() is None  # "spec" within 1% of plain: a rival while the plan drafts
     assert arms.coast(idle=True) == "plain"
-    arms.current = "spec"  # a near tie the other way: the idle plan's spec step is plain anyway
-    assert arms.coast(idle=True) == "plain"
-    arms.due["full"] = 0  # a burst of "full" due: decide instead
+    arms.current, arms.lease = "spec", 0  # a near tie the other way: the idle plan's spec step is plain anyway
+    assert arms.coast(idle=True) == "plain"  # (the lease ends: this test sets what `coast` reads directly)
+    arms.due["full"], arms.lease = 0, 0  # a burst of "full" due: decide instead
     assert arms.coast(idle=True) is None
     arms.due["full"] = 10**9
     arms.coasted = _Arms.COAST_STEPS  # far ahead of "full" (2.5x): coasts longer
     assert arms.coast(idle=True) == "plain"
-    arms.coasted = _Arms.FAR_COAST_STEPS  # coasted long enough: decide again
+    arms.coasted, arms.lease = _Arms.FAR_COAST_STEPS, 0  # coasted long enough: decide again
     assert arms.coast(idle=True) is None
     arms.rates["full"] = 0.85 * arms.rates["plain"]  # ahead, not far ahead: COAST_STEPS
     arms.coasted = _Arms.COAST_STEPS - 1
     assert arms.coast(idle=True) == "plain" and arms.coast(idle=True) is None
+
+
+def test_coasting_on_a_lease_decides_as_the_full_checks_would():
+    """`coast` skips its checks for the steps its lease covers (before the limit and any rival's
+    turn): over random decisions, credits and ratings, it answers exactly as without the lease."""
+    class NoLease(_Arms):
+        def coast(self, *a, **k):
+            self.lease = 0
+            return super().coast(*a, **k)
+
+    rng = random.Random(5)
+    leased, checked = _Arms(GoodputPolicy.ARMS), NoLease(GoodputPolicy.ARMS)
+    used, idle = 0, True
+    for step in range(4000):
+        credit = rng.choice([0.0, 0.001, 1.0])
+        answers = [arms.coast(credit, 0.25, idle=idle) for arms in (leased, checked)]
+        assert answers[0] == answers[1], step
+        used += leased.lease > 0
+        if answers[0] is None:  # a plan runs (only it can change `idle`) and the check decides
+            idle = rng.random() < 0.7
+            lead, last = rng.choice(["plain", "full", "spec"]), rng.choice(["plain", "full"])
+            pred = {a: (1.0 if a != lead else rng.choice([1.02, 1.2, 3.0]), 0.01, 0.0) for a in GoodputPolicy.ARMS}
+            choices = [arms.choose(pred, credit, 0.25, last=last) for arms in (leased, checked)]
+            assert choices[0] == choices[1], step
+    assert used > 100  # the leases were used
 
 
 def _looking_cost(budget: float, cap: float, steps: int = 6000) -> tuple[float, float, int]:

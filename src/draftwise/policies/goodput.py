@@ -145,6 +145,7 @@ class GoodputPolicy:
         self._coasted = 0  # coasting steps seen (the cost model observes one in COAST_OBSERVE_EVERY)
         self._idle_plan = False  # the last plan drafted for no row (its "spec" step is a plain one)
         self._bucket = 0
+        self._plan_b = 0  # the batch size `_bucket` is of
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
         # the exploration budget: seconds of steps that looked away from the leading arm (bursts of
         # the others, engine-wide probes) may cost at most EXPLORE_BUDGET of the time run
@@ -158,8 +159,13 @@ class GoodputPolicy:
 
     def plan(self, seqs, max_draft):
         b = len(seqs)
-        self._bucket = batch_bucket(b)
-        arms = self._arms_at(self._bucket)
+        moved = False
+        if b != self._plan_b:
+            bucket = batch_bucket(b)
+            self._plan_b, self._bucket, moved = b, bucket, bucket != self._bucket
+        arms = self._arms.get(self._bucket) or self._arms_at(self._bucket)
+        if moved:  # back from another bucket, whose plans may have changed what `coast` reads (`idle`)
+            arms.lease = 0
         self._looking = None
         coast = arms.coast(self._credit, self.CREDIT_CAP, idle=self._idle_plan)
         if coast == "plain":  # plain by a wide margin here: no plan for a few steps
@@ -410,6 +416,7 @@ class _Arms:
         self.interval = {a: self.EXPLORE_EVERY for a in arms}
         self.rates: dict[str, float] = {}  # the arms' ratings at the last decision
         self.coasted = 0  # steps run without a decision since the last one
+        self.lease, self.lease_arm = 0, "plain"  # further steps `coast` returns lease_arm unchecked
         self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
         self.own: set[str] = set()  # arms with steps of their own here (the others: a neighbour's figures)
         self.lead_rate = 0.0  # the best arm's rating at the last decision (tokens/s)
@@ -455,24 +462,37 @@ class _Arms:
         for a decision that sees it.)
         `idle`: the last plan drafted for no row, so a "spec" step is a plain one: "plain" and
         "spec" are then one arm, which coasts while it leads "full" (a useless drafter, a load
-        where nothing pays: the plan's Python work, ~0.5 ms a step at 16 rows, is skipped)."""
+        where nothing pays: the plan's Python work, ~0.5 ms a step at 16 rows, is skipped).
+        Once it coasts, the steps before its limit or the next rival's turn coast without these
+        checks (`lease`: nothing they read changes meanwhile, `choose` ends it)."""
+        if self.lease > 0:
+            self.lease -= 1
+            self.steps += 1
+            self.coasted += 1
+            return self.lease_arm
         current = "plain" if idle and self.current == "spec" else self.current
         if current == "spec" or self.burst_left > 0 or self.exploring is not None:
             return None
         rivals = [a for a in self.arms if a != current and not (idle and a == "spec")]
         lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
-        if lead < self.COAST or self.coasted >= (self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS):
+        limit = self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS
+        if lead < self.COAST or self.coasted >= limit:
             return None
         if any(self.steps + 1 >= self.due[a] and self.affordable(a, credit, cap) for a in rivals):
             return None
         self.steps += 1
         self.coasted += 1
+        # the next calls that would pass every check above whatever the credit: before the limit
+        # and before any rival's turn
+        self.lease = min(limit - self.coasted, min(self.due[a] for a in rivals) - self.steps - 1)
+        self.lease_arm = current
         return current
 
     def choose(self, pred: dict[str, tuple[float, float, float]], credit: float = math.inf,
                cap: float = math.inf, last: str | None = None) -> str:
         self.steps += 1
         self.coasted = 0
+        self.lease = 0
         rate = {a: self.rating(a, pred[a]) for a in self.arms}
         if self.burst_left > 0:
             self.burst_left -= 1
