@@ -528,25 +528,6 @@ def test_idle_plan_coasts_plain_against_full_alone():
     assert arms.coast(idle=True) == "plain" and arms.coast(idle=True) is None
 
 
-def test_figures_of_an_arm_not_run_for_long_give_way_to_a_fresh_burst():
-    """An arm's figures decay per step of its own and, for the steps run without it, one more
-    step's worth every STALE_STEPS: after 10 slow steps and 200 steps of the others, a burst of 3
-    fast steps decides its rating; 3 consecutive fast steps right after move it far less."""
-    def rated(gap: int) -> float:
-        arms = _Arms(GoodputPolicy.ARMS)
-        for _ in range(10):  # a slow spell: 10 tokens in 20 ms
-            arms.steps += 1
-            arms.record("plain", committed=10.0, expected=10.0, seconds=0.02, predicted=0.01, catch_up=False)
-        arms.steps += gap
-        for _ in range(3):  # now: 10 tokens in 10 ms
-            arms.steps += 1
-            arms.record("plain", committed=10.0, expected=10.0, seconds=0.01, predicted=0.01, catch_up=False)
-        return arms.rating("plain", (10.0, 0.01, 0.0))
-
-    assert rated(200) > 0.95 * 1000.0  # tokens/s of the fresh steps
-    assert rated(0) < 0.75 * 1000.0  # consecutive: the old steps still weigh
-
-
 def test_coasting_holds_while_the_choice_would_not_change():
     """A coasting arm keeps running unplanned while `choose` would pick it again: no rival rated
     ahead of it by more than the margin needed to leave it (SWITCH across drafting and plain

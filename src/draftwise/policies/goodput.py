@@ -403,7 +403,7 @@ class _Arms:
     COAST_STEPS = 16
     FAR_COAST_STEPS = 64  # while the leader's lead is beyond 1 / FAR
     PLAN_EDGE = 1.03  # "spec" runs instead of "full" only when rated this much ahead
-    STALE_STEPS = 4  # steps run without an arm that decay its figures as much as one step of its own
+    STALE_STEPS = 8  # steps run without an arm that decay its figures as much as one step of its own
     SWITCH = 1.05  # from drafting to plain steps or back only when the other side is rated this much ahead
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
