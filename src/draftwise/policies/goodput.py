@@ -387,9 +387,8 @@ class _Arms:
     back to `EXPLORE_EVERY` after one that came close; an arm never run that the model rates more
     than 20% behind waits four times as long for its first look. A clearly worse arm (speculation
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
-    "full" would be chosen again (no rival ahead by its switch margin) and no burst is due, `plan`
-    is skipped for up to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more
-    than 1 / FAR). A new batch size starts from a neighbour's figures and
+    "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
+    to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more than 1 / FAR). A new batch size starts from a neighbour's figures and
     intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
     times the neighbour's measured / predicted ratios (rates measured at another batch size do not
     compare with this one's)."""
@@ -400,10 +399,10 @@ class _Arms:
     MAX_EXPLORE_EVERY = 1024
     MARGIN = 0.95
     FAR = 0.8
+    COAST = 1.1
     COAST_STEPS = 16
     FAR_COAST_STEPS = 64  # while the leader's lead is beyond 1 / FAR
     PLAN_EDGE = 1.03  # "spec" runs instead of "full" only when rated this much ahead
-    STALE_STEPS = 8  # steps run without an arm that decay its figures as much as one step of its own
     SWITCH = 1.05  # from drafting to plain steps or back only when the other side is rated this much ahead
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
@@ -418,7 +417,6 @@ class _Arms:
         self.rates: dict[str, float] = {}  # the arms' ratings at the last decision
         self.coasted = 0  # steps run without a decision since the last one
         self.lease, self.lease_arm = 0, "plain"  # further steps `coast` returns lease_arm unchecked
-        self.recorded_at: dict[str, int] = {}  # arm -> `steps` at its last recorded step
         self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
         self.own: set[str] = set()  # arms with steps of their own here (the others: a neighbour's figures)
         self.lead_rate = 0.0  # the best arm's rating at the last decision (tokens/s)
@@ -457,13 +455,10 @@ class _Arms:
         self._spent[arm] = self._spent.get(arm, 0.0) + seconds
 
     def coast(self, credit: float = math.inf, cap: float = math.inf, idle: bool = False) -> str | None:
-        """The arm to run again without planning ("plain" or "full"), or None: at the last decision,
-        at most COAST_STEPS steps ago (FAR_COAST_STEPS when it led by more than 1 / FAR), no other
-        arm was rated ahead of it by more than what `choose` needs to leave it (SWITCH between
-        drafting and plain steps, PLAN_EDGE from "full" to "spec"); it is not exploring and no other
-        arm's turn is due (and affordable). (Until session 17 it had to lead every other arm by 10%:
-        near ties, e.g. code-hard at 24 rows, ran the plan every step, 0.3-0.8 ms of Python, for
-        the same choice.) (A request joining or leaving within the bucket waits at most that many steps
+        """The arm to run again without planning ("plain" or "full"), or None: it led every other
+        arm by more than COAST at the last decision, at most COAST_STEPS steps ago (FAR_COAST_STEPS
+        when it led by more than 1 / FAR); it is not exploring and no other arm's turn is due (and
+        affordable). (A request joining or leaving within the bucket waits at most that many steps
         for a decision that sees it.)
         `idle`: the last plan drafted for no row, so a "spec" step is a plain one: "plain" and
         "spec" are then one arm, which coasts while it leads "full" (a useless drafter, a load
@@ -479,14 +474,9 @@ class _Arms:
         if current == "spec" or self.burst_left > 0 or self.exploring is not None:
             return None
         rivals = [a for a in self.arms if a != current and not (idle and a == "spec")]
-        rate = self.rates.get(current, 0.0)
-        lead = rate / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
+        lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
         limit = self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS
-        # `choose` would pick it again: no rival ahead by more than its switch (SWITCH from the other
-        # side of drafting, PLAN_EDGE from "spec" to "full")
-        held = all(self.rates.get(a, 0.0) <= rate * (self.PLAN_EDGE if current == "full" and a == "spec"
-                                                     else self.SWITCH) for a in rivals)
-        if not held or self.coasted >= limit:
+        if lead < self.COAST or self.coasted >= limit:
             return None
         if any(self.steps + 1 >= self.due[a] and self.affordable(a, credit, cap) for a in rivals):
             return None
@@ -548,11 +538,6 @@ class _Arms:
         if arm not in self.own:  # its first step here replaces the neighbour's figures
             self.own.add(arm)
             self.figures[arm] = [0.0] * 5
-        # decayed per step of the arm, and more for the steps run without it since its last one: a
-        # burst's fresh figures outweigh old ones (the machine's speed drifts; figures from a slow
-        # spell otherwise kept an arm behind through bursts that each moved its rating a quarter)
-        age = self.steps - self.recorded_at.get(arm, self.steps) - 1
-        self.recorded_at[arm] = self.steps
-        f, d = self.figures[arm], self.DECAY ** (1.0 + max(0, age) / self.STALE_STEPS)
+        f, d = self.figures[arm], self.DECAY
         for i, v in enumerate((committed, expected, seconds, predicted, 1.0)):
             f[i] = f[i] * d + v
