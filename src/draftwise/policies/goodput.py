@@ -379,7 +379,7 @@ class _Arms:
     drafting first pays the drafter's catch-up, and under open-loop arrivals the batch size (so
     the bucket, and the arm its figures favour) changes every few steps; without it the policy
     flipped sides every few steps at 16 requests/s on code-easy (TPOT p90 worse in 4 of 4 rounds of
-    the same arrivals, e.g. 42.2 against 32.7 ms; `/work/scratch/s17_cap.py`). Another is tried in a burst of `BURST`
+    the same arrivals, e.g. 42.2 against 32.7 ms). Another is tried in a burst of `BURST`
     consecutive steps (one step is too noisy a sample, and its first step may pay the drafter's
     catch-up) when its turn is due:
     every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
