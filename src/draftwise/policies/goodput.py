@@ -163,7 +163,7 @@ class GoodputPolicy:
         if b != self._plan_b:
             bucket = batch_bucket(b)
             self._plan_b, self._bucket, moved = b, bucket, bucket != self._bucket
-        arms = self._arms.get(self._bucket) or self._arms_at(self._bucket)
+        arms = self._arms_at(self._bucket)
         if moved:  # back from another bucket, whose plans may have changed what `coast` reads (`idle`)
             arms.lease = 0
         self._looking = None
