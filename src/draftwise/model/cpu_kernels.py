@@ -134,7 +134,8 @@ def set_enabled(enabled: bool) -> None:
 
 
 def avx512() -> bool:
-    """Whether the CPU has AVX-512 (F): oneDNN's float32 kernels there are wider than dw_gemm_f32's."""
+    """Whether the CPU has AVX-512 (F): oneDNN's float32 kernels there are wider than dw_gemm_f32's
+    and may sum in another order (`llama._native_pack` then takes dw_gemm_f32 unchecked)."""
     return "avx512f" in _cpu_flags().split()
 
 

@@ -110,18 +110,21 @@ def padded_rows(rows: int) -> int:
 
 
 def _packable(w: torch.Tensor) -> bool:
-    """oneDNN's packed layout: float32 on any CPU, bfloat16 only where the CPU multiplies it natively
-    (`cpu_kernels.bf16_native`: oneDNN refuses to reorder a bfloat16 weight on an AVX2-only CPU)."""
+    """oneDNN's packed layout: float32 on any CPU (`_native_pack` may still take it), bfloat16 only
+    where the CPU multiplies it natively (`cpu_kernels.bf16_native`: oneDNN refuses to reorder a
+    bfloat16 weight on an AVX2-only CPU) and the kernels' dw_gemm_bf16 is not used (with it, the
+    20M target's batch-1 step on the AVX-512 BF16 EPYC ran speculative decoding at 955 / 1137 tok/s
+    against oneDNN's 539 / 473: one kernel call a step instead of the per-layer path)."""
     return (w.device.type == "cpu" and w.numel() >= PACK_MIN_NUMEL
-            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and cpu_kernels.bf16_native()))
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and cpu_kernels.bf16_native()
+                                              and not native_gemm_wanted()))
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def native_gemm_wanted() -> bool:
-    """dw_gemm_f32 instead of oneDNN for float32 weights: on CPUs without AVX-512 (oneDNN's AVX2
-    kernel there is the same FMA chain, checked per weight in `_native_pack`; with AVX-512 oneDNN's
-    wider kernels are left alone), kernels built, not switched off (DRAFTWISE_NATIVE_GEMM=0)."""
-    if os.environ.get("DRAFTWISE_NATIVE_GEMM", "1") == "0" or cpu_kernels.avx512():
+    """dw_gemm_f32 / dw_gemm_bf16 instead of oneDNN for float weights (`_native_pack`,
+    `_packable`): kernels built, not switched off (DRAFTWISE_NATIVE_GEMM=0)."""
+    if os.environ.get("DRAFTWISE_NATIVE_GEMM", "1") == "0":
         return False
     return cpu_kernels.kernels() is not None
 
@@ -134,11 +137,24 @@ def _native_pack(w: torch.Tensor, bias) -> torch.Tensor | None:
     results make the switch invisible: the same logits, the same greedy tokens, only faster
     (measured on the AVX2-only EPYC, 2 threads, SmolLM2-135M's 30 layers of products: 19.2
     against 26.7 ms at 1 row, 28.7 / 37.2 at 5, 57.3 / 61.0 at 16, 403.6 / 449.3 at 256; oneDNN's
-    small-row products leave bandwidth unused; benchmarks/native_gemm.py)."""
+    small-row products leave bandwidth unused; benchmarks/native_gemm.py).
+    With AVX-512 oneDNN's wider kernels sum some shapes in another order (SmolLM2's 576 inputs,
+    not the embedded target's 384): there dw_gemm_f32 takes every float32 weight unchecked, for
+    every row count, so that a row's bits never depend on the other rows (verification blocks and
+    single steps agree) and the target's step is one kernel call (`dw_forward`). On the AVX-512
+    EPYC (2 threads, `benchmarks/native_gemm.py products`, best of 3): the 20M target's layer
+    products (`--shapes target --layers 8`) 2.0 against 4.4 ms at 1 row, 3.5 / 3.8 at 5, 6.8 / 6.6
+    at 16, 19.8 / 18.9 at 64; SmolLM2-135M's 30 layers 14.7 / 23.6 at 1 row, 16.6 / 21.9 at 5,
+    31.8 / 34.1 at 16, 82.6 / 74.0 at 64 (prefill-sized blocks pay ~10%); batch-1 decoding of the
+    embedded pair (`benchmarks/native_gemm.py decode --rounds 2`, the kernels' products against
+    oneDNN's, the drafter bfloat16 in both) 392 / 379 against 181 / 169 tok/s plain (2.21x), 695 /
+    690 against 431 / 438 with the draft (1.59x)."""
     if w.dtype != torch.float32 or not native_gemm_wanted():
         return None
     O, N = w.shape
     wp = _pack(w)
+    if cpu_kernels.avx512():
+        return wp
     g = torch.Generator().manual_seed(O * 31 + N)
     n = min(O, PROBE_OUTPUTS)
     probe = torch.ops.mkldnn._reorder_linear_weight(w[:n].contiguous(), PACK_BATCH_HINT)
@@ -696,7 +712,7 @@ class LlamaModel(nn.Module):
         layer, the most rows it takes) when every projection runs in a kernel of kernels.c whatever
         the rows up to that bound (a small weight's dw_linear up to 16 rows, a dw_gemm packing any
         number, an int8 weight's dw_gemm_q8 and an int4 one's dw_linear_q4 up to KERNEL_MAX_ROWS), else () (the per-layer path:
-        some product is oneDNN's, e.g. on an AVX-512 CPU). The call makes the per-layer path's kernel
+        some product is oneDNN's, e.g. with DRAFTWISE_NATIVE_GEMM=0). The call makes the per-layer path's kernel
         calls in the same order with the same arguments: the same bits, without ~10 Python calls a
         layer (SmolLM2-135M: 300 a step). Prepared weights never move (see `_apply`), so the pointers
         stay valid. DRAFTWISE_NATIVE_STEP=0 keeps the per-layer path (benchmarks/native_gemm.py)."""
