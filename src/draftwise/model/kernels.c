@@ -441,9 +441,12 @@ static int attend_group(const void *qkv, long T, long H, long Hkv, long D, void 
 
 /* ATT_MIN_PARALLEL: below this many query-key-dimension products in a call, its heads run on the
  * calling thread alone (a fork of the OpenMP team costs a few microseconds: a draft model's
- * attention over a short context is less than that). */
+ * attention over a short context is less than that). 2^17 left the embedded target's batch-1
+ * decode step (6 heads x 64 dims, ~250-380 keys: 100-150K) on one thread; at 2^14, one process
+ * alternating library builds on code-easy prompts (AVX-512 EPYC, 2 threads): bfloat16 plain
+ * 1.04-1.07x, float32 plain 1.06-1.08x, bfloat16 with the draft 0.99-1.00x; 2^11 the same as 2^14. */
 #ifndef ATT_MIN_PARALLEL
-#define ATT_MIN_PARALLEL (1L << 17)
+#define ATT_MIN_PARALLEL (1L << 14)
 #endif
 
 /* One sequence, its K/V heads split across `threads` (torch's OpenMP team) when the work is
