@@ -780,6 +780,17 @@ static inline v8f i8x8f(const void *p) {
 }
 #endif
 
+/* A register block's sums for outputs o0..o0+15 of one row (y: the row): stored (the first
+ * k-block) or added to what the earlier k-blocks left; outputs past O dropped. */
+static inline void gemm_out16(const float *v, float *y, long O, long o0, int first) {
+    long n = O - o0 < 16 ? O - o0 : 16;
+    y += o0;
+    if (first)
+        for (long l = 0; l < n; l++) y[l] = v[l];
+    else
+        for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
+}
+
 #if defined(__AVX512F__) && !defined(DW_GEMM8)
 /* gemm_block on AVX-512 for weights of kind 0-2 (float32, bfloat16, int8 with one scale per
  * output): each 16-output block's accumulator is one 16-lane register instead of two 8-lane ones,
@@ -825,12 +836,7 @@ static inline __attribute__((always_inline)) void gemm_block16(const float *x, l
         for (int j = 0; j < NB; j++) {
             float v[16];
             _mm512_storeu_ps(v, acc[r][j]);
-            long o0 = (ob + j) * 16, n = O - o0 < 16 ? O - o0 : 16;
-            float *y = out + r * O + o0;
-            if (first)
-                for (long l = 0; l < n; l++) y[l] = v[l];
-            else
-                for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
+            gemm_out16(v, out + r * O, O, (ob + j) * 16, first);
         }
 }
 #endif
@@ -897,12 +903,7 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
             float v[16];
             memcpy(v, &acc[r][j][0], 32);
             memcpy(v + 8, &acc[r][j][1], 32);
-            long o0 = (ob + j) * 16, n = O - o0 < 16 ? O - o0 : 16;
-            float *y = out + r * O + o0;
-            if (first)
-                for (long l = 0; l < n; l++) y[l] = v[l];
-            else
-                for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
+            gemm_out16(v, out + r * O, O, (ob + j) * 16, first);
         }
 }
 
