@@ -813,8 +813,8 @@ static inline __attribute__((always_inline)) void gemm_block16(const float *x, l
         /* as gemm_block's, but not for one row of bfloat16 weights either: the 20M target's 33
          * products at 1 row, AVX-512 EPYC, 2 threads, library builds alternating: 1.27 / 1.51 ms
          * without against 1.39 / 1.76 with (at 5 rows the prefetch still pays: 1.58 / 1.75 with,
-         * 1.64 / 1.91 without; the engine's bfloat16 batch-1 decoding 1.01-1.03x plain, 1.00-1.02x with
-         * the draft, `/work/scratch/s18_libab.py`) */
+         * 1.64 / 1.91 without; the engine's bfloat16 batch-1 decoding, library builds alternating in
+         * one process: 1.01-1.03x plain, 1.00-1.02x with the draft) */
         if ((WB && !(WB == 1 && NB == 4)) || NB < 4)
             for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, 0);
         __m512 wv[4];

@@ -113,8 +113,9 @@ def _packable(w: torch.Tensor) -> bool:
     """oneDNN's packed layout: float32 on any CPU (`_native_pack` may still take it), bfloat16 only
     where the CPU multiplies it natively (`cpu_kernels.bf16_native`: oneDNN refuses to reorder a
     bfloat16 weight on an AVX2-only CPU) and the kernels' dw_gemm_bf16 is not used (with it, the
-    20M target's batch-1 step on the AVX-512 BF16 EPYC ran speculative decoding at 955 / 1137 tok/s
-    against oneDNN's 539 / 473: one kernel call a step instead of the per-layer path)."""
+    20M target's step is one kernel call on the AVX-512 BF16 EPYC too: `benchmarks/peer_llamacpp.py`
+    in bfloat16, with and without DRAFTWISE_NATIVE_GEMM=0, plain 510 against 238 tok/s, with the
+    draft 881 against 502)."""
     return (w.device.type == "cpu" and w.numel() >= PACK_MIN_NUMEL
             and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and cpu_kernels.bf16_native()
                                               and not native_gemm_wanted()))
@@ -142,13 +143,13 @@ def _native_pack(w: torch.Tensor, bias) -> torch.Tensor | None:
     not the embedded target's 384): there dw_gemm_f32 takes every float32 weight unchecked, for
     every row count, so that a row's bits never depend on the other rows (verification blocks and
     single steps agree) and the target's step is one kernel call (`dw_forward`). On the AVX-512
-    EPYC (2 threads, `benchmarks/native_gemm.py products`, best of 3): the 20M target's layer
-    products (`--shapes target --layers 8`) 2.0 against 4.4 ms at 1 row, 3.5 / 3.8 at 5, 6.8 / 6.6
-    at 16, 19.8 / 18.9 at 64; SmolLM2-135M's 30 layers 14.7 / 23.6 at 1 row, 16.6 / 21.9 at 5,
-    31.8 / 34.1 at 16, 82.6 / 74.0 at 64 (prefill-sized blocks pay ~10%); batch-1 decoding of the
-    embedded pair (`benchmarks/native_gemm.py decode --rounds 2`, the kernels' products against
-    oneDNN's, the drafter bfloat16 in both) 392 / 379 against 181 / 169 tok/s plain (2.21x), 695 /
-    690 against 431 / 438 with the draft (1.59x)."""
+    EPYC (2 threads, `benchmarks/native_gemm.py products`, best of 3, with the 16-lane blocks of
+    kernels.c's gemm_block16): the 20M target's layer products (`--shapes target --layers 8`) 1.9
+    against 3.4 ms at 1 row, 2.2 / 2.8 at 5, 3.1 / 3.9 at 16, 9.3 / 10.0 at 64; SmolLM2-135M's 30
+    layers 14.6 / 23.6 at 1 row, 15.4 / 20.0 at 5, 23.4 / 28.3 at 16, 75.3 / 75.8 at 64; batch-1
+    decoding of the embedded pair (`benchmarks/native_gemm.py decode --rounds 2`, the kernels'
+    products against oneDNN's, the drafter bfloat16 in both; before the 16-lane blocks) 392 / 379
+    against 181 / 169 tok/s plain (2.21x), 695 / 690 against 431 / 438 with the draft (1.59x)."""
     if w.dtype != torch.float32 or not native_gemm_wanted():
         return None
     O, N = w.shape
