@@ -37,7 +37,7 @@ PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n",
            "import os\n\ndef list_files(path):\n", "def parse_args(argv):\n"]
 
 
-def products(layers: int, rows_list: list[int], threads: int, shapes: str = "smollm2") -> None:
+def products(layers: int, rows_list: list[int], threads: int, shapes: list[tuple[int, int]] = SHAPES) -> None:
     import torch
 
     from draftwise.model import cpu_kernels
@@ -47,7 +47,6 @@ def products(layers: int, rows_list: list[int], threads: int, shapes: str = "smo
     if not native_gemm_wanted():
         raise SystemExit("dw_gemm_f32 is not used on this machine (no kernels, or DRAFTWISE_NATIVE_GEMM=0)")
     k = cpu_kernels.kernels()
-    SHAPES = TARGET_SHAPES if shapes == "target" else globals()["SHAPES"]
 
     def pack(w):
         wp = torch.empty((w.shape[0] + 15) // 16, w.shape[1], 16)
@@ -57,24 +56,24 @@ def products(layers: int, rows_list: list[int], threads: int, shapes: str = "smo
     g = torch.Generator().manual_seed(0)
     dnn, ours = [], []
     for _ in range(layers):
-        ws = [torch.randn(o, n, generator=g) for o, n in SHAPES]
+        ws = [torch.randn(o, n, generator=g) for o, n in shapes]
         dnn.append([torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws])
         ours.append([pack(w) for w in ws])
-    print(f"{layers} layers of {SHAPES}, {threads} threads; ms per pass over all of them (best of 3)")
+    print(f"{layers} layers of {shapes}, {threads} threads; ms per pass over all of them (best of 3)")
     for rows in rows_list:
-        xs = [torch.randn(rows, n, generator=g) for _, n in SHAPES]
-        outs = [torch.empty(rows, o) for o, _ in SHAPES]
+        xs = [torch.randn(rows, n, generator=g) for _, n in shapes]
+        outs = [torch.empty(rows, o) for o, _ in shapes]
 
         def run_dnn():
             return [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for l in dnn for w, x in zip(l, xs)]
 
         def run_ours():
             for l in ours:
-                for w, x, y, (o, n) in zip(l, xs, outs, SHAPES):
+                for w, x, y, (o, n) in zip(l, xs, outs, shapes):
                     k.gemm_f32(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), rows, o, n, threads)
             return outs
 
-        ref = run_dnn()[-len(SHAPES):]
+        ref = run_dnn()[-len(shapes):]
         run_ours()
         same = torch.equal if not cpu_kernels.avx512() else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4)
         assert all(same(a, b) for a, b in zip(ref, outs)), "dw_gemm_f32 differs from oneDNN"
@@ -142,7 +141,8 @@ def main() -> None:
     ap.add_argument("--spec", default="draft", choices=["draft", "ngram"], help="the speculative config of `decode`")
     a = ap.parse_args()
     if a.what == "products":
-        products(a.layers, [int(r) for r in a.rows.split(",")], a.threads, a.shapes)
+        products(a.layers, [int(r) for r in a.rows.split(",")], a.threads,
+                 TARGET_SHAPES if a.shapes == "target" else SHAPES)
     elif a.what == "decode":
         decode(a.model, a.draft or str(ROOT / "models" / "draft"), a.rounds, a.tokens, a.threads, a.switch, a.spec)
     else:
