@@ -514,6 +514,8 @@ def test_idle_plan_coasts_plain_against_full_alone():
     pred = {"spec": (1.0, 0.0101, 0.0), "plain": (1.0, 0.01, 0.0), "full": (1.2, 0.03, 0.0)}
     arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
     assert arms.choose(pred) == "plain"
+    assert arms.coast(idle=True) is None  # rated by the model alone: not before steps of its own here
+    arms.own.update(arms.arms)  # (as if measured: `rating` reads figures only for arms with steps)
     assert arms.coast() is None  # "spec" within 1% of plain: a rival while the plan drafts
     assert arms.coast(idle=True) == "plain"
     arms.current, arms.lease = "spec", 0  # a near tie the other way: the idle plan's spec step is plain anyway
@@ -540,6 +542,8 @@ def test_coasting_on_a_lease_decides_as_the_full_checks_would():
 
     rng = random.Random(5)
     leased, checked = _Arms(GoodputPolicy.ARMS), NoLease(GoodputPolicy.ARMS)
+    for arms in (leased, checked):
+        arms.own.update(arms.arms)  # (as if measured here: only a measured leader coasts)
     used, idle = 0, True
     for step in range(4000):
         credit = rng.choice([0.0, 0.001, 1.0])

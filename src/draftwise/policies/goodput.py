@@ -459,7 +459,9 @@ class _Arms:
         arm by more than COAST at the last decision, at most COAST_STEPS steps ago (FAR_COAST_STEPS
         when it led by more than 1 / FAR); it is not exploring and no other arm's turn is due (and
         affordable). (A request joining or leaving within the bucket waits at most that many steps
-        for a decision that sees it.)
+        for a decision that sees it.) Only a leader with steps of its own at this batch size coasts:
+        a lead that is the model's (a new batch size rated by a neighbour's ratios) is measured
+        first (at 8 rows on code-hard, a model-rated "full" coasted 37 steps at 0.5x plain's rate).
         `idle`: the last plan drafted for no row, so a "spec" step is a plain one: "plain" and
         "spec" are then one arm, which coasts while it leads "full" (a useless drafter, a load
         where nothing pays: the plan's Python work, ~0.5 ms a step at 16 rows, is skipped).
@@ -473,6 +475,8 @@ class _Arms:
         current = "plain" if idle and self.current == "spec" else self.current
         if current == "spec" or self.burst_left > 0 or self.exploring is not None:
             return None
+        if current not in self.own and not (idle and "spec" in self.own and current == "plain"):
+            return None  # its lead is the model's (a neighbour's ratios): measure it here first
         rivals = [a for a in self.arms if a != current and not (idle and a == "spec")]
         lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
         limit = self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS
