@@ -1,5 +1,6 @@
-"""A drafter's greedy steps in one kernel call (`ModelRunner.greedy_steps`, `dw_draft_greedy`):
-the proposals, the K/V written and the speculative output are those of the step-by-step loop."""
+"""A drafter's greedy steps in one kernel call (`ModelRunner.greedy_steps`, `dw_draft_greedy`; for
+several rows `greedy_steps_rows`, `dw_draft_greedy_rows`): the proposals, the K/V written and the
+speculative output are those of the step-by-step loop."""
 import pytest
 import torch
 
@@ -76,14 +77,15 @@ def test_fused_steps_leave_a_token_outside_the_vocabulary_to_the_step_by_step_pa
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculative_output_is_the_same_with_and_without_fused_steps(pair, dtype):
-    """Greedy speculative decoding through the engine: a lone request (consecutive slots) and a long
-    request left alone after a short one (interleaved blocks) give the same tokens and the same
-    acceptance either way, and the fused steps ran."""
+    """Greedy speculative decoding through the engine: a lone request (consecutive slots), two
+    requests drafting together (`greedy_steps_rows`) and a long request left alone after a short one
+    (interleaved blocks) give the same tokens and the same acceptance either way, and the fused
+    steps ran."""
     target, draft = pair[True]
     prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 5]
     sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
-    outs, fused_calls = {}, 0
+    outs, fused_calls, rows_calls = {}, 0, 0
     for fused in (True, False):
         llm = LLM(str(target), draft=str(draft), spec=SpecConfig(method="draft", k=4), dtype=dtype)
         prop = llm.engine.proposer
@@ -97,8 +99,68 @@ def test_speculative_output_is_the_same_with_and_without_fused_steps(pair, dtype
             return got
 
         prop.runner.greedy_steps = counted
+        orig_rows = prop.runner.greedy_steps_rows
+
+        def counted_rows(*a, **kw):
+            nonlocal rows_calls
+            got = orig_rows(*a, **kw)
+            rows_calls += got is not None
+            return got
+
+        prop.runner.greedy_steps_rows = counted_rows
         alone = llm.generate([prompts[0]], sps[0])
         together = llm.generate(prompts, sps)
         outs[fused] = [(o.token_ids, o.stats.accepted_tokens, o.stats.proposed_tokens) for o in alone + together]
     assert outs[True] == outs[False]
-    assert fused_calls > 0
+    assert fused_calls > 0 and rows_calls > 0  # a lone row's steps and the two rows' together
+
+
+def _loop_rows(runner, seq_ids, feeds, starts, ks):
+    """The drafter's step-by-step loop over several rows: one `run` of the rows still drafting a step."""
+    toks = [[] for _ in seq_ids]
+    conf = [[] for _ in seq_ids]
+    feeds, starts = [list(f) for f in feeds], list(starts)
+    active = list(range(len(seq_ids)))
+    while active:
+        logits = runner.run([seq_ids[i] for i in active], [feeds[i] for i in active], [starts[i] for i in active],
+                            [1] * len(active))
+        for r, i in enumerate(active):
+            tok = int(logits[r].argmax())
+            toks[i].append(tok)
+            conf[i].append(float(torch.softmax(logits[r], -1).max()))
+            starts[i] += len(feeds[i])
+            feeds[i] = [tok]
+        active = [i for i in active if len(toks[i]) < ks[i]]
+    return toks, conf
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ks", [(4, 4, 4), (1, 4, 2)])
+def test_fused_steps_of_several_rows_equal_the_loop(pair, dtype, ks):
+    """`greedy_steps_rows` (`dw_draft_greedy_rows`): rows feeding different catch-ups (1-5 tokens)
+    on interleaved block tables, drafting the same or different numbers of tokens: the proposals,
+    their confidences and the K/V written are the loop's."""
+    draft = load_model(pair[False][1], dtype=dtype, load_tokenizer=False)
+    feeds = [[3, 17, 200, 45, 9], [11], [7, 8]]
+    ctx = [20, 33, 9]
+    runs = {}
+    for fused in (True, False):
+        r = ModelRunner(draft, 64, 16)
+        for n in range(1, 5):  # interleaved block tables
+            for sid in range(3):
+                r.kv.reserve(sid, 16 * n)
+        r.run([0, 1, 2], [[5] * c for c in ctx], [0, 0, 0], [1, 1, 1])  # some context first
+        if fused:
+            got = r.greedy_steps_rows([0, 1, 2], feeds, ctx, list(ks), confidence=True)
+        else:
+            got = _loop_rows(r, [0, 1, 2], feeds, ctx, list(ks))
+        assert got is not None, "the fused steps did not run"
+        ends = [c + len(f) + k - 1 for c, f, k in zip(ctx, feeds, ks)]
+        kv = [r.cache[:, :, r.kv.slots([sid], [e])[0]].clone() for sid, e in zip(range(3), ends)]
+        runs[fused] = (got[0], got[1], kv)
+    assert runs[True][0] == runs[False][0]
+    assert [len(t) for t in runs[True][0]] == list(ks)
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-6)
+    for a, b in zip(runs[True][2], runs[False][2]):
+        assert torch.equal(a, b)

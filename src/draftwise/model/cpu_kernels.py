@@ -72,7 +72,7 @@ def _build(source: Path = SOURCE) -> Path:
 
 
 # 0, or -1: no scratch memory
-INT_RESULT = ("dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy")
+INT_RESULT = ("dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows")
 
 
 class Kernels:
@@ -105,6 +105,9 @@ class Kernels:
             "dw_draft_greedy": [p, ctypes.c_int, p, i, i, i, i, i, i, i, i, i, ctypes.POINTER(p),
                                 ctypes.POINTER(ctypes.c_int), p, f, p, p, p, i, i, i, p, i, i, f, ctypes.c_int,
                                 ctypes.c_int, p, ctypes.c_int, i, p, p],
+            "dw_draft_greedy_rows": [p, ctypes.c_int, p, p, p, p, i, i, i, i, i, i, i, ctypes.POINTER(p),
+                                     ctypes.POINTER(ctypes.c_int), p, f, p, p, p, i, i, p, i, i, f, ctypes.c_int,
+                                     ctypes.c_int, p, ctypes.c_int, i, i, p, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

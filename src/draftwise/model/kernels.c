@@ -1289,6 +1289,63 @@ int dw_draft_greedy(const void *emb, int emb_packed, const int64_t *feed, long n
     return rc;
 }
 
+/* The batched form of dw_draft_greedy: ks[b] greedy proposals of each of B sequences. Step 0 feeds
+ * sequence b's tokens feed[offs0[b]..offs0[b+1]) at positions start[b].. (packed rows); step s > 0
+ * feeds step s-1's proposal of the sequences with ks[b] > s, at the next position. Each step is one
+ * dw_forward of those rows with the head on each sequence's last row, then each row's first maximum
+ * (argmax_conf_row: the calls and values of the drafter's Python loop for such rows). slots [B, Lmax]:
+ * each sequence's slot per position (reaching start[b] + n0 + ks[b] - 1). out_tok / out_conf [B, kmax]
+ * (out_conf may be NULL): row b's first ks[b] entries written. Returns 0, or -1 (no scratch memory). */
+int dw_draft_greedy_rows(const void *emb, int emb_packed, const int64_t *feed, const int64_t *offs0,
+                         const int64_t *start, const int64_t *ks, long B, long layers, long hid, long H, long Hkv,
+                         long D, long I, void **w, const int *kinds, const void *final_norm, float eps,
+                         const float *cos, const float *sin, void *cache, long layer_stride, long kv_stride,
+                         const int64_t *slots, long Lmax, long window, float scale, int bf, int threads,
+                         const void *head_w, int head_kind, long V, long kmax, int64_t *out_tok, float *out_conf) {
+    long R0 = offs0[B], n = (R0 > B ? R0 : B);
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (2 * n + 5 * B + 2 + B * Lmax) + sizeof(float) * B * V);
+    if (!ids) return -1;
+    int64_t *pos = ids + n, *offs = pos + n, *lens = offs + B + 1, *news = lens + B, *sel = news + B;
+    int64_t *act = sel + B, *tab = act + B;
+    float *logits = (float *)(tab + B * Lmax);
+    int rc = 0;
+    for (long s = 0; s < kmax && rc == 0; s++) {
+        long A = 0, R = 0, L = 0;
+        int whole = 1; /* every sequence runs: their slot rows as given */
+        offs[0] = 0;
+        for (long b = 0; b < B; b++) {
+            if (ks[b] <= s) {
+                whole = 0;
+                continue;
+            }
+            long n0 = offs0[b + 1] - offs0[b], T = s == 0 ? n0 : 1, p0 = s == 0 ? start[b] : start[b] + n0 + s - 1;
+            for (long t = 0; t < T; t++) {
+                ids[R + t] = s == 0 ? feed[offs0[b] + t] : out_tok[b * kmax + s - 1];
+                pos[R + t] = p0 + t;
+            }
+            R += T;
+            lens[A] = p0 + T;
+            news[A] = T;
+            offs[A + 1] = R;
+            sel[A] = R - 1;
+            if (lens[A] > L) L = lens[A];
+            act[A++] = b;
+        }
+        if (A == 0) break;
+        if (!whole)
+            for (long a = 0; a < A; a++) memcpy(tab + a * Lmax, slots + act[a] * Lmax, sizeof(int64_t) * Lmax);
+        rc = dw_forward(emb, emb_packed, ids, head_w, head_kind, V, sel, A, logits, A, 0, layers, hid, H, Hkv, D, I,
+                        w, kinds, final_norm, eps, pos, cos, sin, cache, layer_stride, kv_stride, 0, L,
+                        whole ? slots : tab, Lmax, lens, news, offs, window, scale, bf, threads);
+        for (long a = 0; a < A && rc == 0; a++) {
+            long b = act[a];
+            out_tok[b * kmax + s] = argmax_conf_row(logits + a * V, V, out_conf ? out_conf + b * kmax + s : NULL);
+        }
+    }
+    free(ids);
+    return rc;
+}
+
 /* Each row's first maximum and, when conf is not NULL, its confidence max softmax = 1 / sum exp(l - max)
  * (what the Python loop computes as exp(max - logsumexp)), for `rows` rows of V float32 logits. */
 void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads) {

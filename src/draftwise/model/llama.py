@@ -708,6 +708,56 @@ class LlamaModel(nn.Module):
             raise MemoryError("fused draft steps: no scratch memory")
         return list(toks), (list(conf) if conf is not None else None)
 
+    def greedy_steps_rows(self, feeds: list[list[int]], starts: list[int], ks: list[int], kv_cache: torch.Tensor,
+                          slots: torch.Tensor, confidence: bool = False):
+        """`greedy_steps` for B sequences at once (`dw_draft_greedy_rows`): sequence b feeds feeds[b]
+        at positions starts[b].., then its proposals, ks[b] of them; each step is one packed forward
+        of the sequences still drafting (what the drafter's loop runs for such rows, with the same
+        values). slots [B, L]: each sequence's slot per position, reaching starts[b] + len(feeds[b])
+        + ks[b] - 1. Returns (tokens per sequence, confidences per sequence or None), or None where
+        this model's forward is not one call (as greedy_steps), or the first step's rows exceed
+        what the kernels take."""
+        kern = cpu_kernels.kernels()
+        if kern is None or self.plan is None or not self._kernels_fit(kv_cache) or not feeds or min(ks) < 1:
+            return None
+        if self._decoder_plan is None:
+            self._decoder_plan = self._layer_pointers()
+        n0 = sum(len(f) for f in feeds)
+        if not self._decoder_plan or n0 > self._decoder_plan[2] or len(feeds) > self._decoder_plan[2] \
+                or max(len(f) for f in feeds) > self.FUSED_MAX_TOKENS or min(len(f) for f in feeds) < 1:
+            return None
+        cfg, dtype, io = self.cfg, self.model.norm.weight.dtype, self._native_io()
+        if io is None:
+            return None
+        emb_ptr, emb_packed, head_ptr, head_kind = io
+        flat = [t for f in feeds for t in f]
+        if min(flat) < 0 or max(flat) >= cfg.vocab_size:  # the step-by-step path raises the error
+            return None
+        B, kmax = len(feeds), max(ks)
+        offs = [0]
+        for f in feeds:
+            offs.append(offs[-1] + len(f))
+        cos, sin = self.rope_table(max(s + len(f) + k for s, f, k in zip(starts, feeds, ks)), kv_cache.device)
+        ptrs, kinds, _ = self._decoder_plan
+        feed_c = (ctypes.c_int64 * n0)(*flat)
+        meta_c = (ctypes.c_int64 * (3 * B + 1))(*offs, *starts, *ks)
+        slots = slots.contiguous()
+        toks = (ctypes.c_int64 * (B * kmax))()
+        conf = (ctypes.c_float * (B * kmax))() if confidence else None
+        base = ctypes.addressof(meta_c)
+        rc = kern.draft_greedy_rows(
+            emb_ptr, emb_packed, ctypes.addressof(feed_c), base, base + 8 * (B + 1), base + 8 * (2 * B + 1), B,
+            len(self.plan), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, ptrs, kinds, self.model.norm.weight.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
+            sin.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), slots.data_ptr(),
+            slots.shape[1], cfg.sliding_window or 0, cfg.head_dim ** -0.5, int(dtype == torch.bfloat16),
+            torch.get_num_threads(), head_ptr, head_kind, cfg.vocab_size, kmax, ctypes.addressof(toks),
+            0 if conf is None else ctypes.addressof(conf))
+        if rc != 0:
+            raise MemoryError("fused draft steps: no scratch memory")
+        out = [list(toks[b * kmax : b * kmax + k]) for b, k in enumerate(ks)]
+        return out, ([list(conf[b * kmax : b * kmax + k]) for b, k in enumerate(ks)] if conf is not None else None)
+
     def _layer_pointers(self):
         """For `dw_decoder` (every layer in one call): (14 pointers per layer, 4 product kinds per
         layer, the most rows it takes) when every projection runs in a kernel of kernels.c whatever

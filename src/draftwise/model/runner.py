@@ -137,6 +137,17 @@ class ModelRunner:
         slots = None if first is not None else self.kv.slots([seq_id], [end])[0].contiguous()
         return fn(feed, start, k, self.cache, first, slots, confidence)
 
+    def greedy_steps_rows(self, seq_ids: list[int], feeds: list[list[int]], starts: list[int], ks: list[int],
+                          confidence: bool = False):
+        """`greedy_steps` for several sequences in one call (`LlamaModel.greedy_steps_rows`): ks[b]
+        greedy proposals of sequence b, each step one packed forward of the sequences still drafting.
+        None where the model cannot: then `run`."""
+        fn = getattr(self.model, "greedy_steps_rows", None)
+        if fn is None or self.state is not None or self.device.type != "cpu":
+            return None
+        ends = [s + len(f) + k - 1 for s, f, k in zip(starts, feeds, ks)]  # keys at each one's last step
+        return fn(feeds, starts, ks, self.cache, self.kv.slots(seq_ids, ends), confidence)
+
     def _run_split(self, seq_ids, new_tokens, starts, num_logits, return_hidden):
         """`run` one sequence at a time: prefill chunks of different lengths, too long for the
         packed path, would be padded to the longest (16 prompts of 50-400 tokens: ~half the

@@ -59,8 +59,8 @@ class DraftModelProposer:
         self._fed: dict[int, int] = {}  # seq_id -> proposals the last round fed to the draft cache
         self.confidence = True  # compute max q_j per proposal (the engine turns it off when unused)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (see _catch_up_long)
-        # a lone greedy row's k steps in one kernel call where the draft model allows it
-        # (ModelRunner.greedy_steps): the same proposals; False keeps the step-by-step loop (tests)
+        # greedy rows' k steps in one kernel call where the draft model allows it (ModelRunner.greedy_steps,
+        # greedy_steps_rows for several rows): the same proposals; False keeps the step-by-step loop (tests)
         self.fused_steps = True
 
     @torch.inference_mode()
@@ -84,18 +84,26 @@ class DraftModelProposer:
         # greedy rows with nothing to process (for the whole round: the rule reads the committed
         # history): q's argmax is the raw logits', process_logits is skipped
         raw = not any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in active)
-        if raw and self.fused_steps and len(active) == 1 and seqs[active[0]].params.is_greedy:
-            i = active[0]
-            got = self.runner.greedy_steps(seqs[i].seq_id, feeds[i], starts[i], left[i][0], self.confidence)
-            if got is not None:  # the loop below, run in the kernels: blocks, feeds and starts as it leaves them
-                toks, conf = got
+        got = None
+        if raw and self.fused_steps and active and all(seqs[i].params.is_greedy for i in active):
+            if len(active) == 1:
+                i = active[0]
+                one = self.runner.greedy_steps(seqs[i].seq_id, feeds[i], starts[i], left[i][0], self.confidence)
+                got = None if one is None else ([one[0]], None if one[1] is None else [one[1]])
+            else:
+                got = self.runner.greedy_steps_rows([seqs[i].seq_id for i in active], [feeds[i] for i in active],
+                                                    [starts[i] for i in active], [left[i][0] for i in active],
+                                                    self.confidence)
+        if got is not None:  # the loop below, run in the kernels: blocks, feeds and starts as it leaves them
+            for r, i in enumerate(active):
+                toks = got[0][r]
                 blocks[i].token_ids.extend(toks)
-                blocks[i].confidence.extend(conf if conf is not None else [None] * len(toks))
+                blocks[i].confidence.extend(got[1][r] if got[1] is not None else [None] * len(toks))
                 starts[i] += len(feeds[i]) + len(toks) - 1
                 feeds[i], unfed[i] = [toks[-1]], 1
                 ran.add(i)
                 left[i][0] = 0
-                active = []
+            active = []
         while active:
             logits = self.runner.run(
                 [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active),
