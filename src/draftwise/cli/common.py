@@ -89,6 +89,12 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
                         "pair, measured on first use; see `draftwise profile`)")
 
 
+def add_multi_step_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--multi-step", type=positive_int, default=8, metavar="N",
+                   help="plain decoding (--method none) of a lone greedy request with nothing waiting: up to N "
+                        "tokens a step in one kernel call, the same tokens as one a step (default 8; 1: off)")
+
+
 def spec_from_args(args) -> SpecConfig:
     method = args.method
     if method is None:
@@ -108,4 +114,5 @@ def build_llm(args):
     warn_tokenizer_mismatch(args, args.command, [spec.method])
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
                draft_dtype=args.draft_dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
-               enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback)
+               enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback,
+               multi_step=args.multi_step)

@@ -5,13 +5,14 @@ import json
 import sys
 
 from ..sampling import SamplingParams
-from .common import add_model_args, build_llm, check_text
+from .common import add_model_args, add_multi_step_arg, build_llm, check_text
 
 
 def add_parser(sub):
     p = sub.add_parser("generate", help="complete prompts with or without speculation")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     add_model_args(p)
+    add_multi_step_arg(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

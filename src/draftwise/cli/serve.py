@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import add_model_args, positive_int, spec_from_args, warn_tokenizer_mismatch
+from .common import add_model_args, add_multi_step_arg, positive_int, spec_from_args, warn_tokenizer_mismatch
 
 
 def _non_negative(text: str) -> float:
@@ -54,6 +54,7 @@ LIMIT_FLAGS = [
 def add_parser(sub):
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description=__doc__.splitlines()[0])
     add_model_args(p)
+    add_multi_step_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences running at once (default 64)")
@@ -102,7 +103,8 @@ def run(args) -> int:
         return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype,
                    device=args.device, draft_dtype=args.draft_dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-                   enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback)
+                   enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback,
+                   multi_step=args.multi_step)
 
     llm = worker.call(build)
     name = args.served_model_name or model_dir.name

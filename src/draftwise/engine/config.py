@@ -59,6 +59,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share full blocks of committed tokens between requests
     kv_cache_memory: int | str | None = None  # bytes or "2GiB" for the K/V pools; None: default budget
     recurrent_rollback: str = "snapshot"  # hybrid targets: snapshot | replay (model/recurrent_state.py)
+    # plain decoding (no speculative method) of a lone greedy sequence with nothing waiting: up to
+    # this many tokens a step in one kernel call (ModelRunner.greedy_steps; 1: one token a step)
+    multi_step: int = 8
 
     def __post_init__(self):
         if self.kv_cache_memory is not None:
@@ -69,5 +72,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.recurrent_rollback not in ("snapshot", "replay"):
             raise ValueError(f"recurrent_rollback must be snapshot or replay, got {self.recurrent_rollback!r}")
+        if not 1 <= self.multi_step <= 64:
+            raise ValueError(f"multi_step must be in [1, 64], got {self.multi_step}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -117,6 +117,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
+            multi_step=cfg.multi_step if cls is None else 1,
         )
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
@@ -296,6 +297,9 @@ class LLMEngine:
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
         """Target forward -> p (`process_logits`) -> the selection rule (`sampling.verify`)."""
+        multi = self._multi_step(scheduled)
+        if multi is not None:
+            return multi
         sampling, logits = self._forward(scheduled, blocks)
         if not sampling:
             return Verification({}, [], [], [], [], None)
@@ -321,6 +325,26 @@ class LLMEngine:
         q = flat_draft_probs(ids, [b.probs for b in drafts], self.vocab_size)  # [sum(num_draft), V] or None
         result = verify_proposals(p_logits, meta, q, [s.seq.generator for s in sampling])
         return Verification.from_result(rows, meta, result, p_logits)
+
+    def _multi_step(self, scheduled: list[ScheduledSeq]) -> Verification | None:
+        """Plain decoding of a lone greedy sequence with nothing to process, which the scheduler let
+        commit 1 + num_draft tokens (no speculation, nothing waiting: `EngineConfig.multi_step`):
+        the target's greedy steps in one kernel call (`ModelRunner.greedy_steps`, what as many
+        one-token steps compute: each token the argmax of the logits after the ones before). The
+        tokens are committed one at a time with the stop checks, as every step's are; K/V written
+        past a stop is dropped by bookkeeping. None: the usual step (a sampled or processed row,
+        a prefill, several rows, a model without the fused steps)."""
+        if self.proposer is not None or len(scheduled) != 1:
+            return None
+        s = scheduled[0]
+        seq = s.seq
+        if not s.num_draft or seq.is_prefilling or not s.samples or not _takes_argmax(seq):
+            return None
+        feed = seq.all_ids[seq.num_computed : seq.num_tokens]
+        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft)
+        if got is None:
+            return None
+        return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None)
 
     def _forward(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]):
         """One target forward per group: decoding sequences (last committed + proposals), then
@@ -385,6 +409,8 @@ class LLMEngine:
             self._count_round(seq, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s)
         seq.stats.verify_seconds += verify_s
         new_ids, reason, stop_string = self._commit(seq, toks, rows)
+        for _ in new_ids[1 + a :]:  # a multi-step row's further tokens: one plain round each
+            self._count_round(seq, 0, 0, 0, 0.0)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self.stats.generation_tokens += len(new_ids)

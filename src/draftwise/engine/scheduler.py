@@ -23,7 +23,8 @@ from .sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed from all_ids[num_computed:]
-    num_draft: int  # proposals this sequence may verify (0 while prefilling)
+    num_draft: int  # proposals this sequence may verify (0 while prefilling; without speculation:
+    # further tokens it may commit this step, multi-step decoding)
     num_forced: int = 0  # grammar-forced proposals it may verify on top (structured output; K/V reserved)
 
     @property
@@ -53,6 +54,7 @@ class Scheduler:
         max_num_batched_tokens: int = 1024,
         max_forced: int = 0,
         mixed_chunk: int | None = None,
+        multi_step: int = 1,
     ):
         self.target_kv = target_kv
         self.draft_kv = draft_kv
@@ -64,6 +66,9 @@ class Scheduler:
         # the longest prefill chunk of a step that also decodes (None: the token budget): the engine
         # runs such a step as one forward, which takes chunks up to this many tokens
         self.mixed_chunk = mixed_chunk
+        # without speculation (k = 0): a lone decoding sequence with nothing waiting may commit up to
+        # this many tokens a step (its K/V reserved; the engine's multi-step path uses them)
+        self.multi_step = multi_step
         self.admission_limit: int | None = None  # a lower cap on running sequences, when set
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -75,11 +80,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_draft_for(self, seq: Sequence) -> int:
-        """Proposals to verify: never past max_tokens nor past the context (depends on lengths only)."""
+    def num_draft_for(self, seq: Sequence, cap: int | None = None) -> int:
+        """Proposals to verify (at most `cap`, default k): never past max_tokens nor past the context
+        (depends on lengths only)."""
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         room = self.max_model_len - seq.num_tokens
-        return max(0, min(self.k, left, room))
+        return max(0, min(self.k if cap is None else cap, left, room))
 
     def num_forced_for(self, seq: Sequence, k: int, budget: int) -> int:
         """Forced proposals a constrained sequence may verify after its k drafted ones: the same
@@ -132,6 +138,8 @@ class Scheduler:
                 n, k = min(todo, budget, chunk), 0
             else:
                 n, k = 1, min(self.num_draft_for(seq), budget - 1)
+                if not self.k and self.multi_step > 1 and len(self.running) == 1 and not self.waiting:
+                    k = min(self.num_draft_for(seq, self.multi_step - 1), budget - 1)  # tokens after the first
             f = self.num_forced_for(seq, k, budget - 1 - k)
             # the drafter feeds forced tokens too (at most k + f - 1 proposals past the committed ones)
             draft_tokens = seq.num_tokens + k + f - 1 if k else 0

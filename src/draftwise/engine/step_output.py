@@ -39,7 +39,8 @@ class Verification:
         tokens = [c[: a + 1] if v else [] for c, a, v in zip(committed, accepted, valid)]
         return Verification(rows, tokens, accepted, valid, meta.cu_num_logits.tolist()[:-1], p_logits)
 
-    def committed(self, b: int) -> tuple[list[int], int, torch.Tensor]:
-        """Row b's committed tokens, number accepted, and p's logits rows at those positions."""
+    def committed(self, b: int) -> tuple[list[int], int, torch.Tensor | None]:
+        """Row b's committed tokens, number accepted, and p's logits rows at those positions (None:
+        a multi-step row, which keeps no logits)."""
         a, start = self.accepted[b], self.starts[b]
-        return self.tokens[b], a, self.p_logits[start : start + a + 1]
+        return self.tokens[b], a, None if self.p_logits is None else self.p_logits[start : start + a + 1]

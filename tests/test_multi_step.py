@@ -1,0 +1,61 @@
+"""Multi-step plain decoding (`EngineConfig.multi_step`): a lone greedy sequence commits up to that
+many tokens a step from one kernel call; outputs, stops and finish reasons are those of one token a
+step."""
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.engine import EngineConfig
+from draftwise.model import cpu_kernels
+from tiny_models import make_model_dir
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: the fused kernels are off")
+
+V = 2048  # a head packed for dw_gemm (the fused steps' head)
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 5, [300, 301]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer):
+    return make_model_dir(tmp_path_factory.mktemp("multi-step") / "target", seed=0, tokenizer=tokenizer,
+                          vocab_size=V, layers=2, hidden=64)
+
+
+def _run(target, multi_step, dtype, sps, together=False):
+    llm = LLM(str(target), dtype=dtype, multi_step=multi_step)
+    if together:
+        outs = llm.generate(PROMPTS, sps)
+    else:
+        outs = [llm.generate([p], sp)[0] for p, sp in zip(PROMPTS, sps)]
+    return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats.steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_multi_step_greedy_output_is_one_token_a_step(target, dtype):
+    """Alone (multi-step) and together (one token a step: several rows), lengths that are not a
+    multiple of the step: the same tokens as multi_step=1, in fewer steps alone."""
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (37, 8, 1)]
+    one, steps_one = _run(target, 1, dtype, sps)
+    many, steps_many = _run(target, 8, dtype, sps)
+    assert many == one
+    assert [len(t) for t, _ in many] == [37, 8, 1]
+    assert steps_many < steps_one
+    assert _run(target, 8, dtype, sps, together=True)[0] == one
+
+
+def test_multi_step_stops_where_one_token_a_step_stops(target):
+    """A stop token and a stop string inside a multi-step chunk: nothing after them is committed,
+    with the same finish reasons; sampled requests (not multi-step) are unchanged too."""
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, _ = _run(target, 1, "float32", [free] * 3)
+    stop_ids = [toks[11] for toks, _ in ref]  # the 12th token of each greedy output
+    sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[t]) for t in stop_ids]
+    one, _ = _run(target, 1, "float32", sps)
+    many, _ = _run(target, 8, "float32", sps)
+    assert many == one and all(r == "stop" and len(t) <= 12 for t, r in many)
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(3)]
+    assert _run(target, 8, "float32", sampled)[0] == _run(target, 1, "float32", sampled)[0]
+
+
+def test_multi_step_is_validated():
+    with pytest.raises(ValueError, match="multi_step"):
+        EngineConfig(multi_step=0)
