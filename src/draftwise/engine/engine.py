@@ -114,6 +114,7 @@ class LLMEngine:
         self.mixed = (packs is not None and self.runner.state is None and self.runner.device.type == "cpu"
                       and packs(1, self.runner.cache))
         self._mixed_step = False
+        self._multi_stepped = False  # this step's lone row committed several greedy tokens (_multi_step)
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
@@ -288,8 +289,8 @@ class LLMEngine:
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
         catch_up = self._catch_up_seconds
-        if self._mixed_step:  # its decode part was not timed apart from the prefill chunks
-            seconds = None
+        if self._mixed_step or self._multi_stepped:  # its decode part was not timed apart from the prefill
+            seconds = None  # chunks; or it was several target steps (multi-step), not the forward modelled
         predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up)
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(*predicted, seconds - catch_up)
@@ -297,7 +298,7 @@ class LLMEngine:
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
         """Target forward -> p (`process_logits`) -> the selection rule (`sampling.verify`)."""
-        multi = self._multi_step(scheduled)
+        multi = self._multi_step(scheduled, blocks)
         if multi is not None:
             return multi
         sampling, logits = self._forward(scheduled, blocks)
@@ -326,24 +327,28 @@ class LLMEngine:
         result = verify_proposals(p_logits, meta, q, [s.seq.generator for s in sampling])
         return Verification.from_result(rows, meta, result, p_logits)
 
-    def _multi_step(self, scheduled: list[ScheduledSeq]) -> Verification | None:
+    def _multi_step(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification | None:
         """Plain decoding of a lone greedy sequence with nothing to process, which the scheduler let
-        commit 1 + num_draft tokens (no speculation, nothing waiting: `EngineConfig.multi_step`):
+        commit 1 + num_draft tokens (without speculation: nothing waiting, `EngineConfig.multi_step`;
+        with it: a step in which the sequence drafts nothing, e.g. the policy runs plain steps):
         the target's greedy steps in one kernel call (`ModelRunner.greedy_steps`, what as many
         one-token steps compute: each token the argmax of the logits after the ones before). The
         tokens are committed one at a time with the stop checks, as every step's are; K/V written
         past a stop is dropped by bookkeeping. None: the usual step (a sampled or processed row,
-        a prefill, several rows, a model without the fused steps)."""
-        if self.proposer is not None or len(scheduled) != 1:
+        a prefill, several rows, proposals to verify, a model without the fused steps)."""
+        self._multi_stepped = False
+        if len(scheduled) != 1:
             return None
         s = scheduled[0]
         seq = s.seq
-        if not s.num_draft or seq.is_prefilling or not s.samples or not _takes_argmax(seq):
+        if not s.num_draft or seq.is_prefilling or not s.samples or not _takes_argmax(seq) \
+                or blocks.get(seq.seq_id, _NO_DRAFT).token_ids:
             return None
         feed = seq.all_ids[seq.num_computed : seq.num_tokens]
         got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft)
         if got is None:
             return None
+        self._multi_stepped = True
         return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None)
 
     def _forward(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]):
