@@ -59,3 +59,27 @@ def test_multi_step_stops_where_one_token_a_step_stops(target):
 def test_multi_step_is_validated():
     with pytest.raises(ValueError, match="multi_step"):
         EngineConfig(multi_step=0)
+
+
+def test_a_speculative_row_that_drafts_nothing_takes_its_tokens_in_one_call(target):
+    """n-gram lookup without a match proposes nothing: the step commits the 1 + k tokens reserved for
+    the row from one greedy_steps call; the output is plain decoding's."""
+    from draftwise import SpecConfig
+
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[1000 + i for i in range(12)], *PROMPTS]  # the first: no repeated n-gram to look up
+    plain = LLM(str(target), dtype="float32", multi_step=1)
+    llm = LLM(str(target), spec=SpecConfig(method="ngram", k=4), dtype="float32")
+    calls = 0
+    orig = llm.engine.runner.greedy_steps
+
+    def counted(*a, **kw):
+        nonlocal calls
+        got = orig(*a, **kw)
+        calls += got is not None
+        return got
+
+    llm.engine.runner.greedy_steps = counted
+    for p in prompts:
+        assert llm.generate([p], sp)[0].token_ids == plain.generate([p], sp)[0].token_ids
+    assert calls > 0
