@@ -165,8 +165,9 @@ class DraftModelProposer:
         """x_j ~ q_j for the sampled rows ([S, V]), each from one uniform of its own generator, by
         the inverse CDF (`categorical_from_uniform`, as verification draws): batched, ~50 us a row
         of 8192 where torch.multinomial took ~195 us a row, one call per row."""
-        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
-        return categorical_from_uniform(q, u).tolist()
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g,
+                                  device=g.device if g is not None else "cpu").cpu() for g in generators])
+        return categorical_from_uniform(q, u.to(q.device)).tolist()
 
     LONG_CATCH_UP = 32  # committed tokens a row feeds with its first proposal step; more: fed before it
 
