@@ -85,34 +85,30 @@ def test_speculative_output_is_the_same_with_and_without_fused_steps(pair, dtype
     prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 5]
     sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
-    outs, fused_calls, rows_calls = {}, 0, 0
+    outs, calls = {}, {"greedy_steps": 0, "greedy_steps_rows": 0}
     for fused in (True, False):
         llm = LLM(str(target), draft=str(draft), spec=SpecConfig(method="draft", k=4), dtype=dtype)
         prop = llm.engine.proposer
         prop.fused_steps = fused
-        orig = prop.runner.greedy_steps
-
-        def counted(*a, **kw):
-            nonlocal fused_calls
-            got = orig(*a, **kw)
-            fused_calls += got is not None
-            return got
-
-        prop.runner.greedy_steps = counted
-        orig_rows = prop.runner.greedy_steps_rows
-
-        def counted_rows(*a, **kw):
-            nonlocal rows_calls
-            got = orig_rows(*a, **kw)
-            rows_calls += got is not None
-            return got
-
-        prop.runner.greedy_steps_rows = counted_rows
+        for name in calls:
+            _count_fused(prop.runner, name, calls)
         alone = llm.generate([prompts[0]], sps[0])
         together = llm.generate(prompts, sps)
         outs[fused] = [(o.token_ids, o.stats.accepted_tokens, o.stats.proposed_tokens) for o in alone + together]
     assert outs[True] == outs[False]
-    assert fused_calls > 0 and rows_calls > 0  # a lone row's steps and the two rows' together
+    assert calls["greedy_steps"] > 0 and calls["greedy_steps_rows"] > 0  # a lone row's steps, two rows' together
+
+
+def _count_fused(runner, name: str, calls: dict) -> None:
+    """Wrap runner.<name> to count the calls in which the fused steps ran (a result, not None)."""
+    orig = getattr(runner, name)
+
+    def counted(*a, **kw):
+        got = orig(*a, **kw)
+        calls[name] += got is not None
+        return got
+
+    setattr(runner, name, counted)
 
 
 def _loop_rows(runner, seq_ids, feeds, starts, ks):
