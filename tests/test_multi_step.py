@@ -43,8 +43,9 @@ def test_multi_step_greedy_output_is_one_token_a_step(target, dtype):
 
 
 def test_multi_step_stops_where_one_token_a_step_stops(target):
-    """A stop token and a stop string inside a multi-step chunk: nothing after them is committed,
-    with the same finish reasons; sampled requests (not multi-step) are unchanged too."""
+    """A stop token inside a multi-step chunk: nothing after it is committed, with the same finish
+    reasons (stop strings go through the same token-by-token commit); sampled requests (not
+    multi-step) are unchanged too."""
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref, _ = _run(target, 1, "float32", [free] * 3)
     stop_ids = [toks[11] for toks, _ in ref]  # the 12th token of each greedy output
