@@ -667,6 +667,27 @@ class LlamaModel(nn.Module):
             k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), R, hid, eps, bf)
         return h
 
+    def _fused_steps(self, kv_cache: torch.Tensor, feeds: list[list[int]], ks: list[int]):
+        """(kernels, `_native_io`) when the fused greedy steps can run here for sequences feeding
+        `feeds` and drafting `ks` (each >= 1): every product the kernels' own, the embedding and the
+        head inside them, each feed 1..FUSED_MAX_TOKENS tokens, the first step's rows within what the
+        kernels take, every id inside the vocabulary (else the step-by-step path raises the error);
+        None otherwise."""
+        kern = cpu_kernels.kernels()
+        if kern is None or self.plan is None or not self._kernels_fit(kv_cache) or not feeds or min(ks) < 1:
+            return None
+        if self._decoder_plan is None:
+            self._decoder_plan = self._layer_pointers()
+        lens = [len(f) for f in feeds]
+        if not self._decoder_plan or sum(lens) > self._decoder_plan[2] or len(feeds) > self._decoder_plan[2] \
+                or max(lens) > self.FUSED_MAX_TOKENS or min(lens) < 1:
+            return None
+        io = self._native_io()
+        V = self.cfg.vocab_size
+        if io is None or any(not 0 <= t < V for f in feeds for t in f):
+            return None
+        return kern, io
+
     def greedy_steps(self, feed: list[int], start: int, k: int, kv_cache: torch.Tensor, slot0: int | None,
                      slots: torch.Tensor | None, confidence: bool = False):
         """A drafter's k greedy steps for one sequence in one kernel call (`dw_draft_greedy`): feed
@@ -677,19 +698,11 @@ class LlamaModel(nn.Module):
         consecutive slots, else `slots` holds each position's slot. Returns (tokens, max softmax
         probability per step or None), or None where this model's forward is not one call
         (another kernel layout, a bias on the head, too many tokens fed)."""
-        kern = cpu_kernels.kernels()
-        if kern is None or self.plan is None or not self._kernels_fit(kv_cache) or not feed or k < 1:
+        fused = self._fused_steps(kv_cache, [feed], [k])
+        if fused is None:
             return None
-        if self._decoder_plan is None:
-            self._decoder_plan = self._layer_pointers()
-        if not self._decoder_plan or len(feed) > min(self._decoder_plan[2], self.FUSED_MAX_TOKENS):
-            return None
-        cfg, dtype, io = self.cfg, self.model.norm.weight.dtype, self._native_io()
-        if io is None:
-            return None
-        emb_ptr, emb_packed, head_ptr, head_kind = io
-        if any(not 0 <= t < cfg.vocab_size for t in feed):  # the step-by-step path raises the error
-            return None
+        kern, (emb_ptr, emb_packed, head_ptr, head_kind) = fused
+        cfg, dtype = self.cfg, self.model.norm.weight.dtype
         n0 = len(feed)
         cos, sin = self.rope_table(start + n0 + k, kv_cache.device)
         ptrs, kinds, _ = self._decoder_plan
@@ -717,23 +730,13 @@ class LlamaModel(nn.Module):
         + ks[b] - 1. Returns (tokens per sequence, confidences per sequence or None), or None where
         this model's forward is not one call (as greedy_steps), or the first step's rows exceed
         what the kernels take."""
-        kern = cpu_kernels.kernels()
-        if kern is None or self.plan is None or not self._kernels_fit(kv_cache) or not feeds or min(ks) < 1:
+        fused = self._fused_steps(kv_cache, feeds, ks)
+        if fused is None:
             return None
-        if self._decoder_plan is None:
-            self._decoder_plan = self._layer_pointers()
-        n0 = sum(len(f) for f in feeds)
-        if not self._decoder_plan or n0 > self._decoder_plan[2] or len(feeds) > self._decoder_plan[2] \
-                or max(len(f) for f in feeds) > self.FUSED_MAX_TOKENS or min(len(f) for f in feeds) < 1:
-            return None
-        cfg, dtype, io = self.cfg, self.model.norm.weight.dtype, self._native_io()
-        if io is None:
-            return None
-        emb_ptr, emb_packed, head_ptr, head_kind = io
+        kern, (emb_ptr, emb_packed, head_ptr, head_kind) = fused
+        cfg, dtype = self.cfg, self.model.norm.weight.dtype
         flat = [t for f in feeds for t in f]
-        if min(flat) < 0 or max(flat) >= cfg.vocab_size:  # the step-by-step path raises the error
-            return None
-        B, kmax = len(feeds), max(ks)
+        n0, B, kmax = len(flat), len(feeds), max(ks)
         offs = [0]
         for f in feeds:
             offs.append(offs[-1] + len(f))
