@@ -128,3 +128,37 @@ def test_native_bfloat16_products_match_f_linear():
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
     assert torch.equal(lin(x[3:4]), out[3:4])  # a row's result does not depend on the others
+
+
+@pytest.mark.parametrize("shape", [(37, 2049), (1000, 256), (200, 3)])
+def test_bfloat16_packed_products_any_shape(shape):
+    """dw_gemm_bf16_f32out (the bfloat16 products of every packed bfloat16 weight; VDPBF16PS pairs
+    where the CPU has AVX-512 BF16, widened FMA chains elsewhere): float32 sums of the bfloat16
+    operands for an odd number of inputs (the last one alone), inputs past one 1024-input block,
+    outputs not a multiple of 16; a row's sums bitwise the same alone, in any batch, on 1 or 2
+    threads."""
+    from draftwise.model import cpu_kernels
+
+    k = cpu_kernels.kernels()
+    if k is None:
+        pytest.skip("no kernels on this machine")
+    O, N = shape
+    g = torch.Generator().manual_seed(O + N)
+    w = torch.randn(O, N, generator=g).bfloat16()
+    wp = torch.empty((O + 15) // 16, N, 16, dtype=torch.bfloat16)
+    k.pack(w.data_ptr(), wp.data_ptr(), O, N, 2)
+
+    def product(x, threads=2):
+        out = torch.empty(x.shape[0], O)
+        k.gemm_bf16_f32out(x.data_ptr(), wp.data_ptr(), 0, out.data_ptr(), x.shape[0], O, N, threads)
+        return out
+
+    x = torch.randn(13, N, generator=g).bfloat16()
+    exact = (x.double() @ w.double().t()).float()
+    full = product(x)
+    scale = x.double().abs() @ w.double().abs().t()  # the sums' magnitude: float32 rounding bounds
+    assert ((full.double() - exact.double()).abs() <= 1e-5 * scale + 1e-30).all()
+    for rows in (1, 2, 5, 6, 7):
+        part = x[-rows:].contiguous()
+        assert torch.equal(product(part), full[-rows:])
+        assert torch.equal(product(part, threads=1), full[-rows:])

@@ -933,8 +933,110 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
         }                          \
     }
 
-static void gemm_range(const float *x, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(DW_GEMM8) && !defined(DW_NO_DPBF16)
+#define GEMM_DPBF16 1
+/* bfloat16 weights times bfloat16 rows where the CPU has AVX-512 BF16 (VDPBF16PS: Zen 4 EPYC,
+ * Sapphire Rapids Xeon): each instruction adds the products of two inputs (k, k+1) to 16 float32
+ * sums, the bfloat16 operands used as they are (no widening: a block's two packed weight rows are
+ * one 64-byte load and one lane shuffle into pairs, a row's two inputs one 32-bit broadcast).
+ * Every output's chain is fixed: pairs in input order within a GEMM_KB block, the odd last input
+ * by one FMA, blocks added in order; a row's sums do not depend on the other rows or the threads.
+ * The products of two bfloat16 values are exact in float32; the instruction rounds each addition
+ * to nearest even and flushes denormals (a different float32 rounding sequence from the widened
+ * FMA chain of gemm_block16: sums equal within float32 rounding). The 20M target's 33 products,
+ * Sapphire Rapids Xeon (AMX, AVX-512 BF16), 2 threads, builds with and without this block
+ * (-DDW_NO_DPBF16) alternating, best of 15, ms at 1 / 2 / 5 / 16 / 64 rows: 0.68 / 1.62 / 1.84 /
+ * 3.87 / 13.5 against 0.70 / 2.19 / 2.27 / 5.42 / 17.9; SmolLM2-135M's 120: 7.7 / 10.3 / 11.6 /
+ * 23.6 / 79.8 against 7.8 / 16.0 / 15.2 / 37.3 / 129.8. Without software prefetch: with one a
+ * block a pair of inputs it took 2.6 ms at 1 row. `benchmarks/peer_llamacpp.py` in bfloat16 (the
+ * embedded pair, k=4), builds in turn: speculative 1387 against 813 tok/s, plain 1136 / 1127. */
+static const uint16_t DP_PAIRS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline __attribute__((always_inline)) void gemm_block_dp(const uint16_t *x, long N, const uint16_t *wp,
+                                                                long ob, long k0, long k1, float *out, long O,
+                                                                int NR, int NB, int first) {
+    __m512 acc[6][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();
+    const __m512i pairs = _mm512_loadu_si512((const void *)DP_PAIRS);
+    const uint16_t *w = wp + (ob * N + k0) * 16;
+    long k = k0;
+    for (; k + 1 < k1; k += 2, w += 32) {
+        __m512bh wv[4];
+        for (int j = 0; j < NB; j++) {
+            wv[j] = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512((const void *)(w + j * N * 16)));
+        }
+        for (int r = 0; r < NR; r++) {
+            uint32_t two;
+            memcpy(&two, x + r * N + k, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+        }
+    }
+    if (k < k1) /* an odd last input: widened, one FMA (the product is exact either way) */
+        for (int j = 0; j < NB; j++) {
+            __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j * N * 16))), 16));
+            for (int r = 0; r < NR; r++) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(bf2f(x[r * N + k])), wf, acc[r][j]);
+        }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) {
+            float v[16];
+            _mm512_storeu_ps(v, acc[r][j]);
+            gemm_out16(v, out + r * O, O, (ob + j) * 16, first);
+        }
+}
+
+#define GEMM_DP_ROWS(NB)                                                                                \
+    switch (nr) {                                                                                       \
+    case 6: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first); break;                           \
+    case 5: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first); break;                           \
+    case 4: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first); break;                           \
+    case 3: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first); break;                           \
+    case 2: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first); break;                           \
+    default: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first); break;                          \
+    }
+
+/* gemm_range's loops for gemm_block_dp: 4 output blocks (2 or 1 at a range's end) by up to 6 rows
+ * a register block (24 sums, 4 weight pairs, one broadcast: 29 of the 32 registers). */
+static void gemm_dp_range(const uint16_t *x, const uint16_t *wp, float *out, long rows, long O, long N, long b0,
+                          long b1) {
+    for (long rc = 0; rc < rows; rc += GEMM_RC) {
+        long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
+        for (long ob = b0; ob < b1;) {
+            int step = ob + 4 <= b1 ? 4 : ob + 2 <= b1 ? 2 : 1;
+            for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
+                long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
+                int first = k0 == 0;
+                for (long r0 = rc; r0 < rc_end; r0 += 6) {
+                    const uint16_t *xr = x + r0 * N;
+                    float *yr = out + r0 * O;
+                    long nr = rc_end - r0 < 6 ? rc_end - r0 : 6;
+                    if (step == 4)
+                        GEMM_DP_ROWS(4)
+                    else if (step == 2)
+                        GEMM_DP_ROWS(2)
+                    else
+                        GEMM_DP_ROWS(1)
+                }
+            }
+            ob += step;
+        }
+    }
+}
+#undef GEMM_DP_ROWS
+#endif
+
+static void gemm_range(const void *xv, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
                        int wb, const uint16_t *gs) {
+#ifdef GEMM_DPBF16
+    if (wb == 4) { /* bfloat16 rows and weights: VDPBF16PS */
+        gemm_dp_range((const uint16_t *)xv, (const uint16_t *)wp, out, rows, O, N, b0, b1);
+        return;
+    }
+#endif
+    const float *x = (const float *)xv;
     long kb = wb == 3 ? GROUP_Q8 : GEMM_KB; /* group scales: one k-block a group */
     int nb = rows == 1 ? 4 : rows <= GEMM_NB2_ROWS ? 2 : 1; /* output blocks per register block */
     for (long rc = 0; rc < rows; rc += GEMM_RC) {
@@ -964,7 +1066,7 @@ static void gemm_range(const float *x, const void *wp, float *out, long rows, lo
 /* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
  * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights,
  * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16] float16). */
-static void gemm_threads(const float *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb,
+static void gemm_threads(const void *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb,
                          const uint16_t *gs) {
     long blocks = (O + 15) / 16;
     long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
@@ -1027,20 +1129,24 @@ void dw_gemm_q8g(const void *x, const int8_t *wp, const uint16_t *gs, const floa
  * values head_precision.py's refinement recomputes for a row's top logits, for every logit. */
 void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
                          long N, int threads) {
+#ifdef GEMM_DPBF16
+    gemm_threads(x, wp, out, rows, O, N, threads, 4, NULL);
+#else
     float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
     for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
     gemm_threads(xf, wp, out, rows, O, N, threads, 1, NULL);
+    free(xf);
+#endif
     if (bias)
         for (long r = 0; r < rows; r++)
             for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
-    free(xf);
 }
 
-/* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16,
- * for CPUs without native bfloat16 products (where torch's bfloat16 matmul is a generic loop): the
- * weights widened to float32 in registers (half the bytes of float32 to stream), float32 FMA
- * chains as dw_gemm_f32's, the bias added in float32, one rounding to bfloat16 at the end (as
- * F.linear rounds its float32 accumulation). */
+/* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16:
+ * float32 sums (VDPBF16PS pairs with AVX-512 BF16, see gemm_block_dp; elsewhere the weights widened
+ * to float32 in registers, float32 FMA chains as dw_gemm_f32's: half the bytes of float32 to
+ * stream), the bias added in float32, one rounding to bfloat16 at the end (as F.linear rounds its
+ * float32 accumulation). */
 void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
                   long N, int threads) {
     float *yf = (float *)malloc(sizeof(float) * (rows * O + 16));
