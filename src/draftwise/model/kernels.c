@@ -765,6 +765,14 @@ void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const flo
 #ifndef GEMM_PREFETCH
 #define GEMM_PREFETCH 512 /* floats ahead in a block's stream (32 lines) */
 #endif
+/* the prefetches' locality hint: 0 (prefetchnta, measured on the EPYCs) unless the build says
+ * otherwise. cpu_kernels.py builds with 1 (prefetcht2) on Intel CPUs: on the Sapphire Rapids Xeon
+ * (2 threads, the 20M target's 33 float32 products, builds alternating, ms at 2 / 5 / 16 rows)
+ * prefetchnta took 6.56 / 6.15 / 9.31 against 2.89 / 2.98 / 5.00 with prefetcht2 (3.10 / 3.66 / 6.17
+ * with no prefetch; one row 1.27 ms in all three, bits the same). */
+#ifndef GEMM_PREFETCH_LOCALITY
+#define GEMM_PREFETCH_LOCALITY 0
+#endif
 
 /* 8 int8 weights -> 8 floats (dw_gemm_q8's packed int8 weights) */
 #ifdef __AVX2__
@@ -816,7 +824,7 @@ static inline __attribute__((always_inline)) void gemm_block16(const float *x, l
          * 1.64 / 1.91 without; the engine's bfloat16 batch-1 decoding, library builds alternating in
          * one process: 1.01-1.03x plain, 1.00-1.02x with the draft) */
         if ((WB && !(WB == 1 && NB == 4)) || NB < 4)
-            for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, 0);
+            for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, GEMM_PREFETCH_LOCALITY);
         __m512 wv[4];
         for (int j = 0; j < NB; j++) {
             const char *p = w + j * N * 16 * es;
@@ -861,7 +869,7 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
          * prefetch cost time (the 20M target's float32 decode step, AVX2 EPYC, 2 threads, calls
          * alternated: 4.02 ms without against 4.71 with; its bfloat16 step 2.66 with, 2.96 without) */
         if (WB || NB < 4)
-            for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, 0);
+            for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, GEMM_PREFETCH_LOCALITY);
         v8f w0[4], w1[4];
         for (int j = 0; j < NB; j++) {
             if (WB >= 2) {
@@ -944,12 +952,14 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, lon
  * The products of two bfloat16 values are exact in float32; the instruction rounds each addition
  * to nearest even and flushes denormals (a different float32 rounding sequence from the widened
  * FMA chain of gemm_block16: sums equal within float32 rounding). The 20M target's 33 products,
- * Sapphire Rapids Xeon (AMX, AVX-512 BF16), 2 threads, builds with and without this block
- * (-DDW_NO_DPBF16) alternating, best of 15, ms at 1 / 2 / 5 / 16 / 64 rows: 0.68 / 1.62 / 1.84 /
- * 3.87 / 13.5 against 0.70 / 2.19 / 2.27 / 5.42 / 17.9; SmolLM2-135M's 120: 7.7 / 10.3 / 11.6 /
- * 23.6 / 79.8 against 7.8 / 16.0 / 15.2 / 37.3 / 129.8. Without software prefetch: with one a
- * block a pair of inputs it took 2.6 ms at 1 row. `benchmarks/peer_llamacpp.py` in bfloat16 (the
- * embedded pair, k=4), builds in turn: speculative 1387 against 813 tok/s, plain 1136 / 1127. */
+ * Sapphire Rapids Xeon (AMX, AVX-512 BF16), 2 threads, best of 15, ms at 1 / 2 / 5 / 16 / 64 rows:
+ * this block (no prefetch) 0.68 / 1.62 / 1.84 / 3.87 / 13.5 against the widened chain's (with its
+ * prefetchnta) 0.70 / 2.19 / 2.27 / 5.42 / 17.9, builds alternating (-DDW_NO_DPBF16); SmolLM2-135M's
+ * 120: 7.7 / 10.3 / 11.6 / 23.6 / 79.8 against 7.8 / 16.0 / 15.2 / 37.3 / 129.8. A later run, this
+ * block with prefetcht2 (GEMM_PREFETCH_LOCALITY 1) against none: 0.73 / 0.78 / 1.16 / 3.50 / 13.7
+ * against 0.76 / 0.78 / 1.18 / 3.50 / 14.2 (prefetchnta: 2.6 ms at 1 row). `benchmarks/peer_llamacpp.py`
+ * in bfloat16 (the embedded pair, k=4), builds in turn: speculative 1387 against 813 tok/s, plain
+ * 1136 / 1127. */
 static const uint16_t DP_PAIRS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
@@ -965,6 +975,7 @@ static inline __attribute__((always_inline)) void gemm_block_dp(const uint16_t *
     for (; k + 1 < k1; k += 2, w += 32) {
         __m512bh wv[4];
         for (int j = 0; j < NB; j++) {
+            __builtin_prefetch(w + j * N * 16 + GEMM_PREFETCH, 0, GEMM_PREFETCH_LOCALITY);
             wv[j] = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512((const void *)(w + j * N * 16)));
         }
         for (int r = 0; r < NR; r++) {
