@@ -800,6 +800,18 @@ static inline void gemm_out16(const float *v, float *y, long O, long o0, int fir
 }
 
 #if defined(__AVX512F__) && !defined(DW_GEMM8)
+/* gemm_out16 for a 16-lane register: a whole block of outputs one vector store (or load, add,
+ * store: the same sums as gemm_out16's), the last partial block through gemm_out16 */
+static inline void gemm_store16(__m512 acc, float *y, long O, long o0, int first) {
+    if (o0 + 16 <= O) {
+        _mm512_storeu_ps(y + o0, first ? acc : _mm512_add_ps(_mm512_loadu_ps(y + o0), acc));
+        return;
+    }
+    float v[16];
+    _mm512_storeu_ps(v, acc);
+    gemm_out16(v, y, O, o0, first);
+}
+
 /* gemm_block on AVX-512 for weights of kind 0-2 (float32, bfloat16, int8 with one scale per
  * output): each 16-output block's accumulator is one 16-lane register instead of two 8-lane ones,
  * a block's 16 weights widened in one go. Every output's FMA chain is the same (lane l of block j
@@ -841,11 +853,7 @@ static inline __attribute__((always_inline)) void gemm_block16(const float *x, l
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NB; j++) {
-            float v[16];
-            _mm512_storeu_ps(v, acc[r][j]);
-            gemm_out16(v, out + r * O, O, (ob + j) * 16, first);
-        }
+        for (int j = 0; j < NB; j++) gemm_store16(acc[r][j], out + r * O, O, (ob + j) * 16, first);
 }
 #endif
 
@@ -992,11 +1000,7 @@ static inline __attribute__((always_inline)) void gemm_block_dp(const uint16_t *
             for (int r = 0; r < NR; r++) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(bf2f(x[r * N + k])), wf, acc[r][j]);
         }
     for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NB; j++) {
-            float v[16];
-            _mm512_storeu_ps(v, acc[r][j]);
-            gemm_out16(v, out + r * O, O, (ob + j) * 16, first);
-        }
+        for (int j = 0; j < NB; j++) gemm_store16(acc[r][j], out + r * O, O, (ob + j) * 16, first);
 }
 
 #define GEMM_DP_ROWS(NB)                                                                                \
@@ -1050,11 +1054,20 @@ static void gemm_range(const void *xv, const void *wp, float *out, long rows, lo
     const float *x = (const float *)xv;
     long kb = wb == 3 ? GROUP_Q8 : GEMM_KB; /* group scales: one k-block a group */
     int nb = rows == 1 ? 4 : rows <= GEMM_NB2_ROWS ? 2 : 1; /* output blocks per register block */
+#if defined(__AVX512F__) && !defined(DW_GEMM8)
+    /* gemm_block16's 32 registers hold 6 rows x 4 blocks (24 sums): past a verification block's
+     * rows, each weight vector loaded feeds 6 rows x 4 blocks of FMAs instead of 6 x 1 (the 20M
+     * target's 33 float32 products, Sapphire Rapids Xeon, 2 threads, builds alternating, with
+     * gemm_store16's vector stores: 1.83 / 2.94 / 5.25 / 11.5 / 32.7 against 2.27 / 3.50 / 6.75 /
+     * 14.7 / 41.1 ms at 8 / 16 / 32 / 80 / 256 rows, 1.33 against 1.42 at 5; the same bits. Four
+     * blocks at 2-5 rows lost: 1.49 against 1.40 ms at 5) */
+    if (wb <= 2 && rows > GEMM_NB2_ROWS) nb = 4;
+#endif
     for (long rc = 0; rc < rows; rc += GEMM_RC) {
         long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
         for (long ob = b0; ob < b1;) {
             int step = (nb == 4 && ob + 4 <= b1) ? 4 : (nb >= 2 && ob + 2 <= b1) ? 2 : 1;
-            long rs = step == 1 ? 6 : step == 2 ? GEMM_NB2_RS : 1; /* rows per register block */
+            long rs = step == 1 || rows > GEMM_NB2_ROWS ? 6 : step == 2 ? GEMM_NB2_RS : 1; /* rows per register block */
             for (long k0 = 0; k0 < N; k0 += kb) {
                 long k1 = k0 + kb < N ? k0 + kb : N;
                 int first = k0 == 0;
