@@ -532,6 +532,28 @@ def test_idle_plan_coasts_plain_against_full_alone():
     assert arms.coast(idle=True) == "plain" and arms.coast(idle=True) is None
 
 
+def test_full_plan_coasts_full_against_plain_alone():
+    """Where the plan drafts all it may for every row, its "spec" step is a "full" one: the two rate
+    alike, and coasting as "full" (no plan, no admission for a few steps) then needs "full" to lead
+    "plain" only; with a plan that leaves proposals out, "spec" is a rival and a near tie does not
+    coast."""
+    arms = _Arms(GoodputPolicy.ARMS)
+    pred = {"spec": (3.0, 0.0101, 0.0), "full": (3.0, 0.01, 0.0), "plain": (1.0, 0.01, 0.0)}
+    arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
+    assert arms.choose(pred) == "full"  # (the plan must beat "full" clearly)
+    assert arms.coast(full=True) is None  # rated by the model alone: not before steps of its own here
+    arms.own.add("spec")  # the plan's steps measured here: they are "full"'s too
+    assert arms.coast() is None  # "spec" within 1% of "full": a rival while the plan leaves some out
+    assert arms.coast(full=True) == "full"
+    arms.current, arms.lease = "spec", 0  # a near tie the other way: the full plan's spec step is "full" anyway
+    assert arms.coast(full=True) == "full"
+    arms.due["plain"], arms.lease = 0, 0  # a burst of "plain" due: decide instead
+    assert arms.coast(full=True) is None
+    arms.due["plain"] = 10**9
+    arms.rates["full"] = 1.05 * arms.rates["plain"]  # not clearly ahead of plain: decide every step
+    assert arms.coast(full=True) is None
+
+
 def test_coasting_on_a_lease_decides_as_the_full_checks_would():
     """`coast` skips its checks for the steps its lease covers (before the limit and any rival's
     turn): over random decisions, credits and ratings, it answers exactly as without the lease."""
@@ -544,14 +566,15 @@ def test_coasting_on_a_lease_decides_as_the_full_checks_would():
     leased, checked = _Arms(GoodputPolicy.ARMS), NoLease(GoodputPolicy.ARMS)
     for arms in (leased, checked):
         arms.own.update(arms.arms)  # (as if measured here: only a measured leader coasts)
-    used, idle = 0, True
+    used, idle, full = 0, True, False
     for step in range(4000):
         credit = rng.choice([0.0, 0.001, 1.0])
-        answers = [arms.coast(credit, 0.25, idle=idle) for arms in (leased, checked)]
+        answers = [arms.coast(credit, 0.25, idle=idle, full=full) for arms in (leased, checked)]
         assert answers[0] == answers[1], step
         used += leased.lease > 0
         if answers[0] is None:  # a plan runs (only it can change `idle`) and the check decides
-            idle = rng.random() < 0.7
+            idle = rng.random() < 0.6
+            full = not idle and rng.random() < 0.7
             lead, last = rng.choice(["plain", "full", "spec"]), rng.choice(["plain", "full"])
             pred = {a: (1.0 if a != lead else rng.choice([1.02, 1.2, 3.0]), 0.01, 0.0) for a in GoodputPolicy.ARMS}
             choices = [arms.choose(pred, credit, 0.25, last=last) for arms in (leased, checked)]

@@ -30,7 +30,8 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
 A measured check on top (`_Arms`): per batch size (half octaves, `batch_bucket`), the policy
 keeps decayed committed-tokens-per-second figures of three arms, as measured: the steps it ran as
 planned ("spec"), steps where every row drafted and verified all it may, as the fixed policy does
-("full"), and steps it ran without verifying ("plain", no probes either); it runs the best and
+("full"), and steps it ran without verifying ("plain", no probes either; the plan's own Python
+time is left out of "plain"'s and "full"'s seconds: leading, they coast without it); it runs the best and
 tries the others in bursts of a few steps, less and less often while they stay clearly behind.
 It decides also when the plan drafts nothing: estimates that an unlucky start made pessimistic
 recover through its bursts of "full", not only through one-proposal probes. The choice reads the
@@ -52,6 +53,7 @@ for a cost linear in tokens, and it accounts for the jump of a new drafter step.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Sequence
 
 from ..proposers.draft_model import DraftModelProposer
@@ -143,7 +145,9 @@ class GoodputPolicy:
         self._long_catch_up = 0  # tokens this step's long catch-ups feed
         self._mode = "spec"  # this step's arm
         self._coasted = 0  # coasting steps seen (the cost model observes one in COAST_OBSERVE_EVERY)
+        self._plan_seconds = 0.0  # the last plan's own Python time
         self._idle_plan = False  # the last plan drafted for no row (its "spec" step is a plain one)
+        self._full_plan = False  # the last plan drafted all it may for every row (its "spec" step is a "full" one)
         self._bucket = 0
         self._plan_b = 0  # the batch size `_bucket` is of
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
@@ -158,6 +162,12 @@ class GoodputPolicy:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
 
     def plan(self, seqs, max_draft):
+        t = time.perf_counter()
+        lengths = self._plan(seqs, max_draft)
+        self._plan_seconds = time.perf_counter() - t
+        return lengths
+
+    def _plan(self, seqs, max_draft):
         b = len(seqs)
         moved = False
         if b != self._plan_b:
@@ -167,7 +177,7 @@ class GoodputPolicy:
         if moved:  # back from another bucket, whose plans may have changed what `coast` reads (`idle`)
             arms.lease = 0
         self._looking = None
-        coast = arms.coast(self._credit, self.CREDIT_CAP, idle=self._idle_plan)
+        coast = arms.coast(self._credit, self.CREDIT_CAP, idle=self._idle_plan, full=self._full_plan)
         if coast == "plain":  # plain by a wide margin here: no plan for a few steps
             self._mode, self._rate, self._probes, self._pred, self._long_catch_up = "plain", math.inf, set(), None, 0
             return [0] * b
@@ -208,6 +218,7 @@ class GoodputPolicy:
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
         planned_plain = not any(n > p for n, p in zip(lengths, probes))
         self._idle_plan = planned_plain
+        self._full_plan = any(max_draft) and all(n >= m for n, m in zip(lengths, max_draft))
         # what the model expects of each arm now (committed tokens, seconds): the measured check
         # corrects these by what each arm's steps actually gave at this batch size
         pred = {"spec": self._predict(gains, lengths, b, ctx, catch),
@@ -347,8 +358,10 @@ class GoodputPolicy:
         # a coasting plain step had no prediction (nothing to correct); a plan's probing plain step
         # pays the probes' catch-ups over whole contexts, which plain decoding never does
         if self._pred is not None and not (self._mode == "plain" and self._probes):
-            self._arms_at(self._bucket).record(self._mode, committed, self._pred[0],
-                                               seconds - catch_up_seconds if catch_up else seconds,
+            arm_seconds = seconds - catch_up_seconds if catch_up else seconds
+            if self._mode != "spec":  # run as the leader, "plain" and "full" coast: no plan to pay
+                arm_seconds -= self._plan_seconds
+            self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], arm_seconds,
                                                self._pred[1], catch_up)
         self._last_mode = self._mode
         lengths = list(draft_lengths) if self.has_draft_model else []
@@ -457,7 +470,8 @@ class _Arms:
         """A step of the running burst of `arm` cost `seconds` against the leading arm."""
         self._spent[arm] = self._spent.get(arm, 0.0) + seconds
 
-    def coast(self, credit: float = math.inf, cap: float = math.inf, idle: bool = False) -> str | None:
+    def coast(self, credit: float = math.inf, cap: float = math.inf, idle: bool = False,
+              full: bool = False) -> str | None:
         """The arm to run again without planning ("plain" or "full"), or None: it led every other
         arm by more than COAST at the last decision, at most COAST_STEPS steps ago (FAR_COAST_STEPS
         when it led by more than 1 / FAR); it is not exploring and no other arm's turn is due (and
@@ -468,6 +482,10 @@ class _Arms:
         `idle`: the last plan drafted for no row, so a "spec" step is a plain one: "plain" and
         "spec" are then one arm, which coasts while it leads "full" (a useless drafter, a load
         where nothing pays: the plan's Python work, ~0.5 ms a step at 16 rows, is skipped).
+        `full`: the last plan drafted all it may for every row, so a "spec" step is a "full" one
+        (admission aside): "spec" and "full" are then one arm, which coasts as "full" while it
+        leads "plain" (a load where every proposal pays: the plan's and admission's Python work
+        and the bursts of "spec", which cannot do better there, are skipped).
         Once it coasts, the steps before its limit or the next rival's turn coast without these
         checks (`lease`: nothing they read changes meanwhile, `choose` ends it)."""
         if self.lease > 0:
@@ -475,12 +493,16 @@ class _Arms:
             self.steps += 1
             self.coasted += 1
             return self.lease_arm
-        current = "plain" if idle and self.current == "spec" else self.current
+        current = self.current
+        if current == "spec" and (idle or full):
+            current = "plain" if idle else "full"
         if current == "spec" or self.burst_left > 0 or self.exploring is not None:
             return None
-        if current not in self.own and not (idle and "spec" in self.own and current == "plain"):
+        same = (idle and current == "plain") or (full and current == "full")  # "spec" steps are this arm's
+        if current not in self.own and not (same and "spec" in self.own):
             return None  # its lead is the model's (a neighbour's ratios): measure it here first
-        rivals = [a for a in self.arms if a != current and not (idle and a == "spec")]
+        # "spec" is "plain" (idle) or "full" (full) now: no rival of its own
+        rivals = [a for a in self.arms if a != current and not ((idle or full) and a == "spec")]
         lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
         limit = self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS
         if lead < self.COAST or self.coasted >= limit:
