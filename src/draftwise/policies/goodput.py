@@ -355,6 +355,12 @@ class GoodputPolicy:
         # the arm's (plain decoding never pays it: left out, the drafting arms were rated ~20-40%
         # above what their steps gave at 8 rows of code-hard, and ran at 0.86x plain's rate)
         catch_up = self._mode != "plain" and self._last_mode == "plain" and self.has_draft_model
+        # the other way round, a plain step right after drafting ones is slower than the plain steps
+        # after it (on the AVX-512 EPYC at 4 rows of code-hard: 4-5 against 2.6-3.2 ms, the caches
+        # holding the drafter's and the verification's data): a cost of switching too, left out
+        # (counted, the plain arm's bursts, one switch in three steps, rated it below "full", 897
+        # against 1002 tok/s, where plain decoding ran at 1.1x fixed speculation's rate)
+        switched = self._mode == "plain" and self._last_mode != "plain"
         # a coasting plain step had no prediction (nothing to correct); a plan's probing plain step
         # pays the probes' catch-ups over whole contexts, which plain decoding never does
         if self._pred is not None and not (self._mode == "plain" and self._probes):
@@ -362,7 +368,7 @@ class GoodputPolicy:
             if self._mode != "spec":  # run as the leader, "plain" and "full" coast: no plan to pay
                 arm_seconds -= self._plan_seconds
             self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], arm_seconds,
-                                               self._pred[1], catch_up)
+                                               self._pred[1], catch_up or switched)
         self._last_mode = self._mode
         lengths = list(draft_lengths) if self.has_draft_model else []
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
@@ -407,7 +413,10 @@ class _Arms:
     to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more than 1 / FAR). A new batch size starts from a neighbour's figures and
     intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
     times the neighbour's measured / predicted ratios (rates measured at another batch size do not
-    compare with this one's)."""
+    compare with this one's), and it is looked at within `EXPLORE_EVERY` steps (the intervals after
+    that first look grow from the neighbour's). A step that switches sides (drafting after plain
+    steps: the drafter's catch-up; plain after drafting: caches holding the drafting's data) is a
+    cost of switching, left out of the arm's figures."""
 
     BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
@@ -444,7 +453,12 @@ class _Arms:
                     self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
             self.interval = dict(seed.interval)
             self.look_cost = dict(seed.look_cost)
-        self.due = dict(self.interval)
+        # an arm's first look here comes within EXPLORE_EVERY steps whatever the neighbour's interval:
+        # the neighbour's ratios carry the model's errors at that batch size, not this one's (on the
+        # EPYC, code-hard at 8 rows ran fixed speculation 3 rounds long at 0.97x plain's rate, the
+        # plain arm's interval inherited from 2 rows, where it had lost, never due); the intervals
+        # after it follow the neighbour's
+        self.due = {a: min(i, self.EXPLORE_EVERY) for a, i in self.interval.items()}
 
     def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
         """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
@@ -562,7 +576,7 @@ class _Arms:
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
                catch_up: bool) -> None:
-        if catch_up and arm in self.own:  # (the very first figure of an arm counts anyway)
+        if catch_up:  # a switch of sides: its cost is not the arm's (a burst's other steps rate it)
             return
         if arm not in self.own:  # its first step here replaces the neighbour's figures
             self.own.add(arm)
