@@ -38,8 +38,8 @@ recover through its bursts of "full", not only through one-proposal probes. The 
 history only (causal; "full" admits every proposal, reading none). A cost model or estimates that
 are off (a profile measured on a loaded machine, the step's Python work, a calibration that
 overrates short blocks) then cost at most the exploration, not the operating point. A drafting
-step right after plain ones pays the drafter's catch-up: a cost of switching, left out of the
-arm's figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
+step right after plain ones pays the drafter's catch-up, and a plain step right after drafting
+ones runs slower than the plain steps after it: costs of switching, left out of the arms' figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
 optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32), and of those plain steps
 one in four updates the cost model (the update is ~1% of a batch-1 plain step). Looking away from the
 leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~2% of the run's
