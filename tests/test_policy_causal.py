@@ -470,7 +470,7 @@ def _drive(policy, b, steps, seconds, accept=2):
 def test_goodput_new_batch_size_looks_at_every_arm_soon():
     """A new batch size inherits a neighbour's figures, not the wait before its first look at an
     arm: where plain decoding lost at 2 rows (its interval grown long there) and wins at 8 (the
-    profile still says speculate), the policy measures plain at 8 rows within EXPLORE_EVERY steps
+    profile still says speculate), the policy measures plain at 8 rows within FIRST_LOOK steps
     and runs it; the intervals after that first look grow from the neighbour's."""
     policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)  # COST says: speculate
     policy.model.observe = lambda *a, **k: None  # ... and keeps saying it: only the measured check knows
@@ -480,9 +480,24 @@ def test_goodput_new_batch_size_looks_at_every_arm_soon():
     dear = lambda lengths, prev: 0.005 + 0.010 * sum(lengths)  # 8 rows: every proposal costs
     modes = _drive(policy, 8, 200, dear)
     arms = policy._arms[batch_bucket(8)]
-    assert "plain" in modes[: _Arms.EXPLORE_EVERY + _Arms.BURST + 1], modes[:40]
+    assert "plain" in modes[: _Arms.FIRST_LOOK + _Arms.BURST + 1], modes[:40]
     assert modes[100:].count("plain") / 100 > 0.8, modes[100:]
     assert arms.interval["full"] >= policy._arms[batch_bucket(2)].interval["full"]
+
+
+def test_first_look_at_a_new_batch_size_ignores_the_budget():
+    """An arm without steps of its own at a batch size is looked at even with the exploration
+    budget in debt (its first look is what measures it); once measured there, its looks wait
+    for the credit to cover what its last one cost."""
+    near = _Arms(GoodputPolicy.ARMS)
+    near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, catch_up=False)
+    near.look_cost["full"] = 0.05
+    arms = _Arms(GoodputPolicy.ARMS, seed=near)
+    assert all(d <= _Arms.FIRST_LOOK for d in arms.due.values())
+    assert arms.affordable("full", credit=-0.01)
+    arms.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, catch_up=False)
+    assert not arms.affordable("full", credit=-0.01)
+    assert arms.affordable("full", credit=0.06)
 
 
 def test_goodput_leaves_the_switch_to_plain_out_of_the_plain_arm():

@@ -413,14 +413,15 @@ class _Arms:
     to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more than 1 / FAR). A new batch size starts from a neighbour's figures and
     intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
     times the neighbour's measured / predicted ratios (rates measured at another batch size do not
-    compare with this one's), and it is looked at within `EXPLORE_EVERY` steps (the intervals after
-    that first look grow from the neighbour's). A step that switches sides (drafting after plain
+    compare with this one's), and it is looked at within `FIRST_LOOK` steps, whatever the
+    exploration budget (the intervals after that first look grow from the neighbour's). A step that switches sides (drafting after plain
     steps: the drafter's catch-up; plain after drafting: caches holding the drafting's data) is a
     cost of switching, left out of the arm's figures."""
 
     BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
     EXPLORE_EVERY = 32
+    FIRST_LOOK = 16  # steps before the first look at an arm at a new batch size (a neighbour's figures until then)
     MAX_EXPLORE_EVERY = 1024
     MARGIN = 0.95
     FAR = 0.8
@@ -453,12 +454,12 @@ class _Arms:
                     self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
             self.interval = dict(seed.interval)
             self.look_cost = dict(seed.look_cost)
-        # an arm's first look here comes within EXPLORE_EVERY steps whatever the neighbour's interval:
+        # an arm's first look here comes within FIRST_LOOK steps whatever the neighbour's interval:
         # the neighbour's ratios carry the model's errors at that batch size, not this one's (on the
         # EPYC, code-hard at 8 rows ran fixed speculation 3 rounds long at 0.97x plain's rate, the
         # plain arm's interval inherited from 2 rows, where it had lost, never due); the intervals
         # after it follow the neighbour's
-        self.due = {a: min(i, self.EXPLORE_EVERY) for a, i in self.interval.items()}
+        self.due = {a: min(i, self.FIRST_LOOK) for a, i in self.interval.items()}
 
     def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
         """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
@@ -477,7 +478,12 @@ class _Arms:
     def affordable(self, arm: str, credit: float, cap: float = math.inf) -> bool:
         """The exploration budget covers a burst of `arm` now: what its last burst cost, or the
         credit's cap for a look dearer than that (it leaves the credit in debt, repaid before the
-        next look: the budget holds on average)."""
+        next look: the budget holds on average). An arm with no steps of its own at this batch size
+        is looked at whatever the credit: its first look here is what measures it (in debt from
+        looks elsewhere, 8 rows of grounded ran plain ~80 steps at 0.8x fixed speculation's rate,
+        "full" rated there by a pessimistic model, unmeasured)."""
+        if arm not in self.own:
+            return True
         return credit >= min(self.look_cost.get(arm, 0.0), cap)
 
     def spend(self, arm: str, seconds: float) -> None:
