@@ -490,12 +490,12 @@ def test_first_look_at_a_new_batch_size_ignores_the_budget():
     budget in debt (its first look is what measures it); once measured there, its looks wait
     for the credit to cover what its last one cost."""
     near = _Arms(GoodputPolicy.ARMS)
-    near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, catch_up=False)
+    near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, switched=False)
     near.look_cost["full"] = 0.05
     arms = _Arms(GoodputPolicy.ARMS, seed=near)
     assert all(d <= _Arms.FIRST_LOOK for d in arms.due.values())
     assert arms.affordable("full", credit=-0.01)
-    arms.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, catch_up=False)
+    arms.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, switched=False)
     assert not arms.affordable("full", credit=-0.01)
     assert arms.affordable("full", credit=0.06)
 
@@ -524,14 +524,14 @@ def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
     neighbour's measured / predicted ratios (its rates belong to another batch size); the first own
     step replaces the neighbour's figures."""
     near = _Arms(GoodputPolicy.ARMS)
-    near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, catch_up=False)
-    near.record("plain", committed=2.0, expected=2.0, seconds=0.01, predicted=0.01, catch_up=False)
+    near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, switched=False)
+    near.record("plain", committed=2.0, expected=2.0, seconds=0.01, predicted=0.01, switched=False)
     assert near.rating("full", (100.0, 1.0, 0.0)) == pytest.approx(6.0 / 0.02)  # measured, whatever predicted
     arms = _Arms(GoodputPolicy.ARMS, seed=near)
     pred = (16.0, 0.05, 0.01)  # this batch size's expectation, profile seconds, catch-up
     assert arms.rating("full", pred) == pytest.approx(16.0 * 0.75 / (0.05 * 2.0 + 0.01))
     assert arms.rating("plain", pred) == pytest.approx(16.0 / (0.05 + 0.01))
-    arms.record("full", committed=20.0, expected=16.0, seconds=0.04, predicted=0.05, catch_up=False)
+    arms.record("full", committed=20.0, expected=16.0, seconds=0.04, predicted=0.05, switched=False)
     assert arms.rating("full", pred) == pytest.approx(20.0 / (0.04 + 0.01))
 
 

@@ -39,7 +39,8 @@ history only (causal; "full" admits every proposal, reading none). A cost model 
 are off (a profile measured on a loaded machine, the step's Python work, a calibration that
 overrates short blocks) then cost at most the exploration, not the operating point. A drafting
 step right after plain ones pays the drafter's catch-up, and a plain step right after drafting
-ones runs slower than the plain steps after it: costs of switching, left out of the arms' figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
+ones runs slower than the plain steps after it: costs of switching, left out of the arms'
+figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
 optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32), and of those plain steps
 one in four updates the cost model (the update is ~1% of a batch-1 plain step). Looking away from the
 leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~2% of the run's
@@ -368,7 +369,7 @@ class GoodputPolicy:
             if self._mode != "spec":  # run as the leader, "plain" and "full" coast: no plan to pay
                 arm_seconds -= self._plan_seconds
             self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], arm_seconds,
-                                               self._pred[1], catch_up or switched)
+                                               self._pred[1], switched=catch_up or switched)
         self._last_mode = self._mode
         lengths = list(draft_lengths) if self.has_draft_model else []
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
@@ -414,9 +415,9 @@ class _Arms:
     intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
     times the neighbour's measured / predicted ratios (rates measured at another batch size do not
     compare with this one's), and it is looked at within `FIRST_LOOK` steps, whatever the
-    exploration budget (the intervals after that first look grow from the neighbour's). A step that switches sides (drafting after plain
-    steps: the drafter's catch-up; plain after drafting: caches holding the drafting's data) is a
-    cost of switching, left out of the arm's figures."""
+    exploration budget (the intervals after that first look grow from the neighbour's). A step
+    that switches sides (drafting after plain steps: the drafter's catch-up; plain after drafting:
+    caches holding the drafting's data) is a cost of switching, left out of the arm's figures."""
 
     BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
@@ -581,8 +582,8 @@ class _Arms:
         return arm
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
-               catch_up: bool) -> None:
-        if catch_up:  # a switch of sides: its cost is not the arm's (a burst's other steps rate it)
+               switched: bool) -> None:
+        if switched:  # a switch of sides: its cost is not the arm's (a burst's other steps rate it)
             return
         if arm not in self.own:  # its first step here replaces the neighbour's figures
             self.own.add(arm)
