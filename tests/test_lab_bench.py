@@ -119,8 +119,25 @@ def test_find_capacity_search_and_report(target_dir, tmp_path):
     assert set(wl["capacity"]) == {"none", "ngram:k=2"} and not wl["runs"]
     for c in wl["capacity"].values():
         assert c["requests_per_s"] >= 50 and c["probes"][0]["held"] and c["probes"][0]["runs"] == 2
-    assert "requests/s at the latency limit" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "requests/s at the latency limit" in report
+    assert "Not converged" in report  # e2e <= 60 s held at every rate probed: said, with the rates achieved
     assert main(["bench", "--model", str(target_dir), "--find-capacity", "--out", str(out)]) == 2  # no --slo
+
+
+def test_capacity_table_says_when_the_slo_never_broke():
+    from draftwise.lab.report import capacity_table
+
+    def cap(first_failing, achieved):
+        probes = [{"rate": r, "held": r != first_failing, "achieved_requests_per_s": a} for r, a in achieved]
+        held = [p["rate"] for p in probes if p["held"]]
+        return {"requests_per_s": max(held), "first_failing_rate": first_failing, "probes": probes,
+                "slo_ms": {"tpot": 5.0}, "converged": first_failing is not None}
+
+    bounded = capacity_table({"capacity": {"none": cap(16, [(8, 7.4), (16, 12.0)])}})
+    assert "Not converged" not in bounded and "| none | 8 |" in bounded
+    unbounded = capacity_table({"capacity": {"none": cap(None, [(8, 7.4), (512, 43.5), (256, 40.1)])}})
+    assert "Not converged" in unbounded and "none 43.5" in unbounded
 
 
 def test_a_repeated_capacity_probe_is_decided_by_its_median_run():

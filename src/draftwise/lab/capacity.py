@@ -3,9 +3,12 @@
     draftwise bench --find-capacity --slo tpot=50,ttft=1000
 
 For each config the same requests are replayed at Poisson arrival rates chosen by a search:
-first doubling from a start rate until the SLO breaks (or the rate stops being reachable), then
-bisection between the last rate that held and the first that broke, until they are within
-`rel_tol` of each other or `max_probes` rates were probed. The SLO holds at a rate when every
+first doubling from a start rate until the SLO breaks, then bisection between the last rate that
+held and the first that broke, until they are within `rel_tol` of each other or `max_probes`
+rates were probed. A rate beyond what the engine sustains breaks a TTFT or E2E limit (requests
+queue), not a TPOT or ITL one (the running batch is capped): an SLO of TPOT alone may hold at
+every rate probed, which the result says (`converged` false, `first_failing_rate` None) and the
+report spells out with the rates actually achieved. The SLO holds at a rate when every
 request completed and the p90 of each limited metric (TTFT, TPOT, ITL, E2E) is within its limit;
 with `--repeats N` a probe runs N times and its median run (`median_probe`) decides.
 The answer, "requests/s at the latency limit", is the highest rate that held (0 if none did);

@@ -132,6 +132,13 @@ def capacity_table(wl: dict) -> str:
         probes = " ".join(f"{p['rate']:.3g}{'✓' if p['held'] else '✗'}" for p in c["probes"])
         rows.append(f"| {label} | {c['requests_per_s']:.3g} | {_f(ratio, '{:.2f}x')} "
                     f"| {_f(c['first_failing_rate'], '{:.3g}')} | {probes} |")
+    unbounded = [(label, c) for label, c in cap.items() if c["probes"] and c["first_failing_rate"] is None]
+    if unbounded:
+        peaks = ", ".join(f"{label} {max(p['achieved_requests_per_s'] for p in c['probes']):.3g}" for label, c in unbounded)
+        rows += ["", f"Not converged: the SLO held at every rate probed, so those figures are the search's last "
+                 f"rate, not a capacity. The engine completed at most (requests/s): {peaks}. A TPOT or ITL limit "
+                 f"alone does not see requests queueing past saturation: add a TTFT or E2E limit "
+                 f"(e.g. `--slo tpot=MS,ttft=MS`)."]
     return "\n".join(rows)
 
 
