@@ -134,7 +134,8 @@ def capacity_table(wl: dict) -> str:
                     f"| {_f(c['first_failing_rate'], '{:.3g}')} | {probes} |")
     unbounded = [(label, c) for label, c in cap.items() if c["probes"] and c["first_failing_rate"] is None]
     if unbounded:
-        peaks = ", ".join(f"{label} {max(p['achieved_requests_per_s'] for p in c['probes']):.3g}" for label, c in unbounded)
+        peaks = ", ".join(f"{label} {max(p['achieved_requests_per_s'] for p in c['probes']):.3g}"
+                          for label, c in unbounded)
         rows += ["", f"Not converged: the SLO held at every rate probed, so those figures are the search's last "
                  f"rate, not a capacity. The engine completed at most (requests/s): {peaks}. A TPOT or ITL limit "
                  f"alone does not see requests queueing past saturation: add a TTFT or E2E limit "

@@ -365,9 +365,9 @@ class GoodputPolicy:
         # a coasting plain step had no prediction (nothing to correct); a plan's probing plain step
         # pays the probes' catch-ups over whole contexts, which plain decoding never does
         if self._pred is not None and not (self._mode == "plain" and self._probes):
-            arm_seconds = seconds - catch_up_seconds if catch_up else seconds
-            if self._mode != "spec":  # run as the leader, "plain" and "full" coast: no plan to pay
-                arm_seconds -= self._plan_seconds
+            # a switch (the catch-up included) is not recorded: `record` drops it; "plain" and "full",
+            # run as the leader, coast: no plan to pay
+            arm_seconds = seconds - (self._plan_seconds if self._mode != "spec" else 0.0)
             self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], arm_seconds,
                                                self._pred[1], switched=catch_up or switched)
         self._last_mode = self._mode
