@@ -405,9 +405,14 @@ class _Arms:
     the same arrivals, e.g. 42.2 against 32.7 ms). Another is tried in a burst of `BURST`
     consecutive steps (one step is too noisy a sample, and its first step may pay the drafter's
     catch-up) when its turn is due:
-    every `EXPLORE_EVERY` steps at first, twice as long after each burst that left it more than
-    5% behind (`MARGIN`; four times when more than 20% behind, `FAR`), up to `MAX_EXPLORE_EVERY`,
-    back to `EXPLORE_EVERY` after one that came close; an arm never run that the model rates more
+    every `EXPLORE_EVERY` steps at first, twice as long after each burst that did not put it more
+    than 5% ahead of the others (`MARGIN`; four times when it left it more than 20% behind, `FAR`),
+    up to `MAX_EXPLORE_EVERY`, back to `EXPLORE_EVERY` after one that put it clearly ahead (a tie
+    is not looked at again soon: the sides' rates hardly differ, and each look at drafting after
+    plain steps pays the drafter's catch-up, outside the arms' figures: on the EPYC at 16 rows of
+    code-hard and 32 of grounded, where fixed speculation ran at 0.76-0.95x plain's rate, goodput
+    ran at 0.92-0.93x `none` with looks at tied arms every 32 steps, 1.04-1.10x without, one run
+    each of 64 requests); an arm never run that the model rates more
     than 20% behind waits four times as long for its first look. A clearly worse arm (speculation
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
     "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
@@ -551,10 +556,10 @@ class _Arms:
             arm, self.exploring = self.exploring, None
             self.look_cost[arm] = max(0.0, self._spent.pop(arm, 0.0))
             others = max(rate[a] for a in self.arms if a != arm)
-            if rate[arm] < self.MARGIN * others:  # behind: look later (far behind: much later)
+            if rate[arm] * self.MARGIN <= others:  # not clearly ahead: look later (far behind: much later)
                 grow = 4 if rate[arm] < self.FAR * others else 2
                 self.interval[arm] = min(self.MAX_EXPLORE_EVERY, grow * self.interval[arm])
-            else:
+            else:  # clearly ahead: it leads now, and the arms it passed are looked at again soon
                 self.interval[arm] = self.EXPLORE_EVERY
             self.due[arm] = self.steps + self.interval[arm]
         best = max(self.arms, key=lambda a: rate[a])
