@@ -690,3 +690,29 @@ def test_goodput_looks_away_within_its_budget():
     assert lost <= GoodputPolicy.EXPLORE_BUDGET * total + first_look, (lost, total, looks)
     lost_free, total_free, looks_free = _looking_cost(1.0, float("inf"))  # every due look affordable
     assert lost_free > 1.5 * lost and looks_free > looks, (lost_free, lost, looks_free, looks)
+
+
+def test_a_look_that_ties_waits_longer_and_one_that_leads_resets():
+    """After a burst of an arm: its next look comes EXPLORE_EVERY steps later only when the burst
+    put it more than 5% (MARGIN) ahead of the others; a tie doubles its interval as being behind
+    does (each look at drafting after plain steps pays the drafter's catch-up, outside the arms'
+    figures, for a rate that hardly differs)."""
+    def burst(own_rate: float) -> int:
+        arms = _Arms(GoodputPolicy.ARMS)
+        arms.own = set(arms.arms)
+        arms.interval = {a: 4 * _Arms.EXPLORE_EVERY for a in arms.arms}
+        arms.due = {a: 10**9 for a in arms.arms}
+        arms.due["full"] = 0  # its turn now
+        start = {"spec": (0.5, 0.010, 0.0), "full": (0.9, 0.010, 0.0), "plain": (1.0, 0.010, 0.0)}
+        assert arms.choose(start, last="plain") == "full"  # plain leads; the burst of "full" starts
+        for _ in range(_Arms.BURST - 1):
+            assert arms.choose(start, last="full") == "full"
+        measured = dict(start, full=(own_rate, 0.010, 0.0))  # what the burst measured
+        arms.choose(measured, last="full")  # the burst ends: its interval is set from the ratings
+        return arms.interval["full"]
+
+    assert burst(1.0) == 8 * _Arms.EXPLORE_EVERY  # a tie: later
+    assert burst(1.02) == 8 * _Arms.EXPLORE_EVERY  # ahead, not clearly: later
+    assert burst(0.9) == 8 * _Arms.EXPLORE_EVERY  # behind: later
+    assert burst(0.5) == 16 * _Arms.EXPLORE_EVERY  # far behind: much later
+    assert burst(1.2) == _Arms.EXPLORE_EVERY  # clearly ahead: soon again

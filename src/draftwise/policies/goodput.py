@@ -411,8 +411,8 @@ class _Arms:
     is not looked at again soon: the sides' rates hardly differ, and each look at drafting after
     plain steps pays the drafter's catch-up, outside the arms' figures: on the EPYC at 16 rows of
     code-hard and 32 of grounded, where fixed speculation ran at 0.76-0.95x plain's rate, goodput
-    ran at 0.92-0.93x `none` with looks at tied arms every 32 steps, 1.04-1.10x without, one run
-    each of 64 requests); an arm never run that the model rates more
+    ran at 0.87-0.93x `none` with looks at tied arms every 32 steps (four runs), 1.04-1.10x without
+    (one run each; 64 requests, 3 rounds); an arm never run that the model rates more
     than 20% behind waits four times as long for its first look. A clearly worse arm (speculation
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
     "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up

@@ -1,0 +1,92 @@
+"""The goodput policy's arms at one load point, in one process: which arm ran at which batch size,
+its steps' rate, and what its steps cost against plain steps at the same batch size.
+
+    .venv/bin/python benchmarks/policy_arms.py WORKLOAD CONCURRENCY [--rounds 3] [--num-requests 64]
+        [--configs none,draft:k=4,draft:k=4:policy=goodput] [--output-len 128] [--threads 2]
+        [--force ARM] [--plan-edge X]
+
+Runs the lab's in-process bench (`run_bench`: one engine per config, built once, the configs'
+rounds alternated) at one concurrency level and prints, per config, the median round's output
+tok/s, its ratio to `none`, every round, and the engine time per token (drafting + verification +
+scheduling/state). Then, for the goodput engines, per (batch bucket, arm): steps, committed tokens
+per second over the steps' measured seconds (decode steps; mixed prefill steps are not timed
+apart), and the excess of those seconds over what plain steps at that bucket took for the same
+tokens: where exploring and switching cost.
+
+`--force ARM` makes the measured check always choose ARM ("plain", "full" or "spec", coasting
+off): the arm's own cost beside the config it stands for. `--plan-edge X` sets `_Arms.PLAN_EDGE`.
+One run on a shared 2-vCPU machine moves by up to ~25% from the next: compare within a run.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+from rich.console import Console
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("workload")
+    ap.add_argument("concurrency", type=int)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--configs", default="none,draft:k=4,draft:k=4:policy=goodput")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--force", choices=("plain", "full", "spec"))
+    ap.add_argument("--plan-edge", type=float)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from draftwise.lab.arrivals import LoadLevel
+    from draftwise.lab.runner import BenchPlan, parse_configs, run_bench
+    from draftwise.lab.workload import load_workload
+    from draftwise.policies import goodput as gp
+
+    if args.plan_edge is not None:
+        gp._Arms.PLAN_EDGE = args.plan_edge
+    if args.force:
+        gp._Arms.choose = lambda self, pred, credit=0.0, cap=0.0, last=None: args.force
+        gp._Arms.coast = lambda self, *a, **k: None
+
+    steps, seconds, tokens = collections.Counter(), collections.Counter(), collections.Counter()
+    observe_step = gp.GoodputPolicy.observe_step
+
+    def tally(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds=0.0):
+        key = (gp.batch_bucket(num_seqs), self._mode)
+        steps[key] += 1
+        if secs is not None:
+            seconds[key] += secs
+            tokens[key] += self._committed[0] + max(0, num_seqs - self._committed[1])
+        return observe_step(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds)
+
+    gp.GoodputPolicy.observe_step = tally
+    plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
+                     configs=parse_configs(args.configs), levels=[LoadLevel("concurrency", args.concurrency)],
+                     output_len=args.output_len, repeats=args.rounds)
+    t = time.perf_counter()
+    runs = run_bench(plan, Console(stderr=True, quiet=True))[0]["runs"]
+    base = next((r["output_tokens_per_s"] for r in runs if r["config"] == "none"), None)
+    for r in runs:
+        m = r["speculation"]["ms_per_token"]
+        ratio = f"{r['output_tokens_per_s'] / base:.3f}x none" if base else ""
+        rounds = [round(x) for x in r.get("rounds", {}).get("output_tokens_per_s", [])]
+        print(f"{r['config']:28s} {r['output_tokens_per_s']:8.1f} tok/s {ratio} rounds {rounds} ms/token "
+              f"{m['drafting']:.3f}+{m['verification']:.3f}+{m['scheduling_state']:.3f} = {m['total']:.3f}")
+    total = 0.0
+    for key in sorted(steps):
+        plain = (key[0], "plain")
+        rate = tokens[plain] / seconds[plain] if seconds[plain] else None
+        excess = seconds[key] - tokens[key] / rate if rate and seconds[key] else 0.0
+        total += excess
+        own = f"{tokens[key] / seconds[key]:.0f} tok/s" if seconds[key] else "-"
+        print(f"bucket {key[0]:2d} {key[1]:5s} {steps[key]:5d} steps {own:>11s}"
+              + (f"  excess over plain {excess * 1000:.0f} ms" if rate else ""))
+    print(f"excess over plain, all buckets: {total * 1000:.0f} ms; {time.perf_counter() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
