@@ -84,3 +84,23 @@ def test_a_speculative_row_that_drafts_nothing_takes_its_tokens_in_one_call(targ
     for p in prompts:
         assert llm.generate([p], sp)[0].token_ids == plain.generate([p], sp)[0].token_ids
     assert calls > 0
+
+
+
+def test_a_policy_sure_of_plain_steps_gets_multi_step_tokens_a_call(target):
+    """A speculative engine whose policy says the next step drafts nothing for certain
+    (`plain_next`: the goodput policy's coasting lease of plain decoding) lets a lone greedy row
+    commit up to `multi_step` tokens in one call, as plain decoding does, not 1 + k: the same
+    tokens, in fewer engine steps."""
+    from draftwise import SpecConfig
+
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    plain = LLM(str(target), dtype="float32", multi_step=1).generate([PROMPTS[2]], sp)[0].token_ids
+    steps = {}
+    for sure in (True, False):
+        llm = LLM(str(target), draft=str(target), dtype="float32", spec=SpecConfig(method="draft", k=4))
+        llm.engine.policy.plan = lambda seqs, max_draft: [0] * len(seqs)  # plain steps only
+        llm.engine.scheduler.plain_next = (lambda num_seqs: True) if sure else None
+        assert llm.generate([PROMPTS[2]], sp)[0].token_ids == plain
+        steps[sure] = llm.engine.stats.steps
+    assert steps[True] <= -(-120 // 8) + 1 and steps[False] >= 120 // 5, steps

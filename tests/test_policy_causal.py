@@ -716,3 +716,22 @@ def test_a_look_that_ties_waits_longer_and_one_that_leads_resets():
     assert burst(0.9) == 8 * _Arms.EXPLORE_EVERY  # behind: later
     assert burst(0.5) == 16 * _Arms.EXPLORE_EVERY  # far behind: much later
     assert burst(1.2) == _Arms.EXPLORE_EVERY  # clearly ahead: soon again
+
+
+
+def test_goodput_is_sure_of_plain_steps_only_while_coasting_on_plain():
+    """`plain_next` (the scheduler may then give a lone row several target steps a call) holds
+    exactly while the batch size's arms hold a lease of plain decoding, which `plan` then returns
+    unchecked; another batch size, or a lease of "full", is not plain for certain."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    seqs = [SimpleNamespace(seq_id=0, params=SamplingParams(temperature=0), num_tokens=50)]
+    policy.plan(seqs, [4])  # the batch size is known from here on
+    assert not policy.plain_next(1)
+    arms = policy._arms[batch_bucket(1)]
+    arms.lease, arms.lease_arm = 3, "plain"
+    assert policy.plain_next(1) and not policy.plain_next(2)
+    for left in (2, 1, 0):
+        assert policy.plan(seqs, [4]) == [0] and arms.lease == left
+        assert policy.plain_next(1) == (left > 0)
+    arms.lease, arms.lease_arm = 3, "full"
+    assert not policy.plain_next(1)

@@ -118,8 +118,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
-            multi_step=cfg.multi_step if cls is None else 1,
+            multi_step=cfg.multi_step,
         )
+        # a policy that knows the next step runs plain (a coasting lease) lets a lone greedy row
+        # commit several tokens in one call there, as plain decoding does
+        self.scheduler.plain_next = getattr(self.policy, "plain_next", None)
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
         self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
@@ -261,7 +264,8 @@ class LLMEngine:
         if self.proposer is None or not decoding:
             return {}, {}
         seqs = [s.seq for s in decoding]
-        plan = self.policy.plan(seqs, [s.num_draft for s in decoding])
+        k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
+        plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
         forced = [s.num_forced for s in decoding]
         t0 = time.perf_counter()
         if any(plan):
@@ -289,9 +293,12 @@ class LLMEngine:
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
         catch_up = self._catch_up_seconds
-        if self._mixed_step or self._multi_stepped:  # its decode part was not timed apart from the prefill
-            seconds = None  # chunks; or it was several target steps (multi-step), not the forward modelled
-        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up)
+        kw = {}
+        if self._multi_stepped:  # several target steps, not the forward modelled: its time, for budgets
+            kw["untimed_seconds"], seconds = seconds, None
+        if self._mixed_step:  # its decode part was not timed apart from the prefill chunks
+            seconds = None
+        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up, **kw)
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(*predicted, seconds - catch_up)
 

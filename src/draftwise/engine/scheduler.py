@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..kv import KVManager
 from .sequence import Sequence, Status
@@ -66,9 +67,11 @@ class Scheduler:
         # the longest prefill chunk of a step that also decodes (None: the token budget): the engine
         # runs such a step as one forward, which takes chunks up to this many tokens
         self.mixed_chunk = mixed_chunk
-        # without speculation (k = 0): a lone decoding sequence with nothing waiting may commit up to
-        # this many tokens a step (its K/V reserved; the engine's multi-step path uses them)
+        # without speculation (k = 0), or when `plain_next` says the step runs plain for certain: a
+        # lone decoding sequence with nothing waiting may commit up to this many tokens a step (its
+        # K/V reserved; the engine's multi-step path uses them)
         self.multi_step = multi_step
+        self.plain_next: Callable[[int], bool] | None = None  # the policy's: num_seqs -> no row drafts next step
         self.admission_limit: int | None = None  # a lower cap on running sequences, when set
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -138,7 +141,8 @@ class Scheduler:
                 n, k = min(todo, budget, chunk), 0
             else:
                 n, k = 1, min(self.num_draft_for(seq), budget - 1)
-                if not self.k and self.multi_step > 1 and len(self.running) == 1 and not self.waiting:
+                if self.multi_step > 1 and len(self.running) == 1 and not self.waiting \
+                        and (not self.k or (self.plain_next is not None and self.plain_next(1))):
                     k = min(self.num_draft_for(seq, self.multi_step - 1), budget - 1)  # tokens after the first
             f = self.num_forced_for(seq, k, budget - 1 - k)
             # the drafter feeds forced tokens too (at most k + f - 1 proposals past the committed ones)

@@ -53,13 +53,19 @@ class Policy(Protocol):
         """The request finished: drop its state."""
 
     def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
-                     seconds: float | None, catch_up_seconds: float = 0.0) -> tuple[float, float] | None:
+                     seconds: float | None, catch_up_seconds: float = 0.0,
+                     untimed_seconds: float | None = None) -> tuple[float, float] | None:
         """A decode step took `seconds` (its prefill chunks' forward left out; B rows, T tokens fed,
         mean context, tokens drafted per row), of which `catch_up_seconds` went to the drafter's
         long catch-ups (a new prompt: the drafter's prefill); `seconds` None: the step ran its decode
-        rows and prefill chunks in one forward (a mixed step), so its decode part was not timed.
+        rows and prefill chunks in one forward (a mixed step), so its decode part was not timed, or
+        it ran several target steps for a lone plain row (multi-step: `untimed_seconds` its time).
         Returns what the policy's cost model predicted for the step without those, and what the
         hardware profile alone predicted (None: it has no cost model, or nothing was timed)."""
+
+    def plain_next(self, num_seqs: int) -> bool:
+        """Optional: the next step at this batch size drafts for no row, for certain (the scheduler
+        may then give a lone greedy row several target steps in one call). Absent: never."""
 
 
 POLICIES = Registry("policy")
@@ -95,7 +101,7 @@ class _Stateless:
         pass
 
     def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds,
-                     catch_up_seconds=0.0) -> tuple[float, float] | None:
+                     catch_up_seconds=0.0, untimed_seconds=None) -> tuple[float, float] | None:
         return None
 
 

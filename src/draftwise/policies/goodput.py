@@ -159,6 +159,16 @@ class GoodputPolicy:
         self._lead_rate = 0.0  # the leading arm's rating when this step was decided (tokens/s)
         self._probe_cost = 0.0  # seconds an engine-wide probe cost last time (its catch-up mostly)
 
+    def plain_next(self, num_seqs: int) -> bool:
+        """The next step at this batch size runs plain for certain: a coasting lease of plain
+        decoding (`_Arms.coast`), which `plan` returns unchecked. The scheduler then lets a lone
+        greedy row commit several tokens in one call, as plain decoding does (at batch 1 a useless
+        drafter's engine ran at 0.95x `none`: 5 tokens a call, 1 + k, against `none`'s 8)."""
+        if num_seqs != self._plan_b:  # another batch size: plan decides afresh
+            return False
+        arms = self._arms.get(self._bucket)
+        return arms is not None and arms.lease > 0 and arms.lease_arm == "plain"
+
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
 
@@ -335,11 +345,15 @@ class GoodputPolicy:
         self.calibration.forget(seq_id)
         self._probe_interval.pop(seq_id, None)
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds, catch_up_seconds=0.0):
+    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds, catch_up_seconds=0.0,
+                     untimed_seconds=None):
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
-        if seconds is None:  # a mixed step (prefill chunks in the same forward): nothing to learn from
+        if untimed_seconds is not None:  # a plain multi-step step (several forwards): its time still
+            # adds to the exploration budget, which would not grow at batch 1 otherwise
+            self._credit = min(self.CREDIT_CAP, self._credit + self.EXPLORE_BUDGET * untimed_seconds)
+        if seconds is None:  # a mixed or multi-step step (not the forward modelled): nothing to learn from
             self._last_mode = self._mode
             return None
         self._spend(committed, seconds)
