@@ -293,12 +293,13 @@ class LLMEngine:
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
         lengths = [len(blk.token_ids) for blk in drafted.values()]
         catch_up = self._catch_up_seconds
-        kw = {}
+        untimed = None
         if self._multi_stepped:  # several target steps, not the forward modelled: its time, for budgets
-            kw["untimed_seconds"], seconds = seconds, None
+            untimed, seconds = seconds, None
         if self._mixed_step:  # its decode part was not timed apart from the prefill chunks
             seconds = None
-        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up, **kw)
+        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up,
+                                             untimed_seconds=untimed)
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(*predicted, seconds - catch_up)
 

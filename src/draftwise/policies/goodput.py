@@ -269,7 +269,7 @@ class GoodputPolicy:
         engine-wide probe's cost. A look is started only while the credit covers what the same
         look cost last time, so where one arm leads clearly, looking costs at most about
         EXPLORE_BUDGET of the run (the first look at an arm is free: its cost is not known)."""
-        self._credit = min(self.CREDIT_CAP, self._credit + self.EXPLORE_BUDGET * seconds)
+        self._accrue(seconds)
         if self._looking is None or self._lead_rate <= 0 or math.isinf(self._lead_rate):
             return
         cost = seconds - committed / self._lead_rate
@@ -278,6 +278,10 @@ class GoodputPolicy:
             self._probe_cost = max(0.0, cost)
         else:
             self._arms_at(self._bucket).spend(self._looking, cost)
+
+    def _accrue(self, seconds: float) -> None:
+        """Every step adds EXPLORE_BUDGET of its seconds to the exploration credit (up to CREDIT_CAP)."""
+        self._credit = min(self.CREDIT_CAP, self._credit + self.EXPLORE_BUDGET * seconds)
 
     def _lags(self, seqs) -> list[int]:
         """Tokens each row's drafter cache is behind (fed before its first proposal; 0 for n-gram)."""
@@ -351,8 +355,7 @@ class GoodputPolicy:
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
         if untimed_seconds is not None:  # a plain multi-step step (several forwards): its time still
-            # adds to the exploration budget, which would not grow at batch 1 otherwise
-            self._credit = min(self.CREDIT_CAP, self._credit + self.EXPLORE_BUDGET * untimed_seconds)
+            self._accrue(untimed_seconds)  # adds to the budget, which would not grow at batch 1 otherwise
         if seconds is None:  # a mixed or multi-step step (not the forward modelled): nothing to learn from
             self._last_mode = self._mode
             return None
