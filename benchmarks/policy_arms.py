@@ -55,15 +55,33 @@ def main() -> None:
     steps, seconds, tokens = collections.Counter(), collections.Counter(), collections.Counter()
     observe_step = gp.GoodputPolicy.observe_step
 
-    def tally(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds=0.0):
+    def tally(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds=0.0, **kw):
         key = (gp.batch_bucket(num_seqs), self._mode)
         steps[key] += 1
         if secs is not None:
             seconds[key] += secs
             tokens[key] += self._committed[0] + max(0, num_seqs - self._committed[1])
-        return observe_step(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds)
+        return observe_step(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds, **kw)
 
     gp.GoodputPolicy.observe_step = tally
+    py = collections.Counter()  # the policy's own Python: plan and admit seconds, steps planned
+    plan_fn, admit_fn = gp.GoodputPolicy.plan, gp.GoodputPolicy.admit
+
+    def timed_plan(self, seqs, max_draft):
+        t0 = time.perf_counter()
+        out = plan_fn(self, seqs, max_draft)
+        py["plan"] += time.perf_counter() - t0
+        py["planned"] += self._pred is not None
+        py["calls"] += 1
+        return out
+
+    def timed_admit(self, seqs, blocks, draft_seconds):
+        t0 = time.perf_counter()
+        out = admit_fn(self, seqs, blocks, draft_seconds)
+        py["admit"] += time.perf_counter() - t0
+        return out
+
+    gp.GoodputPolicy.plan, gp.GoodputPolicy.admit = timed_plan, timed_admit
     plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
                      configs=parse_configs(args.configs), levels=[LoadLevel("concurrency", args.concurrency)],
                      output_len=args.output_len, repeats=args.rounds)
@@ -86,6 +104,9 @@ def main() -> None:
         print(f"bucket {key[0]:2d} {key[1]:5s} {steps[key]:5d} steps {own:>11s}"
               + (f"  excess over plain {excess * 1000:.0f} ms" if rate else ""))
     print(f"excess over plain, all buckets: {total * 1000:.0f} ms; {time.perf_counter() - t:.0f} s")
+    step_seconds = sum(seconds.values())
+    print(f"policy's own Python: plan {py['plan'] * 1000:.0f} ms ({py['planned']} of {py['calls']} calls planned), "
+          f"admit {py['admit'] * 1000:.0f} ms; timed decode steps {step_seconds * 1000:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -522,7 +522,8 @@ def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
     """An arm with steps of its own at this batch size is rated by what they measured (tokens per
     second); one seeded from a neighbouring batch size by the model's figures times the
     neighbour's measured / predicted ratios (its rates belong to another batch size); the first own
-    step replaces the neighbour's figures."""
+    step replaces the neighbour's seconds, while its committed / expected tokens only add to the
+    neighbour's (a prior of TOKEN_PRIOR its weight: tokens do not drift with the machine)."""
     near = _Arms(GoodputPolicy.ARMS)
     near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, switched=False)
     near.record("plain", committed=2.0, expected=2.0, seconds=0.01, predicted=0.01, switched=False)
@@ -532,7 +533,27 @@ def test_arms_rate_by_measurement_and_a_neighbours_by_its_ratios():
     assert arms.rating("full", pred) == pytest.approx(16.0 * 0.75 / (0.05 * 2.0 + 0.01))
     assert arms.rating("plain", pred) == pytest.approx(16.0 / (0.05 + 0.01))
     arms.record("full", committed=20.0, expected=16.0, seconds=0.04, predicted=0.05, switched=False)
-    assert arms.rating("full", pred) == pytest.approx(20.0 / (0.04 + 0.01))
+    w, d = _Arms.TOKEN_PRIOR, _Arms.TOKEN_DECAY
+    accuracy = (6.0 * w * d + 20.0) / (8.0 * w * d + 16.0)
+    assert arms.rating("full", pred) == pytest.approx(16.0 * accuracy / (0.04 + 0.01))
+
+
+def test_arms_rate_tokens_over_many_more_steps_than_seconds():
+    """Committed tokens vary far more from step to step than seconds (at 2 rows of code-hard, 2 to
+    10 a step), and a burst's few steps of them misjudged an arm; tokens do not drift with the
+    machine, so an arm's committed / expected ratio follows its last ~50 steps (TOKEN_DECAY), its
+    seconds the last ~10 (DECAY). Three unlucky steps (4 tokens where 10 were expected) move the
+    rating by under 10%; rated by the last ~10 steps' tokens it fell by 16%."""
+    arms = _Arms(GoodputPolicy.ARMS)
+    for _ in range(40):
+        arms.record("full", committed=10.0, expected=10.0, seconds=0.01, predicted=0.01, switched=False)
+    assert arms.rating("full", (10.0, 0.01, 0.0)) == pytest.approx(1000.0)
+    for _ in range(3):
+        arms.record("full", committed=4.0, expected=10.0, seconds=0.01, predicted=0.01, switched=False)
+    assert 900.0 < arms.rating("full", (10.0, 0.01, 0.0)) < 1000.0
+    for _ in range(200):  # a lasting change of acceptance is followed
+        arms.record("full", committed=4.0, expected=10.0, seconds=0.01, predicted=0.01, switched=False)
+    assert arms.rating("full", (10.0, 0.01, 0.0)) == pytest.approx(400.0, rel=0.02)
 
 
 def test_the_plan_runs_only_when_clearly_ahead_of_fixed_speculation():

@@ -403,13 +403,20 @@ class _Arms:
 
     Each arm keeps decayed sums of its steps' committed tokens and seconds as measured (the
     seconds without the drafter's long catch-ups, whose per-token cost is learned apart), and of
-    what the model expected of them (for the record); an arm's rating now is its measured tokens
-    per step over its measured seconds per step plus the catch-up that running it now would
-    start with (drafting rows that lag, spread over `CATCH_UP_HORIZON` steps). Measured, not the
-    model's prediction corrected by a ratio: at batch 1 on the AVX2 machine the plan's shorter
-    blocks cost nearly a full block's time (13.8 against 14.5 ms, the drafter's steps and the
-    step's fixed work) and committed 2.4 tokens against 3.1, while the corrected prediction still
-    rated them first. An arm never run is rated by the model alone.
+    what the model expected of them; an arm's rating now is its tokens per step over its measured
+    seconds per step plus the catch-up that running it now would start with (drafting rows that
+    lag, spread over `CATCH_UP_HORIZON` steps). Its tokens per step: what the calibration expected
+    of its last ~10 steps (the steps its seconds are of, `DECAY`) times its committed / expected
+    tokens over its last ~50 (`TOKEN_DECAY`). Committed tokens vary far more from step to step than
+    seconds (2 to 10 a step at 2 rows of code-hard), and rated by a burst's few steps of them, an
+    arm that an unlucky burst put behind waited ever longer for its next look; tokens do not drift
+    with the machine, so their ratio can average over many steps (in a simulation of the check
+    under machine drift, where fixed speculation is 20% ahead of plain decoding: 0.96x the best
+    arm's rate on average, 0.90x in the worst tenth of runs, against 0.99x and 0.98x; see
+    benchmarks/arms_sim.py). Measured seconds, not the model's prediction corrected by a ratio: at
+    batch 1 on the AVX2 machine the plan's shorter blocks cost nearly a full block's time (13.8
+    against 14.5 ms, the drafter's steps and the step's fixed work), while the corrected
+    prediction still rated them first. An arm never run is rated by the model alone.
 
     The best-rated arm runs ("spec" only when rated more than `PLAN_EDGE` ahead of "full": two
     ratings from a few noisy steps each, and a plan that merely ties with fixed speculation
@@ -442,7 +449,9 @@ class _Arms:
     caches holding the drafting's data) is a cost of switching, left out of the arm's figures."""
 
     BURST = 3
-    DECAY = 0.9  # per recorded step of that arm: its ratios follow the last ~10 of its steps
+    DECAY = 0.9  # per recorded step of that arm: its seconds follow the last ~10 of its steps
+    TOKEN_DECAY = 0.98  # its committed / expected tokens, the last ~50 (no drift in tokens)
+    TOKEN_PRIOR = 0.25  # weight of a neighbouring batch size's committed / expected tokens
     EXPLORE_EVERY = 32
     FIRST_LOOK = 16  # steps before the first look at an arm at a new batch size (a neighbour's figures until then)
     MAX_EXPLORE_EVERY = 1024
@@ -458,6 +467,8 @@ class _Arms:
         self.arms = tuple(arms)
         # tokens measured, tokens predicted, seconds measured, seconds predicted, steps (decayed)
         self.figures = {a: [0.0, 0.0, 0.0, 0.0, 0.0] for a in arms}
+        # tokens committed and expected (decayed by TOKEN_DECAY: over many more steps)
+        self.tokens = {a: [0.0, 0.0] for a in arms}
         self.steps = 0  # decisions made
         self.current = "spec"
         self.burst_left = 0
@@ -475,6 +486,9 @@ class _Arms:
             for a, f in seed.figures.items():
                 if f[4] > 0:
                     self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
+            # its committed / expected tokens as a prior (TOKEN_PRIOR of the neighbour's weight),
+            # which this batch size's own steps add to: a ratio of tokens, not of time
+            self.tokens = {a: [v * self.TOKEN_PRIOR for v in t] for a, t in seed.tokens.items()}
             self.interval = dict(seed.interval)
             self.look_cost = dict(seed.look_cost)
         # an arm's first look here comes within FIRST_LOOK steps whatever the neighbour's interval:
@@ -489,12 +503,14 @@ class _Arms:
         that running it now would start with added; an arm with only a neighbouring batch size's
         figures (`seed`), the model's figures corrected by that neighbour's measured / predicted
         ratios; an arm never run, the model's figures."""
-        tok_m, tok_p, sec_m, sec_p, n = self.figures[arm]
+        _, tok_p, sec_m, sec_p, n = self.figures[arm]
         expected, seconds, catch_up = pred
+        got, meant = self.tokens[arm]
+        accuracy = got / meant if meant > 0 else 1.0  # committed / expected tokens, over many steps
         if arm in self.own and sec_m > 0:
-            expected, seconds = tok_m / n, sec_m / n
-        elif n > 0 and tok_p > 0 and sec_p > 0:  # a neighbour's: its rates belong to another batch size,
-            expected *= tok_m / tok_p  # its ratios to the model's figures carry over
+            expected, seconds = accuracy * tok_p / n, sec_m / n
+        elif n > 0 and sec_p > 0:  # a neighbour's: its rates belong to another batch size,
+            expected *= accuracy  # its ratios to the model's figures carry over
             seconds *= sec_m / sec_p
         return expected / max(seconds + catch_up, 1e-12)
 
@@ -613,3 +629,5 @@ class _Arms:
         f, d = self.figures[arm], self.DECAY
         for i, v in enumerate((committed, expected, seconds, predicted, 1.0)):
             f[i] = f[i] * d + v
+        t, d = self.tokens[arm], self.TOKEN_DECAY
+        t[0], t[1] = t[0] * d + committed, t[1] * d + expected
