@@ -3,7 +3,7 @@ its steps' rate, and what its steps cost against plain steps at the same batch s
 
     .venv/bin/python benchmarks/policy_arms.py WORKLOAD CONCURRENCY [--rounds 3] [--num-requests 64]
         [--configs none,draft:k=4,draft:k=4:policy=goodput] [--output-len 128] [--threads 2]
-        [--force ARM] [--plan-edge X]
+        [--rate R] [--max-tokens N] [--force ARM] [--plan-edge X]
 
 Runs the lab's in-process bench (`run_bench`: one engine per config, built once, the configs'
 rounds alternated) at one concurrency level and prints, per config, the median round's output
@@ -14,7 +14,8 @@ apart), and the excess of those seconds over what plain steps at that bucket too
 tokens: where exploring and switching cost.
 
 `--force ARM` makes the measured check always choose ARM ("plain", "full" or "spec", coasting
-off): the arm's own cost beside the config it stands for. `--plan-edge X` sets `_Arms.PLAN_EDGE`.
+off): the arm's own cost beside the config it stands for. `--rate R`: open-loop arrivals at R
+requests/s (CONCURRENCY then unused), as the capacity search probes them. `--plan-edge X` sets `_Arms.PLAN_EDGE`.
 One run on a shared 2-vCPU machine moves by up to ~25% from the next: compare within a run.
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--configs", default="none,draft:k=4,draft:k=4:policy=goodput")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rate", type=float, help="open-loop arrivals at this mean requests/s instead of CONCURRENCY")
+    ap.add_argument("--max-tokens", type=int, help="cap per request instead of --output-len")
     ap.add_argument("--force", choices=("plain", "full", "spec"))
     ap.add_argument("--plan-edge", type=float)
     args = ap.parse_args()
@@ -83,8 +86,10 @@ def main() -> None:
 
     gp.GoodputPolicy.plan, gp.GoodputPolicy.admit = timed_plan, timed_admit
     plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
-                     configs=parse_configs(args.configs), levels=[LoadLevel("concurrency", args.concurrency)],
-                     output_len=args.output_len, repeats=args.rounds)
+                     configs=parse_configs(args.configs),
+                     levels=[LoadLevel("rate", args.rate) if args.rate else LoadLevel("concurrency", args.concurrency)],
+                     output_len=None if args.max_tokens else args.output_len, max_tokens=args.max_tokens,
+                     repeats=args.rounds)
     t = time.perf_counter()
     runs = run_bench(plan, Console(stderr=True, quiet=True))[0]["runs"]
     base = next((r["output_tokens_per_s"] for r in runs if r["config"] == "none"), None)
@@ -93,7 +98,8 @@ def main() -> None:
         ratio = f"{r['output_tokens_per_s'] / base:.3f}x none" if base else ""
         rounds = [round(x) for x in r.get("rounds", {}).get("output_tokens_per_s", [])]
         print(f"{r['config']:28s} {r['output_tokens_per_s']:8.1f} tok/s {ratio} rounds {rounds} ms/token "
-              f"{m['drafting']:.3f}+{m['verification']:.3f}+{m['scheduling_state']:.3f} = {m['total']:.3f}")
+              f"{m['drafting']:.3f}+{m['verification']:.3f}+{m['scheduling_state']:.3f} = {m['total']:.3f}"
+              f"; TPOT p90 {r['tpot_ms']['p90']:.2f} ms")
     total = 0.0
     for key in sorted(steps):
         plain = (key[0], "plain")
