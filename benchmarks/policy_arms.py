@@ -85,6 +85,21 @@ def main() -> None:
         return out
 
     gp.GoodputPolicy.plan, gp.GoodputPolicy.admit = timed_plan, timed_admit
+    observe_fn, step_fn = gp.GoodputPolicy.observe, gp.GoodputPolicy.observe_step
+
+    def timed_observe(self, *a, **k):
+        t0 = time.perf_counter()
+        out = observe_fn(self, *a, **k)
+        py["observe"] += time.perf_counter() - t0
+        return out
+
+    def timed_step(self, *a, **k):
+        t0 = time.perf_counter()
+        out = step_fn(self, *a, **k)
+        py["observe_step"] += time.perf_counter() - t0
+        return out
+
+    gp.GoodputPolicy.observe, gp.GoodputPolicy.observe_step = timed_observe, timed_step
     plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
                      configs=parse_configs(args.configs),
                      levels=[LoadLevel("rate", args.rate) if args.rate else LoadLevel("concurrency", args.concurrency)],
@@ -112,7 +127,8 @@ def main() -> None:
     print(f"excess over plain, all buckets: {total * 1000:.0f} ms; {time.perf_counter() - t:.0f} s")
     step_seconds = sum(seconds.values())
     print(f"policy's own Python: plan {py['plan'] * 1000:.0f} ms ({py['planned']} of {py['calls']} calls planned), "
-          f"admit {py['admit'] * 1000:.0f} ms; timed decode steps {step_seconds * 1000:.0f} ms")
+          f"admit {py['admit'] * 1000:.0f} ms, observe {py['observe'] * 1000:.0f} ms, observe_step "
+          f"{py['observe_step'] * 1000:.0f} ms ({py['calls']} steps); timed decode steps {step_seconds * 1000:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -121,3 +121,24 @@ def test_grown_lists_and_the_grammar_time_per_step():
     table = workload_table({"runs": [dict(run, config="none", speculation={"step_ms": 8.0, "grammar_ms_per_step": 0.3}),
                                      dict(run, config="draft:k=4", speculation=f)]})
     assert "| 0.30 (3.8%) |" in table and "| 1.00 (12.5%) |" in table
+
+
+def test_policy_against_the_better_fixed_choice():
+    """The report rates a load-aware config at each point against the better of `none` and the same
+    config verifying every proposal (its fixed counterpart): the question such a policy answers."""
+    from draftwise.lab.report import policy_points, policy_summary
+
+    def run(config, level, tps):
+        return {"config": config, "level_label": level, "output_tokens_per_s": tps}
+
+    wl = {"name": "w", "runs": [run("none", "c=1", 100.0), run("draft:k=4", "c=1", 150.0),
+                                run("draft:k=4:policy=goodput", "c=1", 147.0),
+                                run("none", "c=32", 200.0), run("draft:k=4", "c=32", 140.0),
+                                run("draft:k=4:policy=goodput", "c=32", 180.0),
+                                run("ngram:k=4:policy=goodput", "c=1", 120.0),  # no ngram:k=4 ran: not rated
+                                run("draft:k=2:policy=fixed", "c=1", 150.0)]}  # fixed: not load-aware
+    pts = policy_points({"workloads": [wl]})
+    assert list(pts) == ["draft:k=4:policy=goodput"]
+    assert pts["draft:k=4:policy=goodput"] == [("w", "c=1", pytest.approx(0.98)), ("w", "c=32", pytest.approx(0.9))]
+    (line,) = policy_summary({"workloads": [wl]})
+    assert "within 3% at 1 of 2 points" in line and "geometric mean 0.939" in line and "lowest 0.90 (w c=32)" in line

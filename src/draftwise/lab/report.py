@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -186,6 +187,58 @@ def speedup_matrix(wl: dict) -> str:
     return "\n".join(rows)
 
 
+def _fixed_counterpart(label: str) -> str | None:
+    """"draft:k=4:policy=goodput" -> "draft:k=4" (the same config, every proposal verified); None
+    for a config without a load-aware policy (no policy, or policy=fixed)."""
+    parts = label.split(":")
+    policy = [x for x in parts if x.startswith("policy=")]
+    if not policy or policy[0] == "policy=fixed":
+        return None
+    return ":".join(x for x in parts if not x.startswith("policy="))
+
+
+def policy_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
+    """Per config with a load-aware policy: (workload, level, its output tok/s over the better of
+    `none` and its fixed counterpart at that point), where both ran at that point: the question
+    such a policy answers (is it at least as fast as the better fixed choice, at every load?)."""
+    out: dict[str, list[tuple[str, str, float]]] = {}
+    for wl in results["workloads"]:
+        rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
+        for (c, lv), v in rate.items():
+            base = _fixed_counterpart(c)
+            best = max(rate.get(("none", lv)) or 0.0, rate.get((base, lv)) or 0.0) if base else 0.0
+            if base and (base, lv) in rate and ("none", lv) in rate and best > 0:
+                out.setdefault(c, []).append((wl["name"], lv, v / best))
+    return out
+
+
+def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
+    """One line per load-aware config: points within `tolerance` of max(none, fixed), the
+    geometric mean of the ratios, the lowest."""
+    lines = []
+    for c, pts in policy_points(results).items():
+        base = _fixed_counterpart(c)
+        ok = sum(r >= 1.0 - tolerance for _, _, r in pts)
+        gm = math.exp(sum(math.log(r) for _, _, r in pts) / len(pts))
+        low = min(pts, key=lambda x: x[2])
+        lines.append(f"`{c}` against the better of `none` and `{base}`: within {tolerance:.0%} at {ok} of "
+                     f"{len(pts)} points; geometric mean {gm:.3f}; lowest {low[2]:.2f} ({low[0]} {low[1]}).")
+    return lines
+
+
+def policy_matrix(wl: dict, results_points: dict[str, list[tuple[str, str, float]]]) -> str:
+    """Rows = load-aware configs, columns = levels: output tok/s over max(none, fixed)."""
+    rows_of = {c: {lv: r for w, lv, r in pts if w == wl["name"]} for c, pts in results_points.items()}
+    rows_of = {c: row for c, row in rows_of.items() if row}
+    if not rows_of:
+        return ""
+    levels = list(dict.fromkeys(r["level_label"] for r in wl["runs"]))
+    rows = ["| over max(none, fixed) | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels)]
+    for c, row in rows_of.items():
+        rows.append(f"| {c} | " + " | ".join(_f(row.get(lv), "{:.2f}") for lv in levels) + " |")
+    return "\n".join(rows)
+
+
 def _round_cost(run: dict, none: dict | None) -> str:
     """The suffix " (L tokens per round, each taking the engine time of R plain tokens)"; speedup ~ L / R."""
     sp = run.get("speculation") or {}
@@ -234,11 +287,19 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
              "step (prefill steps included) at the same level; speedup and goodput ratio are against `none` at the same "
              "level; greedy mismatches count requests whose token ids differ from `none`'s.", ""]
     lines += ["## Summary: where speculation pays off", ""]
+    points = policy_points(results)
     for wl in results["workloads"]:
         lines += [f"**{wl['name']}**", ""] + [f"- {x}" for x in findings(wl)] + [""]
         m = speedup_matrix(wl)
         if m:
             lines += [m, ""]
+        m = policy_matrix(wl, points)
+        if m:
+            lines += [m, ""]
+    summary = policy_summary(results)
+    if summary:
+        lines += ["Load-aware policies against the better fixed choice at each point (output tok/s over "
+                  "max(`none`, the same config verifying every proposal)):", ""] + [f"- {x}" for x in summary] + [""]
     for wl in results["workloads"]:
         lines += [f"## {wl['name']}", "",
                   f"{wl['num_requests']} requests" + (f", {wl['truncated_prompts']} prompts truncated to fit the context"
