@@ -756,3 +756,31 @@ def test_goodput_is_sure_of_plain_steps_only_while_coasting_on_plain():
         assert policy.plain_next(1) == (left > 0)
     arms.lease, arms.lease_arm = 3, "full"
     assert not policy.plain_next(1)
+
+
+def test_goodput_coasting_on_fixed_speculation_calibrates_one_step_in_four():
+    """While fixed speculation leads by far (it coasts: no plan, every proposal verified), one
+    coasting step in COAST_OBSERVE_EVERY feeds the calibration (its per-row Python was ~2% of the
+    step at 4 rows); the other steps only count their tokens, and the decided steps feed it all."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    policy.model.observe = lambda *a, **k: None
+    fed = []
+    observe = policy.calibration.observe
+    policy.calibration.observe = lambda *a, **k: (fed.append(policy._mode), observe(*a, **k))
+    thin = []
+    plan = policy.plan
+
+    def planned(seqs, max_draft):
+        out = plan(seqs, max_draft)
+        thin.append(policy._thin)
+        return out
+
+    policy.plan = planned
+    cheap = lambda lengths, prev: 0.005 + 0.0002 * sum(lengths)  # every proposal nearly free
+    modes = _drive(policy, 4, 400, cheap, accept=4)
+    assert modes[200:].count("full") > 180, modes[200:]
+    assert sum(thin) > 200  # most steps coast on "full" and skip the calibration
+    rounds_verified = sum(m != "plain" for m in modes) * 4
+    # every row of every step that was not thin, and nothing else, fed the calibration
+    assert len(fed) == sum(4 for t, m in zip(thin, modes) if not t and m != "plain")
+    assert len(fed) < 0.5 * rounds_verified
