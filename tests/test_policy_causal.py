@@ -760,7 +760,7 @@ def test_goodput_is_sure_of_plain_steps_only_while_coasting_on_plain():
 
 def test_goodput_coasting_on_fixed_speculation_calibrates_one_step_in_four():
     """While fixed speculation leads by far (it coasts: no plan, every proposal verified), one
-    coasting step in COAST_OBSERVE_EVERY feeds the calibration (its per-row Python was ~2% of the
+    coasting step in COAST_OBSERVE_EVERY feeds the calibration (its per-row Python was ~0.7% of the
     step at 4 rows); the other steps only count their tokens, and the decided steps feed it all."""
     policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
     policy.model.observe = lambda *a, **k: None
