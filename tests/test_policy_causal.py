@@ -784,3 +784,20 @@ def test_goodput_coasting_on_fixed_speculation_calibrates_one_step_in_four():
     # every row of every step that was not thin, and nothing else, fed the calibration
     assert len(fed) == sum(4 for t, m in zip(thin, modes) if not t and m != "plain")
     assert len(fed) < 0.5 * rounds_verified
+
+
+def test_a_first_look_is_not_deferred_for_a_catch_up():
+    """An arm never run that the model rates far behind waits 4x for its first look, but the
+    drafter's catch-up (paid once, when drafting starts) does not count toward "far": fresh prompts
+    to catch up on, with fixed speculation ahead in its steady state, still get their first look at
+    it within FIRST_LOOK steps (and a burst of the other arm due)."""
+    plain = (32.0, 0.068, 0.0)  # 470 tokens/s
+    full = (70.0, 0.168, 0.034)  # 347 tokens/s counting the catch-up (< FAR x 470), 417 without
+    assert 70.0 / 0.202 < _Arms.FAR * 32.0 / 0.068 < 70.0 / 0.168
+    arms = _Arms(GoodputPolicy.ARMS)
+    picks = [arms.choose({"spec": plain, "full": full, "plain": plain}, last="plain") for _ in range(40)]
+    assert "full" in picks[: _Arms.FIRST_LOOK + 2 * _Arms.BURST], picks  # (after a look at "spec")
+    far = (50.0, 0.168, 0.0)  # behind in its steady state: deferred
+    arms = _Arms(GoodputPolicy.ARMS)
+    picks = [arms.choose({"spec": plain, "full": far, "plain": plain}, last="plain") for _ in range(40)]
+    assert "full" not in picks, picks

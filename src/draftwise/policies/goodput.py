@@ -449,7 +449,10 @@ class _Arms:
     code-hard and 32 of grounded, where fixed speculation ran at 0.76-0.95x plain's rate, goodput
     ran at 0.87-0.93x `none` with looks at tied arms every 32 steps (four runs), 1.04-1.10x without
     (one run each; 64 requests, 3 rounds); an arm never run that the model rates more
-    than 20% behind waits four times as long for its first look. A clearly worse arm (speculation
+    than 20% behind, the drafter's catch-up left out, waits four times as long for its first look
+    (a catch-up is paid once, not every step: counted, 32 fresh prompts' catch-up deferred the first
+    look at fixed speculation ~130 steps at 32 rows in benchmarks/policy_sim.py, where it ran
+    1.39x plain's rate). A clearly worse arm (speculation
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
     "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
     to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more than 1 / FAR). A new batch size starts from a neighbour's figures and
@@ -617,8 +620,9 @@ class _Arms:
         self.lead_rate = rate[best]
         for arm in self.arms:
             if arm != best and self.steps >= self.due[arm] and self.affordable(arm, credit, cap):
-                if self.figures[arm][4] == 0 and rate[arm] < self.FAR * rate[best] and arm not in self.deferred:
-                    # never run, and the model puts it far behind: its first look waits longer
+                if self.figures[arm][4] == 0 and self.rating(arm, pred[arm][:2] + (0.0,)) < self.FAR * rate[best] \
+                        and arm not in self.deferred:
+                    # never run, and the model puts it far behind (its catch-up aside): its first look waits longer
                     self.deferred.add(arm)
                     self.interval[arm] = min(self.MAX_EXPLORE_EVERY, 4 * self.interval[arm])
                     self.due[arm] = self.steps + self.interval[arm]
