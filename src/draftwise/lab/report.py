@@ -206,8 +206,10 @@ def policy_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
         rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
         for (c, lv), v in rate.items():
             base = _fixed_counterpart(c)
-            best = max(rate.get(("none", lv)) or 0.0, rate.get((base, lv)) or 0.0) if base else 0.0
-            if base and (base, lv) in rate and ("none", lv) in rate and best > 0:
+            if base is None or (base, lv) not in rate or ("none", lv) not in rate:
+                continue
+            best = max(rate[("none", lv)], rate[(base, lv)])
+            if best > 0:
                 out.setdefault(c, []).append((wl["name"], lv, v / best))
     return out
 
