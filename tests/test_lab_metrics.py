@@ -142,3 +142,39 @@ def test_policy_against_the_better_fixed_choice():
     assert pts["draft:k=4:policy=goodput"] == [("w", "c=1", pytest.approx(0.98)), ("w", "c=32", pytest.approx(0.9))]
     (line,) = policy_summary({"workloads": [wl]})
     assert "within 3% at 1 of 2 points" in line and "geometric mean 0.939" in line and "lowest 0.90 (w c=32)" in line
+
+
+def test_an_aa_copy_is_judged_as_a_policy_and_against_its_original():
+    """`copy=N` runs a config again in an engine of its own (an A/A control): the report judges the
+    copy as it judges a load-aware policy (against max(none, its original)) and gives its ratios to
+    the original: how far the machine's noise alone moves a cell."""
+    from draftwise.lab.report import control_points, policy_points, policy_summary
+    from draftwise.lab.runner import parse_configs
+
+    cfgs = parse_configs("none,draft:k=4,draft:k=4:copy=2,none:copy=2,draft:k=4:policy=goodput:copy=2")
+    assert [c.label for c in cfgs] == ["none", "draft:k=4", "draft:k=4:copy=2", "none:copy=2",
+                                       "draft:k=4:policy=goodput:copy=2"]
+    assert cfgs[2].spec == cfgs[1].spec and cfgs[2].copy == 2 and cfgs[3].method is None
+    with pytest.raises(ValueError, match="twice"):
+        parse_configs("draft:k=4:copy=2,draft:k=4:copy=2")
+    with pytest.raises(ValueError, match="copy=2"):
+        parse_configs("draft:k=4:copy=two")
+
+    def run(config, level, tps):
+        return {"config": config, "level_label": level, "output_tokens_per_s": tps}
+
+    wl = {"name": "w", "runs": [run("none", "c=1", 100.0), run("draft:k=4", "c=1", 150.0),
+                                run("draft:k=4:copy=2", "c=1", 140.0),
+                                run("none", "c=32", 200.0), run("draft:k=4", "c=32", 140.0),
+                                run("draft:k=4:copy=2", "c=32", 145.0)]}
+    res = {"workloads": [wl]}
+    assert policy_points(res)["draft:k=4:copy=2"] == [("w", "c=1", pytest.approx(140 / 150)),
+                                                      ("w", "c=32", pytest.approx(145 / 200))]
+    assert control_points(res)["draft:k=4:copy=2"] == [("w", "c=1", pytest.approx(140 / 150)),
+                                                       ("w", "c=32", pytest.approx(145 / 140))]
+    judged, control = policy_summary(res)
+    assert judged.startswith("`draft:k=4:copy=2` against the better of `none` and `draft:k=4` (an A/A copy")
+    assert "within 3% at 0 of 2 points" in judged
+    assert control.startswith("A/A control `draft:k=4:copy=2` against `draft:k=4`")
+    assert "within 3% either way at 0 of 2 points, more than 3% below at 1" in control
+    assert "from 0.93 (w c=1) to 1.04 (w c=32)" in control

@@ -27,8 +27,10 @@ def add_parser(sub):
                         "chat-open; comma-separated) or a JSONL path "
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, with an optional "
-                                                    ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput; "
-                                                    "default: none,draft:k=2,draft:k=4,ngram:k=4)")
+                                                    ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput) "
+                                                    "and :copy=2 (the same config again in its own engine: an A/A "
+                                                    "control of the machine's noise; default: "
+                                                    "none,draft:k=2,draft:k=4,ngram:k=4)")
     p.add_argument("--profile", default=None, help="hardware profile JSON for goodput configs (default: the cached "
                                                    "one for the model pair, measured on first use)")
     p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32")

@@ -187,20 +187,27 @@ def speedup_matrix(wl: dict) -> str:
     return "\n".join(rows)
 
 
+def _strip(label: str, key: str) -> str:
+    return ":".join(x for x in label.split(":") if not x.startswith(key + "="))
+
+
 def _fixed_counterpart(label: str) -> str | None:
-    """"draft:k=4:policy=goodput" -> "draft:k=4" (the same config, every proposal verified); None
-    for a config without a load-aware policy (no policy, or policy=fixed)."""
-    parts = label.split(":")
+    """"draft:k=4:policy=goodput" -> "draft:k=4" (the same config, every proposal verified); an A/A
+    copy ("draft:k=4:copy=2", bench's `copy=N`) -> its original, judged as a load-aware policy is
+    (what a policy no better than fixed speculation scores there); None for any other config."""
+    base = _strip(label, "copy")
+    parts = base.split(":")
     policy = [x for x in parts if x.startswith("policy=")]
-    if not policy or policy[0] == "policy=fixed":
-        return None
-    return ":".join(x for x in parts if not x.startswith("policy="))
+    if policy and policy[0] != "policy=fixed":
+        return _strip(base, "policy")
+    return base if base != label else None
 
 
 def policy_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
-    """Per config with a load-aware policy: (workload, level, its output tok/s over the better of
-    `none` and its fixed counterpart at that point), where both ran at that point: the question
-    such a policy answers (is it at least as fast as the better fixed choice, at every load?)."""
+    """Per config with a load-aware policy (or an A/A copy): (workload, level, its output tok/s
+    over the better of `none` and its fixed counterpart at that point), where both ran at that
+    point: the question such a policy answers (is it at least as fast as the better fixed choice,
+    at every load?)."""
     out: dict[str, list[tuple[str, str, float]]] = {}
     for wl in results["workloads"]:
         rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
@@ -214,17 +221,45 @@ def policy_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
     return out
 
 
+def control_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
+    """Per A/A copy ("X:copy=N"): (workload, level, its output tok/s over X's) where both ran: the
+    same config in two engines, so the spread of these ratios is the machine's noise in one cell."""
+    out: dict[str, list[tuple[str, str, float]]] = {}
+    for wl in results["workloads"]:
+        rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
+        for (c, lv), v in rate.items():
+            orig = _strip(c, "copy")
+            if orig != c and (orig, lv) in rate and rate[(orig, lv)] > 0:
+                out.setdefault(c, []).append((wl["name"], lv, v / rate[(orig, lv)]))
+    return out
+
+
+def _geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
-    """One line per load-aware config: points within `tolerance` of max(none, fixed), the
-    geometric mean of the ratios, the lowest."""
+    """One line per load-aware config (and A/A copy): points within `tolerance` of max(none,
+    fixed), the geometric mean of the ratios, the lowest; per A/A copy, one more line: its ratios
+    to its original (how far noise alone moves a cell)."""
     lines = []
     for c, pts in policy_points(results).items():
         base = _fixed_counterpart(c)
         ok = sum(r >= 1.0 - tolerance for _, _, r in pts)
-        gm = math.exp(sum(math.log(r) for _, _, r in pts) / len(pts))
         low = min(pts, key=lambda x: x[2])
-        lines.append(f"`{c}` against the better of `none` and `{base}`: within {tolerance:.0%} at {ok} of "
-                     f"{len(pts)} points; geometric mean {gm:.3f}; lowest {low[2]:.2f} ({low[0]} {low[1]}).")
+        what = " (an A/A copy, judged as a policy: what one no better than it scores)" if base == _strip(c, "copy") else ""
+        lines.append(f"`{c}` against the better of `none` and `{base}`{what}: within {tolerance:.0%} at {ok} of "
+                     f"{len(pts)} points; geometric mean {_geomean(r for _, _, r in pts):.3f}; "
+                     f"lowest {low[2]:.2f} ({low[0]} {low[1]}).")
+    for c, pts in control_points(results).items():
+        ok = sum(abs(r - 1.0) <= tolerance for _, _, r in pts)
+        below = sum(r < 1.0 - tolerance for _, _, r in pts)
+        low, high = min(pts, key=lambda x: x[2]), max(pts, key=lambda x: x[2])
+        lines.append(f"A/A control `{c}` against `{_strip(c, 'copy')}` (the same config, its own engine): within "
+                     f"{tolerance:.0%} either way at {ok} of {len(pts)} points, more than {tolerance:.0%} below at "
+                     f"{below}; geometric mean {_geomean(r for _, _, r in pts):.3f}; from {low[2]:.2f} "
+                     f"({low[0]} {low[1]}) to {high[2]:.2f} ({high[0]} {high[1]}).")
     return lines
 
 

@@ -33,7 +33,9 @@ QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests
 class BenchConfig:
     """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput",
     "draft:k=4:forced=0" (structured output's free forced proposals per round; default 16),
-    "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot)."""
+    "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot),
+    "draft:k=4:copy=2" (the same config again in an engine of its own: an A/A control, whose
+    figures against the original's show how far the machine's noise alone moves a cell)."""
 
     label: str
     method: str | None
@@ -42,6 +44,7 @@ class BenchConfig:
     profile: str | None = None  # the hardware profile for the goodput policy (bench --profile)
     forced: int = SpecConfig.forced
     rollback: str = "snapshot"  # hybrid targets: EngineConfig.recurrent_rollback
+    copy: int = 1  # > 1: an A/A control, the same config again in an engine of its own
 
     @property
     def spec(self) -> SpecConfig:
@@ -55,7 +58,7 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
         if not entry:
             continue
         method, *opts = entry.split(":")
-        k, policy, forced, rollback = 4, "fixed", SpecConfig.forced, "snapshot"
+        k, policy, forced, rollback, copy = 4, "fixed", SpecConfig.forced, "snapshot", 1
         for o in opts:
             key, sep, val = o.partition("=")
             if key == "k" and sep and val.isdigit():
@@ -66,9 +69,11 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
                 policy = val
             elif key == "rollback" and val in ("snapshot", "replay"):
                 rollback = val
+            elif key == "copy" and sep and val.isdigit() and int(val) >= 1:
+                copy = int(val)
             else:
                 raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
-                                 f"draft:k=4:policy=goodput (or :forced=N, :rollback=replay); got {entry!r}")
+                                 f"draft:k=4:policy=goodput (or :forced=N, :rollback=replay, :copy=2); got {entry!r}")
         method = None if method in ("none", "") else method
         if method is not None:
             _needs_draft(method)  # validates the name
@@ -76,8 +81,9 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
         label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
         label += "" if method is None or forced == SpecConfig.forced else f":forced={forced}"
         label += "" if method is None or rollback == "snapshot" else f":rollback={rollback}"
+        label += "" if copy == 1 else f":copy={copy}"
         out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced,
-                               rollback if method else "snapshot"))
+                               rollback if method else "snapshot", copy))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")
@@ -243,10 +249,10 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
             for ci, cfg in enumerate(plan.configs):
                 progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
                 # disjoint seeds per config: each comparison with `none` is an independent test
-                seed = 10_000 if cfg.method is None else 10_000 * (ci + 2)
+                seed = 10_000 if cfg.label == "none" else 10_000 * (ci + 2)
                 counts = correctness.sample_counts(backends[cfg.label].engine, dist_ids, temp, plan.dist_horizon,
                                                    plan.dist_samples, seed=seed)
-                if cfg.method is None:
+                if cfg.label == "none":
                     ref_counts = counts
                 else:
                     dist[cfg.label] = correctness.compare_distributions(ref_counts, counts)
