@@ -178,3 +178,22 @@ def test_an_aa_copy_is_judged_as_a_policy_and_against_its_original():
     assert control.startswith("A/A control `draft:k=4:copy=2` against `draft:k=4`")
     assert "within 3% either way at 0 of 2 points, more than 3% below at 1" in control
     assert "from 0.93 (w c=1) to 1.04 (w c=32)" in control
+
+
+def test_steal_share_and_its_report_line():
+    """The hypervisor's share of CPU time between two /proc/stat samples, and the report's line
+    over every measured round."""
+    from draftwise.lab import steal
+    from draftwise.lab.report import steal_line
+
+    assert steal.share((10, 1000), (60, 2000)) == pytest.approx(0.05)
+    assert steal.share(None, (60, 2000)) is None and steal.share((10, 1000), (10, 1000)) is None
+    s = steal.sample()
+    assert s is None or (len(s) == 2 and 0 <= s[0] <= s[1])
+    wl = {"runs": [{"config": "none", "level_label": "c=1", "rounds": {"steal_share": [0.01, 0.2, 0.03]}},
+                   {"config": "draft:k=4", "level_label": "c=1", "steal_share": 0.05},
+                   {"config": "draft:k=4", "level_label": "c=2", "steal_share": None}]}
+    line = steal_line(wl)
+    assert "4 measured runs" in line and "median 5.0%" in line
+    assert "from 1.0% (none c=1) to 20.0% (none c=1)" in line
+    assert steal_line({"runs": [{"config": "none", "level_label": "c=1"}]}) == ""

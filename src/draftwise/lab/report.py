@@ -98,6 +98,21 @@ def workload_table(wl: dict) -> str:
     return "\n".join(rows)
 
 
+def steal_line(wl: dict) -> str:
+    """The hypervisor's share of the CPU time during the measured runs (`steal.py`), every round
+    of every config and level: the noise a co-tenant put into these figures."""
+    rounds = []
+    for r in wl["runs"]:
+        shares = (r.get("rounds") or {}).get("steal_share") or [r.get("steal_share")]
+        rounds += [(x, r["config"], r["level_label"]) for x in shares if x is not None]
+    if not rounds:
+        return ""
+    rounds.sort(key=lambda t: t[0])
+    lo, mid, hi = rounds[0], rounds[len(rounds) // 2], rounds[-1]
+    return (f"CPU time taken by the hypervisor (steal, /proc/stat) during the {len(rounds)} measured runs: median "
+            f"{mid[0]:.1%}, from {lo[0]:.1%} ({lo[1]} {lo[2]}) to {hi[0]:.1%} ({hi[1]} {hi[2]}).")
+
+
 def acceptance_table(wl: dict) -> str:
     rows = ["| config | level | rounds | acceptance rate | acceptance by position | committed per round (tokens: rounds) "
             "| verified per round (proposals: rounds) | rounds / steps speculating "
@@ -345,6 +360,9 @@ def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = 
                      "plain": ", chat messages rendered with the plain template (the model has none)"}.get(
                       wl.get("chat_template"), "") + ".", "",
                   workload_table(wl), ""]
+        st = steal_line(wl)
+        if st:
+            lines += [st, ""]
         acc = acceptance_table(wl)
         if acc:
             lines += ["Acceptance:", "", acc, ""]

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..engine import EngineConfig, LLMEngine, SpecConfig
 from ..model.chat_template import ChatTemplate
-from . import correctness, memory
+from . import correctness, memory, steal
 from .arrivals import LoadLevel
 from .backends import EngineBackend, HTTPBackend, sampling_params
 from .capacity import find_capacity, median_probe
@@ -220,13 +220,15 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                     progress.update(task, description=f"{wl.name} {cfg.label} {level.label}"
                                     + (f" (round {rnd + 1}/{plan.repeats})" if plan.repeats > 1 else ""))
                     memory.reset_peak()
+                    before = steal.sample()
                     out = backends[cfg.label].run(reqs, prompts, params, level, seed=plan.seed,
                                                   on_done=lambda: progress.advance(task))
+                    stolen = steal.share(before, steal.sample())
                     summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
                     run = {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
                            "level": level.to_dict(), "level_label": level.label, **summary,
                            "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
-                           "memory": memory.peak_memory(),
+                           "memory": memory.peak_memory(), "steal_share": stolen,
                            "recurrent": _recurrent_memory(backends[cfg.label].engine),
                            "structured_output": correctness.constraint_validity(
                                backends[cfg.label].engine, reqs, out.records)}
@@ -235,6 +237,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                 run, records = median_trial(trials[cfg.label])
                 if plan.repeats > 1:
                     run["rounds"] = {"output_tokens_per_s": [t["output_tokens_per_s"] for t, _ in trials[cfg.label]],
+                                     "steal_share": [t.get("steal_share") for t, _ in trials[cfg.label]],
                                      "greedy_outputs_identical": all(
                                          [x.token_ids for x in recs] == [x.token_ids for x in records]
                                          for _, recs in trials[cfg.label])}
