@@ -172,7 +172,7 @@ def test_an_aa_copy_is_judged_as_a_policy_and_against_its_original():
                                                       ("w", "c=32", pytest.approx(145 / 200))]
     assert control_points(res)["draft:k=4:copy=2"] == [("w", "c=1", pytest.approx(140 / 150)),
                                                        ("w", "c=32", pytest.approx(145 / 140))]
-    judged, control = policy_summary(res)
+    judged, control = policy_summary(res)  # (no load-aware config: no line on misses beyond the noise)
     assert judged.startswith("`draft:k=4:copy=2` against the better of `none` and `draft:k=4` (an A/A copy")
     assert "within 3% at 0 of 2 points" in judged
     assert control.startswith("A/A control `draft:k=4:copy=2` against `draft:k=4`")
@@ -197,3 +197,22 @@ def test_steal_share_and_its_report_line():
     assert "4 measured runs" in line and "median 5.0%" in line
     assert "from 1.0% (none c=1) to 20.0% (none c=1)" in line
     assert steal_line({"runs": [{"config": "none", "level_label": "c=1"}]}) == ""
+
+
+def test_misses_beyond_the_aa_noise():
+    """With an A/A copy in the grid, the report counts the points where a load-aware config falls
+    below max(none, fixed) - 3% by more than twice the copies' noise (the sd of log(copy / original))."""
+    from draftwise.lab.report import policy_summary
+
+    def run(config, level, tps):
+        return {"config": config, "level_label": level, "output_tokens_per_s": tps}
+
+    runs = []
+    for lv, fixed, copy, goodput in (("c=1", 100.0, 110.0, 99.0), ("c=2", 100.0, 90.0, 80.0), ("c=4", 100.0, 100.0, 60.0)):
+        runs += [run("none", lv, 50.0), run("draft:k=4", lv, fixed), run("draft:k=4:copy=2", lv, copy),
+                 run("draft:k=4:policy=goodput", lv, goodput)]
+    lines = policy_summary({"workloads": [{"name": "w", "runs": runs}]})
+    (far,) = [x for x in lines if "twice the A/A noise" in x]
+    # sd of log(1.1), log(0.9), log(1.0) = 0.0819; floor 0.97 * exp(-0.1638) = 0.823: 0.80 and 0.60 are below
+    assert far.startswith("`draft:k=4:policy=goodput` more than 3% below") and "below 0.82): 2 of 3 points" in far
+    assert "(w c=2 0.80, w c=4 0.60)" in far

@@ -267,7 +267,19 @@ def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
         lines.append(f"`{c}` against the better of `none` and `{base}`{what}: within {tolerance:.0%} at {ok} of "
                      f"{len(pts)} points; geometric mean {_geomean(r for _, _, r in pts):.3f}; "
                      f"lowest {low[2]:.2f} ({low[0]} {low[1]}).")
-    for c, pts in control_points(results).items():
+    controls = control_points(results)
+    if controls:  # the machine's noise in one cell's ratio, from the A/A copies
+        logs = [math.log(r) for pts in controls.values() for _, _, r in pts]
+        sd = math.sqrt(sum((x - sum(logs) / len(logs)) ** 2 for x in logs) / len(logs))
+        floor = (1.0 - tolerance) * math.exp(-2 * sd)
+        for c, pts in policy_points(results).items():
+            if _strip(c, "copy") != c:
+                continue
+            far = [f"{w} {lv} {r:.2f}" for w, lv, r in pts if r < floor]
+            lines.append(f"`{c}` more than {tolerance:.0%} below max(none, fixed) by more than twice the A/A "
+                         f"noise (sd {sd:.3f} of log(copy / original): below {floor:.2f}): {len(far)} of "
+                         f"{len(pts)} points" + (f" ({', '.join(far)})" if far else "") + ".")
+    for c, pts in controls.items():
         ok = sum(abs(r - 1.0) <= tolerance for _, _, r in pts)
         below = sum(r < 1.0 - tolerance for _, _, r in pts)
         low, high = min(pts, key=lambda x: x[2]), max(pts, key=lambda x: x[2])
