@@ -125,6 +125,35 @@ def test_find_capacity_search_and_report(target_dir, tmp_path):
     assert main(["bench", "--model", str(target_dir), "--find-capacity", "--out", str(out)]) == 2  # no --slo
 
 
+def test_capacity_searches_run_in_lock_step_their_runs_interleaved():
+    """Every config's search advances one probe at a time, the configs' runs interleaved run by run
+    (order rotated), so that drift weighs on none more than on the others; each probe's median run
+    decides; a search that has converged stops probing while the others go on."""
+    from draftwise.lab.capacity import find_capacities
+
+    calls = []
+
+    def server(name, limit):
+        def run(rate, rnd):
+            calls.append((name, rate, rnd))
+            slow = rnd == 0 and name == "a"  # one slow run of three: the median decides
+            lat = 80.0 if rate > limit or slow else 40.0
+            return {"num_requests": 8, "completed": 8, "requests_per_s": rate, "tpot_ms": {"p90": lat}}
+        return run
+
+    res = find_capacities({"a": server("a", 3.3), "b": server("b", 12.0)}, {"tpot": 50.0}, repeats=3,
+                          start_rate=1.0)
+    assert 3.0 <= res["a"]["requests_per_s"] <= 3.3 and res["a"]["converged"]
+    assert 10.8 <= res["b"]["requests_per_s"] <= 12.0 and res["b"]["converged"]
+    assert all(p["runs"] == 3 for r in res.values() for p in r["probes"])
+    # the first probe step: both at 1 req/s, three runs each, alternating with the order rotated
+    assert [c[0] for c in calls[:6]] == ["a", "b", "b", "a", "a", "b"]
+    # while both search, every step runs both; after one converged the other's steps run alone
+    steps = len(res["a"]["probes"])
+    assert [c[0] for c in calls[: 6 * steps]].count("a") == 3 * steps
+    assert {c[0] for c in calls[6 * steps:]} == {"b"} and len(res["b"]["probes"]) > steps
+
+
 def test_capacity_table_says_when_the_slo_never_broke():
     from draftwise.lab.report import capacity_table
 

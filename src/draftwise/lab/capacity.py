@@ -12,11 +12,12 @@ report spells out with the rates actually achieved. The SLO holds at a rate when
 request completed and the p90 of each limited metric (TTFT, TPOT, ITL, E2E) is within its limit;
 with `--repeats N` a probe runs N times and its median run (`median_probe`) decides.
 The answer, "requests/s at the latency limit", is the highest rate that held (0 if none did);
-every probe is kept (rate, held, the p90s) so the search can be read back.
+every probe is kept (rate, held, the p90s) so the search can be read back. The configs' searches
+advance in lock-step, their runs interleaved (`find_capacities`): ratios side by side in one run.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Generator
 
 SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_ms"}
 
@@ -41,20 +42,21 @@ def median_probe(summaries: list[dict], slo: dict[str, float]) -> dict:
     return {**sorted(summaries, key=lambda s: slo_margin(s, slo))[len(summaries) // 2], "runs": len(summaries)}
 
 
-def find_capacity(
-    measure: Callable[[float], dict],  # rate (requests/s) -> a `summarize` dict of one run at it
+def capacity_search(
     slo: dict[str, float],
     *,
     start_rate: float = 1.0,
     rel_tol: float = 0.1,
     max_probes: int = 8,
-) -> dict:
+) -> Generator[float, dict, dict]:
+    """The search as a generator: yields the next rate to probe, is sent that probe's `summarize`
+    dict (or `median_probe`'s), returns the result (`find_capacity`'s). Several searches can so
+    advance in lock-step, one probe each in turn (`find_capacities`)."""
     if not slo:
         raise ValueError("--find-capacity needs --slo (e.g. tpot=50 or ttft=1000,tpot=50)")
     probes = []
 
-    def probe(rate: float) -> bool:
-        s = measure(rate)
+    def record(rate: float, s: dict) -> bool:
         ok = slo_holds(s, slo)
         probes.append({"rate": rate, "held": ok, "runs": s.get("runs", 1),
                        "achieved_requests_per_s": s["requests_per_s"],
@@ -63,16 +65,58 @@ def find_capacity(
 
     good, bad, rate = 0.0, None, start_rate
     while len(probes) < max_probes:  # doubling until the SLO breaks
-        if probe(rate):
+        if record(rate, (yield rate)):
             good, rate = rate, rate * 2
         else:
             bad = rate
             break
     while bad is not None and len(probes) < max_probes and bad - good > rel_tol * max(good, bad / 2):
         mid = (good + bad) / 2 if good else bad / 2
-        if probe(mid):
+        if record(mid, (yield mid)):
             good = mid
         else:
             bad = mid
     return {"requests_per_s": good, "first_failing_rate": bad, "probes": probes, "slo_ms": dict(slo),
             "converged": bad is not None and bad - good <= rel_tol * max(good, bad / 2)}
+
+
+def find_capacity(
+    measure: Callable[[float], dict],  # rate (requests/s) -> a `summarize` dict of one run at it
+    slo: dict[str, float],
+    **search,
+) -> dict:
+    """One config's search, its probes back to back."""
+    return find_capacities({"": lambda rate, rnd: measure(rate)}, slo, **search)[""]
+
+
+def find_capacities(
+    measures: dict[str, Callable[[float, int], dict]],  # name -> (rate, round) -> one run's `summarize` dict
+    slo: dict[str, float],
+    *,
+    repeats: int = 1,
+    **search,
+) -> dict[str, dict]:
+    """Every config's search in lock-step, so that a drifting machine weighs on none more than on
+    the others (run one after the other, the search that ran last met the machine's slowest
+    minutes as often as not): each step, every config still searching probes its next rate,
+    `repeats` runs each, the configs' runs interleaved run by run (the order rotated each run)
+    and each probe decided by its median run (`median_probe`)."""
+    searches = {name: capacity_search(slo, **search) for name in measures}
+    rates = {name: next(g) for name, g in searches.items()}
+    results: dict[str, dict] = {}
+    turn = 0
+    while rates:
+        runs: dict[str, list[dict]] = {name: [] for name in rates}
+        names = list(rates)
+        for rnd in range(repeats):
+            k = turn % len(names)
+            turn += 1
+            for name in names[k:] + names[:k]:
+                runs[name].append(measures[name](rates[name], rnd))
+        for name in names:
+            try:
+                rates[name] = searches[name].send(median_probe(runs[name], slo) if repeats > 1 else runs[name][0])
+            except StopIteration as done:
+                results[name] = done.value
+                del rates[name]
+    return {name: results[name] for name in measures}

@@ -21,7 +21,7 @@ from ..model.chat_template import ChatTemplate
 from . import correctness, memory, steal
 from .arrivals import LoadLevel
 from .backends import EngineBackend, HTTPBackend, sampling_params
-from .capacity import find_capacity, median_probe
+from .capacity import find_capacities
 from .metrics import speculation_figures, summarize
 from .workload import Workload
 
@@ -245,9 +245,8 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                 outputs[(cfg.label, level.label)] = records
         capacity = {}
         if plan.find_capacity:
-            for cfg in plan.configs:
-                progress.update(task, description=f"{wl.name} {cfg.label} capacity search")
-                capacity[cfg.label] = _capacity(plan, backends[cfg.label], reqs, prompts, params)
+            progress.update(task, description=f"{wl.name} capacity search (configs interleaved)")
+            capacity = _capacity(plan, backends, reqs, prompts, params)
         if wl.sampled:  # the distribution test, once per config; `none` (the reference) comes first
             for ci, cfg in enumerate(plan.configs):
                 progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
@@ -276,17 +275,18 @@ def median_trial(trials: list[tuple[dict, object]]) -> tuple[dict, object]:
     return ranked[len(ranked) // 2]
 
 
-def _capacity(plan: BenchPlan, backend, reqs, prompts, params) -> dict:
-    """The highest Poisson request rate at which the SLO holds at p90 for this config (each
-    probe `plan.repeats` runs of the same arrivals, the median run deciding)."""
-    def measure(rate: float) -> dict:
-        runs = []
-        for _ in range(plan.repeats):
+def _capacity(plan: BenchPlan, backends: dict, reqs, prompts, params) -> dict:
+    """Per config, the highest Poisson request rate at which the SLO holds at p90: the configs'
+    searches in lock-step, their runs interleaved (each probe `plan.repeats` runs of the same
+    arrivals, the median run deciding)."""
+    def measure(backend):
+        def run(rate: float, rnd: int) -> dict:
             out = backend.run(reqs, prompts, params, LoadLevel("rate", rate, plan.burstiness), seed=plan.seed)
-            runs.append(summarize(out.records, out.wall, plan.slo))
-        return median_probe(runs, plan.slo)
+            return summarize(out.records, out.wall, plan.slo)
+        return run
 
-    return find_capacity(measure, plan.slo, start_rate=plan.capacity_start_rate)
+    return find_capacities({label: measure(b) for label, b in backends.items()}, plan.slo,
+                           repeats=plan.repeats, start_rate=plan.capacity_start_rate)
 
 
 def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target=None) -> None:
