@@ -19,21 +19,23 @@ import math
 import statistics
 
 
-def _gm(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results")
     ap.add_argument("--max-steal", type=float, default=0.02)
     ap.add_argument("--tolerance", type=float, default=0.03)
     args = ap.parse_args()
-    from draftwise.lab.report import _fixed_counterpart, _strip
+    from draftwise.lab.report import _fixed_counterpart, _geomean, _strip, aa_noise, control_points, policy_points
 
     res = json.load(open(args.results))
-    aa, rel, stolen = {}, [], []
-    pol_med, pol_quiet = {}, {}
+    rel, stolen, pol_quiet = [], [], {}
+
+    def quiet(r):  # median tok/s of a run's rounds under the steal limit, or None
+        t = (r.get("rounds") or {}).get("output_tokens_per_s") or []
+        s = (r.get("rounds") or {}).get("steal_share") or []
+        q = [x for x, y in zip(t, s) if y is not None and y <= args.max_steal]
+        return statistics.median(q) if q else None
+
     for wl in res["workloads"]:
         runs = {(r["config"], r["level_label"]): r for r in wl["runs"]}
         for (c, lv), r in runs.items():
@@ -44,26 +46,16 @@ def main() -> None:
                 if s is not None and med:
                     rel.append(x / med)
                     stolen.append(s)
-            orig = _strip(c, "copy")
-            if orig != c and (orig, lv) in runs:
-                aa.setdefault(c, []).append(math.log(r["output_tokens_per_s"] / runs[(orig, lv)]["output_tokens_per_s"]))
             base = _fixed_counterpart(c)
-            if base is None or orig != c or (base, lv) not in runs or ("none", lv) not in runs:
+            if base is None or _strip(c, "copy") != c or (base, lv) not in runs or ("none", lv) not in runs:
                 continue
-            best = max(runs[("none", lv)]["output_tokens_per_s"], runs[(base, lv)]["output_tokens_per_s"])
-            pol_med.setdefault(c, []).append(r["output_tokens_per_s"] / best)
-
-            def quiet(rr):  # median of the rounds under the steal limit, or None
-                t = (rr.get("rounds") or {}).get("output_tokens_per_s") or []
-                s = (rr.get("rounds") or {}).get("steal_share") or []
-                q = [x for x, y in zip(t, s) if y is not None and y <= args.max_steal]
-                return statistics.median(q) if q else None
-
             mine, n, f = quiet(r), quiet(runs[("none", lv)]), quiet(runs[(base, lv)])
             if mine and n and f:
                 pol_quiet.setdefault(c, []).append(mine / max(n, f))
-    for c, logs in aa.items():
-        print(f"A/A {c}: sd of log(copy / original) {statistics.pstdev(logs):.3f} over {len(logs)} points; "
+    controls = control_points(res)
+    for c, pts in controls.items():
+        logs = [math.log(x) for _, _, x in pts]
+        print(f"A/A {c}: sd of log(copy / original) {aa_noise({c: pts}):.3f} over {len(pts)} points; "
               f"mean {statistics.mean(logs):+.3f}")
     if stolen:
         r = statistics.correlation(stolen, rel) if len(stolen) > 2 and statistics.pstdev(stolen) > 0 else float("nan")
@@ -74,14 +66,17 @@ def main() -> None:
             if xs:
                 print(f"  steal {lo:.0%}-{hi:.0%}: {len(xs)} rounds, tok/s over the cell's median: mean "
                       f"{statistics.mean(xs):.3f}, sd {statistics.pstdev(xs):.3f}")
-    for c, pts in pol_med.items():
+    for c, pts in policy_points(res).items():
+        if _strip(c, "copy") != c:
+            continue
+        pts = [x for _, _, x in pts]
         ok = sum(x >= 1 - args.tolerance for x in pts)
-        print(f"{c}: median rounds: {ok} of {len(pts)} within {args.tolerance:.0%}, geomean {_gm(pts):.3f}")
+        print(f"{c}: median rounds: {ok} of {len(pts)} within {args.tolerance:.0%}, geomean {_geomean(pts):.3f}")
         q = pol_quiet.get(c)
         if q:
             ok = sum(x >= 1 - args.tolerance for x in q)
             print(f"  rounds with steal <= {args.max_steal:.0%} only: {ok} of {len(q)} points within "
-                  f"{args.tolerance:.0%}, geomean {_gm(q):.3f}")
+                  f"{args.tolerance:.0%}, geomean {_geomean(q):.3f}")
 
 
 if __name__ == "__main__":

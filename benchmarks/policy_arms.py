@@ -68,7 +68,7 @@ def main() -> None:
 
     gp.GoodputPolicy.observe_step = tally
     py = collections.Counter()  # the policy's own Python: plan and admit seconds, steps planned
-    plan_fn, admit_fn = gp.GoodputPolicy.plan, gp.GoodputPolicy.admit
+    plan_fn = gp.GoodputPolicy.plan
 
     def timed_plan(self, seqs, max_draft):
         t0 = time.perf_counter()
@@ -78,28 +78,19 @@ def main() -> None:
         py["calls"] += 1
         return out
 
-    def timed_admit(self, seqs, blocks, draft_seconds):
-        t0 = time.perf_counter()
-        out = admit_fn(self, seqs, blocks, draft_seconds)
-        py["admit"] += time.perf_counter() - t0
-        return out
+    def timed(name):  # the method `name` of the policy, its time added to py[name]
+        fn = getattr(gp.GoodputPolicy, name)
 
-    gp.GoodputPolicy.plan, gp.GoodputPolicy.admit = timed_plan, timed_admit
-    observe_fn, step_fn = gp.GoodputPolicy.observe, gp.GoodputPolicy.observe_step
+        def wrapper(self, *a, **k):
+            t0 = time.perf_counter()
+            out = fn(self, *a, **k)
+            py[name] += time.perf_counter() - t0
+            return out
+        return wrapper
 
-    def timed_observe(self, *a, **k):
-        t0 = time.perf_counter()
-        out = observe_fn(self, *a, **k)
-        py["observe"] += time.perf_counter() - t0
-        return out
-
-    def timed_step(self, *a, **k):
-        t0 = time.perf_counter()
-        out = step_fn(self, *a, **k)
-        py["observe_step"] += time.perf_counter() - t0
-        return out
-
-    gp.GoodputPolicy.observe, gp.GoodputPolicy.observe_step = timed_observe, timed_step
+    gp.GoodputPolicy.plan = timed_plan
+    for name in ("admit", "observe", "observe_step"):
+        setattr(gp.GoodputPolicy, name, timed(name))
     plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
                      configs=parse_configs(args.configs),
                      levels=[LoadLevel("rate", args.rate) if args.rate else LoadLevel("concurrency", args.concurrency)],

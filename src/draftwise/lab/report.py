@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -218,6 +219,11 @@ def _fixed_counterpart(label: str) -> str | None:
     return base if base != label else None
 
 
+def _rates(wl: dict) -> dict[tuple[str, str], float]:
+    """(config, level) -> output tok/s of a workload's runs."""
+    return {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
+
+
 def policy_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
     """Per config with a load-aware policy (or an A/A copy): (workload, level, its output tok/s
     over the better of `none` and its fixed counterpart at that point), where both ran at that
@@ -225,7 +231,7 @@ def policy_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
     at every load?)."""
     out: dict[str, list[tuple[str, str, float]]] = {}
     for wl in results["workloads"]:
-        rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
+        rate = _rates(wl)
         for (c, lv), v in rate.items():
             base = _fixed_counterpart(c)
             if base is None or (base, lv) not in rate or ("none", lv) not in rate:
@@ -241,7 +247,7 @@ def control_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
     same config in two engines, so the spread of these ratios is the machine's noise in one cell."""
     out: dict[str, list[tuple[str, str, float]]] = {}
     for wl in results["workloads"]:
-        rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
+        rate = _rates(wl)
         for (c, lv), v in rate.items():
             orig = _strip(c, "copy")
             if orig != c and (orig, lv) in rate and rate[(orig, lv)] > 0:
@@ -254,12 +260,18 @@ def _geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+def aa_noise(controls: dict[str, list[tuple[str, str, float]]]) -> float:
+    """The sd of log(copy / original) over every A/A point (`control_points`)."""
+    return statistics.pstdev([math.log(r) for pts in controls.values() for _, _, r in pts])
+
+
 def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
     """One line per load-aware config (and A/A copy): points within `tolerance` of max(none,
     fixed), the geometric mean of the ratios, the lowest; per A/A copy, one more line: its ratios
     to its original (how far noise alone moves a cell)."""
     lines = []
-    for c, pts in policy_points(results).items():
+    points = policy_points(results)
+    for c, pts in points.items():
         base = _fixed_counterpart(c)
         ok = sum(r >= 1.0 - tolerance for _, _, r in pts)
         low = min(pts, key=lambda x: x[2])
@@ -269,10 +281,9 @@ def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
                      f"lowest {low[2]:.2f} ({low[0]} {low[1]}).")
     controls = control_points(results)
     if controls:  # the machine's noise in one cell's ratio, from the A/A copies
-        logs = [math.log(r) for pts in controls.values() for _, _, r in pts]
-        sd = math.sqrt(sum((x - sum(logs) / len(logs)) ** 2 for x in logs) / len(logs))
+        sd = aa_noise(controls)
         floor = (1.0 - tolerance) * math.exp(-2 * sd)
-        for c, pts in policy_points(results).items():
+        for c, pts in points.items():
             if _strip(c, "copy") != c:
                 continue
             far = [f"{w} {lv} {r:.2f}" for w, lv, r in pts if r < floor]
