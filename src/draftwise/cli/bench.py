@@ -45,6 +45,11 @@ def add_parser(sub):
                    help="rounds of every config per level, the config order rotated each round; each config's "
                         "figures are its median round by output tokens/s, the faster of two (noisy machines; default 1); "
                         "with --find-capacity, runs per probed rate, the median run by the SLO deciding")
+    p.add_argument("--time-slice", type=float, default=None, metavar="MS",
+                   help="run each round's configs together in one process, switching engines every MS ms, each "
+                        "config timed by its own slices only (as if alone): on a machine whose speed drifts, "
+                        "configs then meet the same machine and their ratios are far less noisy (e.g. 50; "
+                        "default: configs one after another)")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
                                                "(keys: ttft, tpot, itl, e2e)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -131,6 +136,10 @@ def run(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.repeats > 1 and args.url:
         raise ValueError("--repeats is for in-process runs (with --url, run bench again)")
+    if args.time_slice is not None and not args.time_slice > 0:
+        raise ValueError(f"--time-slice must be > 0 ms, got {args.time_slice}")
+    if args.time_slice is not None and args.url:
+        raise ValueError("--time-slice is for in-process runs (a server's requests cannot be sliced)")
     if args.dollars_per_hour is not None and args.dollars_per_hour < 0:
         raise ValueError(f"--dollars-per-hour must be >= 0, got {args.dollars_per_hour}")
     if args.model and not resolve_model(args.model).is_dir():  # a name under models/ counts
@@ -145,7 +154,7 @@ def run(args) -> int:
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
-        repeats=args.repeats,
+        repeats=args.repeats, time_slice=args.time_slice / 1000 if args.time_slice else None,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
     if plan.find_capacity and not plan.slo:
@@ -157,7 +166,7 @@ def run(args) -> int:
     results = run_bench(plan, console)
     settings = {
         "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
-        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "repeats": args.repeats, "prefix_caching": args.prefix_caching,
+        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "repeats": args.repeats, "time_slice_ms": args.time_slice, "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
         "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": _quantization(args), "device": args.device, "seed": args.seed, "quick": args.quick,

@@ -2,7 +2,9 @@
 
 - `EngineBackend`: the embedded engine in-process, driven step by step. Every `StepOutput`'s new
   tokens are timestamped when the step returns; tokens committed by one speculative round arrive
-  together (one delivery). Speculation counters come from the engine's `EngineStats`.
+  together (one delivery). Speculation counters come from the engine's `EngineStats`. `steps` is
+  the run as a generator over engine steps, timed by a clock it is given: several runs can so
+  share the CPU in slices (timeslice.py), each on its own clock.
 - `HTTPBackend`: any OpenAI-compatible server (`/v1/completions`, streaming), e.g. `draftwise
   serve`, vLLM or SGLang. Speculation counters are read from `/metrics` before and after the run
   when the server exposes them: draftwise's `draftwise:*` or vLLM's `vllm:spec_decode_*`.
@@ -15,13 +17,14 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 import httpx
 
 from ..sampling import SamplingParams
 from .arrivals import LoadLevel, arrival_times
 from .metrics import RequestRecord, stats_delta
+from .timeslice import WallClock, drain
 from .workload import Request
 
 
@@ -48,6 +51,16 @@ class EngineBackend:
 
     def run(self, requests: list[Request], prompts: list[list[int]], params: list[SamplingParams],
             level: LoadLevel, seed: int = 0, on_done: Callable[[], None] | None = None) -> RunOutput:
+        """One run alone, on the wall clock."""
+        return drain(self.steps(requests, prompts, params, level, seed, on_done, WallClock()))
+
+    def steps(self, requests: list[Request], prompts: list[list[int]], params: list[SamplingParams],
+              level: LoadLevel, seed: int = 0, on_done: Callable[[], None] | None = None,
+              clock=None) -> Generator[None, None, RunOutput]:
+        """The run as a generator that yields after every engine step (and every idle wait) and
+        returns its `RunOutput`; every time is read from `clock` (timeslice.py: a `SliceClock`
+        lets several runs share the CPU, each timed by its own slices)."""
+        clock = clock or WallClock()
         eng = self.engine
         self._runs += 1
         tag = f"run{self._runs}"
@@ -56,7 +69,7 @@ class EngineBackend:
         records: dict[str, RequestRecord] = {}
         pending = deque(range(n))
         before = eng.stats.snapshot()
-        t0 = time.perf_counter()
+        t0 = clock.now()
         last = t0
 
         inflight = 0
@@ -69,7 +82,7 @@ class EngineBackend:
             inflight += 1
 
         while pending or eng.has_unfinished():
-            now = time.perf_counter()
+            now = clock.now()
             if offsets is None:
                 while pending and inflight < level.value:
                     admit(pending.popleft(), now)
@@ -78,10 +91,11 @@ class EngineBackend:
                     i = pending.popleft()
                     admit(i, t0 + offsets[i])
                 if not eng.has_unfinished():
-                    time.sleep(max(0.0, t0 + offsets[pending[0]] - time.perf_counter()))
+                    clock.wait_until(t0 + offsets[pending[0]])
+                    yield
                     continue
             outs = eng.step()
-            t = time.perf_counter()
+            t = clock.now()
             for o in outs:
                 rec = records[o.seq.request_id]
                 if o.new_token_ids:
@@ -97,6 +111,7 @@ class EngineBackend:
                     last = t
                     if on_done:
                         on_done()
+            yield
         ordered = [records[f"{tag}-{i}"] for i in range(n)]
         return RunOutput(ordered, last - t0, stats_delta(before, eng.stats.snapshot()))
 

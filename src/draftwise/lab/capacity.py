@@ -94,13 +94,16 @@ def find_capacities(
     slo: dict[str, float],
     *,
     repeats: int = 1,
+    together: Callable[[list[tuple[str, float]], int], dict[str, dict]] | None = None,
     **search,
 ) -> dict[str, dict]:
     """Every config's search in lock-step, so that a drifting machine weighs on none more than on
     the others (run one after the other, the search that ran last met the machine's slowest
     minutes as often as not): each step, every config still searching probes its next rate,
     `repeats` runs each, the configs' runs interleaved run by run (the order rotated each run)
-    and each probe decided by its median run (`median_probe`)."""
+    and each probe decided by its median run (`median_probe`). `together`, when given, runs one
+    such round of runs at once ([(name, rate)] in order, round -> {name: summary}): the runner's
+    time-sliced runs."""
     searches = {name: capacity_search(slo, **search) for name in measures}
     rates = {name: next(g) for name, g in searches.items()}
     results: dict[str, dict] = {}
@@ -111,7 +114,13 @@ def find_capacities(
         for rnd in range(repeats):
             k = turn % len(names)
             turn += 1
-            for name in names[k:] + names[:k]:
+            order = names[k:] + names[:k]
+            if together is not None:
+                done = together([(name, rates[name]) for name in order], rnd)
+                for name in order:
+                    runs[name].append(done[name])
+                continue
+            for name in order:
                 runs[name].append(measures[name](rates[name], rnd))
         for name in names:
             try:

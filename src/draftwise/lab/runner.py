@@ -23,6 +23,7 @@ from .arrivals import LoadLevel
 from .backends import EngineBackend, HTTPBackend, sampling_params
 from .capacity import find_capacities
 from .metrics import speculation_figures, summarize
+from .timeslice import SliceClock, run_sliced
 from .workload import Workload
 
 QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests=8, max_tokens=32,
@@ -121,6 +122,7 @@ class BenchPlan:
     find_capacity: bool = False  # search the highest open-loop rate meeting `slo` per config
     capacity_start_rate: float = 1.0
     burstiness: float = 1.0
+    time_slice: float | None = None  # seconds: a round's configs run together, sliced (timeslice.py); None: one after another
 
     def tokens_for(self, req) -> int:
         """The request's output length in this run."""
@@ -209,26 +211,24 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
             n_w = min(plan.warmup_requests, len(reqs))
             backend.run(reqs[:n_w], prompts[:n_w], [sampling_params(r, 0, 8) for r in reqs[:n_w]],
                         LoadLevel("concurrency", max(1, n_w)))
-        # configs interleaved level by level, so that drifting background load biases no config; with
-        # --repeats N each level runs N rounds of every config (the order rotated each round) and a
-        # config's figures are those of its median round by output tokens/s
+        # configs interleaved level by level, so that drifting background load biases no config (with
+        # --time-slice, a round's configs run together, sliced); with --repeats N each level runs N
+        # rounds of every config (the order rotated each round) and a config's figures are those of
+        # its median round by output tokens/s
         n_cfg = len(plan.configs)
         for level in plan.levels:
             trials: dict[str, list[tuple[dict, object]]] = {cfg.label: [] for cfg in plan.configs}
             for rnd in range(plan.repeats):
-                for cfg in plan.configs[rnd % n_cfg:] + plan.configs[: rnd % n_cfg]:
-                    progress.update(task, description=f"{wl.name} {cfg.label} {level.label}"
-                                    + (f" (round {rnd + 1}/{plan.repeats})" if plan.repeats > 1 else ""))
-                    memory.reset_peak()
-                    before = steal.sample()
-                    out = backends[cfg.label].run(reqs, prompts, params, level, seed=plan.seed,
-                                                  on_done=lambda: progress.advance(task))
-                    stolen = steal.share(before, steal.sample())
+                order = plan.configs[rnd % n_cfg:] + plan.configs[: rnd % n_cfg]
+                progress.update(task, description=f"{wl.name} {level.label}"
+                                + (f" (round {rnd + 1}/{plan.repeats})" if plan.repeats > 1 else ""))
+                for cfg, out, stolen, mem in _round(plan, order, backends, reqs, prompts, params, level,
+                                                    lambda: progress.advance(task)):
                     summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
                     run = {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
                            "level": level.to_dict(), "level_label": level.label, **summary,
                            "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
-                           "memory": memory.peak_memory(), "steal_share": stolen,
+                           "memory": mem, "steal_share": stolen,
                            "recurrent": _recurrent_memory(backends[cfg.label].engine),
                            "structured_output": correctness.constraint_validity(
                                backends[cfg.label].engine, reqs, out.records)}
@@ -268,6 +268,29 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
 
 
+def _round(plan: BenchPlan, order: list[BenchConfig], backends: dict, reqs, prompts, params, level: LoadLevel,
+           on_done) -> list[tuple[BenchConfig, object, float | None, dict]]:
+    """One round of every config at one level: (config, its RunOutput, the steal share while it
+    ran, the process's peak memory while it ran). One after another on the wall clock, or, with
+    `plan.time_slice`, all together in slices, each on its own clock (steal and memory peak then
+    the round's)."""
+    if plan.time_slice:
+        memory.reset_peak()
+        before = steal.sample()
+        clocks = [SliceClock() for _ in order]
+        outs = run_sliced([(backends[c.label].steps(reqs, prompts, params, level, plan.seed, on_done, clock), clock)
+                           for c, clock in zip(order, clocks)], plan.time_slice)
+        stolen, mem = steal.share(before, steal.sample()), memory.peak_memory()
+        return [(c, out, stolen, mem) for c, out in zip(order, outs)]
+    done = []
+    for cfg in order:
+        memory.reset_peak()
+        before = steal.sample()
+        out = backends[cfg.label].run(reqs, prompts, params, level, seed=plan.seed, on_done=on_done)
+        done.append((cfg, out, steal.share(before, steal.sample()), memory.peak_memory()))
+    return done
+
+
 def median_trial(trials: list[tuple[dict, object]]) -> tuple[dict, object]:
     """The round whose output tokens/s is the median (the upper middle one of an even count: on a
     shared machine noise only ever slows a round down)."""
@@ -278,15 +301,25 @@ def median_trial(trials: list[tuple[dict, object]]) -> tuple[dict, object]:
 def _capacity(plan: BenchPlan, backends: dict, reqs, prompts, params) -> dict:
     """Per config, the highest Poisson request rate at which the SLO holds at p90: the configs'
     searches in lock-step, their runs interleaved (each probe `plan.repeats` runs of the same
-    arrivals, the median run deciding)."""
+    arrivals, the median run deciding); with `plan.time_slice` a step's runs go together, sliced."""
+    def level(rate: float) -> LoadLevel:
+        return LoadLevel("rate", rate, plan.burstiness)
+
     def measure(backend):
         def run(rate: float, rnd: int) -> dict:
-            out = backend.run(reqs, prompts, params, LoadLevel("rate", rate, plan.burstiness), seed=plan.seed)
+            out = backend.run(reqs, prompts, params, level(rate), seed=plan.seed)
             return summarize(out.records, out.wall, plan.slo)
         return run
 
+    def together(probes: list[tuple[str, float]], rnd: int) -> dict[str, dict]:
+        clocks = [SliceClock() for _ in probes]
+        outs = run_sliced([(backends[name].steps(reqs, prompts, params, level(rate), plan.seed, None, clock), clock)
+                           for (name, rate), clock in zip(probes, clocks)], plan.time_slice)
+        return {name: summarize(out.records, out.wall, plan.slo) for (name, _), out in zip(probes, outs)}
+
     return find_capacities({label: measure(b) for label, b in backends.items()}, plan.slo,
-                           repeats=plan.repeats, start_rate=plan.capacity_start_rate)
+                           repeats=plan.repeats, start_rate=plan.capacity_start_rate,
+                           together=together if plan.time_slice else None)
 
 
 def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target=None) -> None:
