@@ -3,7 +3,7 @@ its steps' rate, and what its steps cost against plain steps at the same batch s
 
     .venv/bin/python benchmarks/policy_arms.py WORKLOAD CONCURRENCY [--rounds 3] [--num-requests 64]
         [--configs none,draft:k=4,draft:k=4:policy=goodput] [--output-len 128] [--threads 2]
-        [--rate R] [--max-tokens N] [--force ARM] [--plan-edge X]
+        [--rate R] [--max-tokens N] [--force ARM] [--plan-edge X] [--time-slice MS]
 
 Runs the lab's in-process bench (`run_bench`: one engine per config, built once, the configs'
 rounds alternated) at one concurrency level and prints, per config, the median round's output
@@ -16,7 +16,8 @@ tokens: where exploring and switching cost.
 `--force ARM` makes the measured check always choose ARM ("plain", "full" or "spec", coasting
 off): the arm's own cost beside the config it stands for. `--rate R`: open-loop arrivals at R
 requests/s (CONCURRENCY then unused), as the capacity search probes them. `--plan-edge X` sets `_Arms.PLAN_EDGE`.
-One run on a shared 2-vCPU machine moves by up to ~25% from the next: compare within a run.
+One run on a shared 2-vCPU machine moves by up to ~25% from the next: compare within a run, best
+with `--time-slice 50` (the configs' rounds together, each timed by its own slices).
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, help="cap per request instead of --output-len")
     ap.add_argument("--force", choices=("plain", "full", "spec"))
     ap.add_argument("--plan-edge", type=float)
+    ap.add_argument("--time-slice", type=float, metavar="MS",
+                    help="run each round's configs together, MS each in turn (lab/timeslice.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -95,7 +98,7 @@ def main() -> None:
                      configs=parse_configs(args.configs),
                      levels=[LoadLevel("rate", args.rate) if args.rate else LoadLevel("concurrency", args.concurrency)],
                      output_len=None if args.max_tokens else args.output_len, max_tokens=args.max_tokens,
-                     repeats=args.rounds)
+                     repeats=args.rounds, time_slice=args.time_slice / 1000 if args.time_slice else None)
     t = time.perf_counter()
     runs = run_bench(plan, Console(stderr=True, quiet=True))[0]["runs"]
     base = next((r["output_tokens_per_s"] for r in runs if r["config"] == "none"), None)
