@@ -59,11 +59,13 @@ def main() -> None:
         gp._Arms.coast = lambda self, *a, **k: None
 
     steps, seconds, tokens = collections.Counter(), collections.Counter(), collections.Counter()
+    switches = collections.Counter()  # bucket -> steps on the other side (drafting or not) than the step before
     observe_step = gp.GoodputPolicy.observe_step
 
     def tally(self, num_seqs, num_tokens, context, draft_lengths, secs, catch_up_seconds=0.0, **kw):
         key = (gp.batch_bucket(num_seqs), self._mode)
         steps[key] += 1
+        switches[key[0]] += (self._mode == "plain") != (self._last_mode == "plain")  # sides: drafting or not
         if secs is not None:
             seconds[key] += secs
             tokens[key] += self._committed[0] + max(0, num_seqs - self._committed[1])
@@ -118,6 +120,8 @@ def main() -> None:
         own = f"{tokens[key] / seconds[key]:.0f} tok/s" if seconds[key] else "-"
         print(f"bucket {key[0]:2d} {key[1]:5s} {steps[key]:5d} steps {own:>11s}"
               + (f"  excess over plain {excess * 1000:.0f} ms" if rate else ""))
+    print("switches between drafting and plain steps per bucket: "
+          + ", ".join(f"{b}: {n}" for b, n in sorted(switches.items()) if n))
     print(f"excess over plain, all buckets: {total * 1000:.0f} ms; {time.perf_counter() - t:.0f} s")
     step_seconds = sum(seconds.values())
     print(f"policy's own Python: plan {py['plan'] * 1000:.0f} ms ({py['planned']} of {py['calls']} calls planned), "

@@ -773,6 +773,7 @@ def test_goodput_coasting_on_fixed_speculation_calibrates_one_step_in_four():
     def planned(seqs, max_draft):
         out = plan(seqs, max_draft)
         thin.append(policy._thin)
+        assert policy.reads_confidence() == (not policy._thin)  # a thin step's drafter skips max q_j
         return out
 
     policy.plan = planned
@@ -784,6 +785,36 @@ def test_goodput_coasting_on_fixed_speculation_calibrates_one_step_in_four():
     # every row of every step that was not thin, and nothing else, fed the calibration
     assert len(fed) == sum(4 for t, m in zip(thin, modes) if not t and m != "plain")
     assert len(fed) < 0.5 * rounds_verified
+
+
+def test_thin_steps_draft_without_confidences_and_keep_greedy_output(target_dir, draft_dir):
+    """The engine asks the policy after each plan whether the step reads the drafted blocks'
+    confidences (`reads_confidence`): steps coasting on fixed speculation that only count their
+    tokens draft without computing max q_j; the output is plain decoding's all the same."""
+    sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS[:2], sp)]
+    llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3, policy="goodput",
+                                                                     cost_model=COST))
+    proposer, policy = llm.engine.proposer, llm.engine.policy
+    seen = []
+    propose = proposer.propose
+
+    def spy(seqs, plan, forced):
+        blocks = propose(seqs, plan, forced)
+        seen.append((proposer.confidence, policy._thin, all(c is None for b in blocks for c in (b.confidence or []))))
+        return blocks
+
+    proposer.propose = spy
+    coast = _Arms.coast
+    try:
+        _Arms.coast = lambda self, *a, **k: "full"  # coasting on fixed speculation throughout
+        got = [o.token_ids for o in llm.generate(PROMPTS[:2], sp)]
+    finally:
+        _Arms.coast = coast
+    assert got == want
+    assert any(thin for _, thin, _ in seen) and not all(thin for _, thin, _ in seen)
+    for conf, thin, none in seen:
+        assert conf == (not thin) and (none or not thin), (conf, thin, none)
 
 
 def test_a_first_look_is_not_deferred_for_a_catch_up():

@@ -104,6 +104,9 @@ class LLMEngine:
             self.policy = pcls(k=self.spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
             if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
                 self.proposer.confidence = getattr(self.policy, "needs_confidence", True)
+        # a policy whose steps read the confidences only now and then says so after each plan
+        self._reads_confidence = (getattr(self.policy, "reads_confidence", None)
+                                  if getattr(self.proposer, "confidence", False) else None)
         draft_kv = self.proposer.kv if self.proposer is not None else None
         # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
         # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
@@ -266,6 +269,8 @@ class LLMEngine:
         seqs = [s.seq for s in decoding]
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
         plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
+        if self._reads_confidence is not None:
+            self.proposer.confidence = self._reads_confidence()
         forced = [s.num_forced for s in decoding]
         t0 = time.perf_counter()
         if any(plan):

@@ -65,7 +65,13 @@ class Policy(Protocol):
 
     def plain_next(self, num_seqs: int) -> bool:
         """Optional: the next step at this batch size drafts for no row, for certain (the scheduler
-        may then give a lone greedy row several target steps in one call). Absent: never."""
+        may then give a lone greedy row several target steps in one call, and reserves no K/V for
+        proposals). Absent: never."""
+
+    def reads_confidence(self) -> bool:
+        """Optional, asked after `plan`: this step's `admit` and `observe` read the drafted blocks'
+        confidences (the drafter computes them only then: ~3% of a batch-1 step with the draft
+        model). Absent: `needs_confidence` decides once for the whole run."""
 
 
 POLICIES = Registry("policy")

@@ -176,6 +176,11 @@ class GoodputPolicy:
         arms = self._arms.get(self._bucket)
         return arms is not None and arms.lease > 0 and arms.lease_arm == "plain"
 
+    def reads_confidence(self) -> bool:
+        """A coasting step of fixed speculation that only counts its tokens (`_thin`) admits every
+        proposal and calibrates nothing: its drafter need not compute max q_j per proposal."""
+        return not self._thin
+
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
 
