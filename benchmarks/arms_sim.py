@@ -1,7 +1,7 @@
 """The goodput policy's measured check (`_Arms`) driven by synthetic steps on a drifting machine.
 
     .venv/bin/python benchmarks/arms_sim.py [--seeds 40] [--steps 4000] [--drift-sigma 0.08]
-        [--drift-tau 1500] [--noise 0.05]
+        [--drift-tau 1500] [--noise 0.05] [--lag-cost 0.05] [--max-lag 128]
 
 Each scenario gives the three arms a true cost (rows, seconds a step) and fixed speculation's
 acceptance; every step the machine's speed is exp(x), x an Ornstein-Uhlenbeck process (stationary
@@ -51,7 +51,7 @@ class BurstTokens(_Arms):
 
 
 def run(arms_cls, rows: int, true_s, model_s, seed: int, steps: int, sigma: float, tau: float,
-        noise: float) -> float:
+        noise: float, lag_cost: float = 0.0, max_lag: int = 128) -> float:
     rng = random.Random(seed)
     arms = arms_cls(GoodputPolicy.ARMS)
     per_row = 1 + sum(CODE_HARD)
@@ -59,6 +59,7 @@ def run(arms_cls, rows: int, true_s, model_s, seed: int, steps: int, sigma: floa
     true = dict(zip(("plain", "full", "spec"), true_s))
     model = dict(zip(("plain", "full", "spec"), model_s))
     credit, cap, last, x = 0.0, GoodputPolicy.CREDIT_CAP, "plain", 0.0
+    lag = 0  # plain steps since the last drafting one (the drafter's catch-up grows with it)
     got = [0.0, 0.0]
     oracle = {a: [0.0, 0.0] for a in true}
     for _ in range(steps):
@@ -66,7 +67,9 @@ def run(arms_cls, rows: int, true_s, model_s, seed: int, steps: int, sigma: floa
         speed = math.exp(x) * math.exp(noise * rng.gauss(0, 1))
         mode = arms.coast(credit, cap)
         if mode is None:
-            mode = arms.choose({a: (expected[a], model[a], 0.0) for a in true}, credit, cap, last=last)
+            catch = lag_cost * true["plain"] * lag / GoodputPolicy.CATCH_UP_HORIZON  # amortised, as `plan` does
+            mode = arms.choose({a: (expected[a], model[a], catch if a != "plain" else 0.0) for a in true},
+                               credit, cap, last=last)
         exploring, lead = arms.exploring, arms.lead_rate
         tokens = float(rows)
         if mode != "plain":
@@ -75,7 +78,10 @@ def run(arms_cls, rows: int, true_s, model_s, seed: int, steps: int, sigma: floa
         seconds = true[mode] * speed
         switched = (mode != "plain") != (last != "plain")
         if mode != "plain" and last == "plain":
-            seconds += 0.5 * true["plain"] * speed  # the drafter's catch-up
+            # the drafter's catch-up: half a plain step, or `lag_cost` of one per plain step missed
+            # (up to `max_lag`: a request's output)
+            seconds += (lag_cost * lag if lag_cost else 0.5) * true["plain"] * speed
+        lag = min(max_lag, lag + 1) if mode == "plain" else 0  # (requests end: their lag with them)
         got[0] += tokens
         got[1] += seconds
         for a in true:
@@ -98,6 +104,9 @@ def main() -> None:
     ap.add_argument("--drift-sigma", type=float, default=0.08)
     ap.add_argument("--drift-tau", type=float, default=1500.0)
     ap.add_argument("--noise", type=float, default=0.05)
+    ap.add_argument("--lag-cost", type=float, default=0.0,
+                    help="the catch-up grows by this share of a plain step per plain step missed (0: half a step)")
+    ap.add_argument("--max-lag", type=int, default=128, help="plain steps missed that the catch-up counts at most")
     args = ap.parse_args()
     print(f"rate over the best arm's, mean / worst tenth of {args.seeds} runs of {args.steps} steps "
           f"(drift sd {args.drift_sigma}, {args.drift_tau:g} steps; step noise {args.noise})")
@@ -105,10 +114,11 @@ def main() -> None:
     for name, (rows, true_s, model_s) in SCENARIOS.items():
         cells = []
         for cls in (_Arms, BurstTokens):
-            r = sorted(run(cls, rows, true_s, model_s, s, args.steps, args.drift_sigma, args.drift_tau, args.noise)
+            r = sorted(run(cls, rows, true_s, model_s, s, args.steps, args.drift_sigma, args.drift_tau, args.noise,
+                           args.lag_cost, args.max_lag)
                        for s in range(args.seeds))
             cells.append(f"{sum(r) / len(r):.3f} / {r[len(r) // 10]:.3f}")
-        print(f"{name:18s} {cells[0]:>13s} {cells[1]:>13s}")
+        print(f"{name:18s} " + " ".join(f"{c:>13s}" for c in cells))
 
 
 if __name__ == "__main__":

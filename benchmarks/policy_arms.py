@@ -3,7 +3,7 @@ its steps' rate, and what its steps cost against plain steps at the same batch s
 
     .venv/bin/python benchmarks/policy_arms.py WORKLOAD CONCURRENCY [--rounds 3] [--num-requests 64]
         [--configs none,draft:k=4,draft:k=4:policy=goodput] [--output-len 128] [--threads 2]
-        [--rate R] [--max-tokens N] [--force ARM] [--plan-edge X] [--time-slice MS]
+        [--rate R] [--max-tokens N] [--force ARM] [--plan-edge X] [--time-slice MS] [--trace]
 
 Runs the lab's in-process bench (`run_bench`: one engine per config, built once, the configs'
 rounds alternated) at one concurrency level and prints, per config, the median round's output
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, help="cap per request instead of --output-len")
     ap.add_argument("--force", choices=("plain", "full", "spec"))
     ap.add_argument("--plan-edge", type=float)
+    ap.add_argument("--trace", action="store_true", help="print each goodput engine's steps as runs of (bucket, arm)")
     ap.add_argument("--time-slice", type=float, metavar="MS",
                     help="run each round's configs together, MS each in turn (lab/timeslice.py)")
     args = ap.parse_args()
@@ -59,6 +60,7 @@ def main() -> None:
         gp._Arms.coast = lambda self, *a, **k: None
 
     steps, seconds, tokens = collections.Counter(), collections.Counter(), collections.Counter()
+    trace = {} if args.trace else None
     switches = collections.Counter()  # bucket -> steps on the other side (drafting or not) than the step before
     observe_step = gp.GoodputPolicy.observe_step
 
@@ -66,6 +68,12 @@ def main() -> None:
         key = (gp.batch_bucket(num_seqs), self._mode)
         steps[key] += 1
         switches[key[0]] += (self._mode == "plain") != (self._last_mode == "plain")  # sides: drafting or not
+        if trace is not None:  # run lengths of (bucket, arm), per engine
+            runs = trace.setdefault(id(self), [])
+            if runs and runs[-1][0] == key:
+                runs[-1][1] += 1
+            else:
+                runs.append([key, 1])
         if secs is not None:
             seconds[key] += secs
             tokens[key] += self._committed[0] + max(0, num_seqs - self._committed[1])
@@ -120,6 +128,8 @@ def main() -> None:
         own = f"{tokens[key] / seconds[key]:.0f} tok/s" if seconds[key] else "-"
         print(f"bucket {key[0]:2d} {key[1]:5s} {steps[key]:5d} steps {own:>11s}"
               + (f"  excess over plain {excess * 1000:.0f} ms" if rate else ""))
+    for runs in (trace or {}).values():
+        print("trace: " + " ".join(f"{b}:{a}x{n}" for (b, a), n in runs))
     print("switches between drafting and plain steps per bucket: "
           + ", ".join(f"{b}: {n}" for b, n in sorted(switches.items()) if n))
     print(f"excess over plain, all buckets: {total * 1000:.0f} ms; {time.perf_counter() - t:.0f} s")
