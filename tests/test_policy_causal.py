@@ -758,6 +758,26 @@ def test_goodput_is_sure_of_plain_steps_only_while_coasting_on_plain():
     assert not policy.plain_next(1)
 
 
+def test_rows_of_a_step_sure_to_be_plain_reach_plan_with_nothing_to_draft(target_dir, draft_dir):
+    """A step the policy is sure runs plain (`plain_next`) reserves no K/V for drafted proposals:
+    its rows still reach `plan` (which counts its lease down), with 0 to draft whatever the policy
+    would like: no proposal, no drafter K/V, plain decoding's tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS[:4], sp)]
+    llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3), multi_step=1)
+    seen = []
+
+    def greedy_plan(seqs, max_draft):  # a policy that would draft all it may, and is told 0
+        seen.append(list(max_draft))
+        return list(max_draft)
+
+    llm.engine.policy.plan = greedy_plan
+    llm.engine.scheduler.plain_next = lambda num_seqs: True
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], sp)] == want
+    assert len(seen) >= 20 and all(m == 0 for row in seen for m in row)  # (the last step drafts nothing anyway)
+    assert llm.engine.stats.proposed_tokens == 0 and not llm.engine.proposer.kv.tables
+
+
 def test_goodput_coasting_on_fixed_speculation_calibrates_one_step_in_four():
     """While fixed speculation leads by far (it coasts: no plan, every proposal verified), one
     coasting step in COAST_OBSERVE_EVERY feeds the calibration (its per-row Python was ~0.7% of the
@@ -832,3 +852,21 @@ def test_a_first_look_is_not_deferred_for_a_catch_up():
     arms = _Arms(GoodputPolicy.ARMS)
     picks = [arms.choose({"spec": plain, "full": far, "plain": plain}, last="plain") for _ in range(40)]
     assert "full" not in picks, picks
+
+
+def test_a_catch_up_is_spread_over_the_steps_a_row_has_left():
+    """The drafter's catch-up before a row's first proposal is spread over CATCH_UP_HORIZON steps,
+    or over the steps the row has left (its tokens left over what a step drafting all it may is
+    expected to commit): near a request's end a catch-up serves few steps. The plan then drafts
+    for a lagging row far from its end, not for one about to finish."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    sp = SamplingParams(temperature=0, max_tokens=200)
+    near = SimpleNamespace(seq_id=0, params=sp, num_tokens=300, output_ids=[1] * 196, draft_computed=60)
+    far = SimpleNamespace(seq_id=1, params=sp, num_tokens=300, output_ids=[1] * 20, draft_computed=60)
+    gains = [0.9, 0.72, 0.5, 0.3]  # prod_{m<=j} a_m
+    assert policy._horizon(far, gains) == GoodputPolicy.CATCH_UP_HORIZON
+    assert policy._horizon(near, gains) == pytest.approx(4 / 3.42)  # 4 tokens left, 3.42 a step
+    assert policy._horizon(SimpleNamespace(params=sp), gains) == GoodputPolicy.CATCH_UP_HORIZON  # no history
+    catch = [240 * 1e-4 / policy._horizon(s, gains) for s in (near, far)]  # 24 ms behind each: 24 and 1.5 ms a step
+    lengths, _ = choose_lengths([gains, gains], lambda tokens: 0.010 + 0.0005 * (tokens - 2), first_cost=catch)
+    assert lengths[0] == 0 and lengths[1] > 0, lengths  # equal gains: the row with less catch-up first

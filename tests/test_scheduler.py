@@ -278,3 +278,36 @@ def test_mixed_chunk_caps_prefill_only_while_others_decode():
     assert plan(step(sched)) == [("a", 1, 0), ("b", 16, 0)]
     assert plan(step(sched)) == [("a", 1, 0), ("b", 8, 0)]
     assert plan(step(sched)) == [("a", 1, 0), ("b", 1, 0)]
+
+
+def test_a_step_sure_to_be_plain_reserves_nothing_for_proposals():
+    """When the policy is sure the next step drafts for no row (`plain_next`, asked with the number
+    of rows that would draft: `plan`'s batch), decoding rows reserve no K/V for drafted proposals
+    and none for the drafter: `num_draft` 0, `plain` set (the row still goes to `plan`); a
+    constrained row keeps its grammar-forced proposals. Asked with another batch, or not sure:
+    the usual reservations."""
+    asked = []
+
+    def sure(num_seqs: int) -> bool:
+        asked.append(num_seqs)
+        return num_seqs == 2
+
+    sched = make_sched(k=3, draft_blocks=64, block_size=1, max_forced=2)  # one block a position
+    sched.plain_next = sure
+    a, b = make_seq(9, name="a"), make_seq(9, name="b")
+    b.grammar = object()
+    for s in (a, b):
+        sched.add(s)
+    step(sched)  # prefills
+    out = sched.schedule()
+    assert asked[-1] == 2
+    got = {s.seq.request_id: (s.num_draft, s.num_forced, s.plain) for s in out.scheduled}
+    assert got == {"a": (0, 0, True), "b": (0, 2, True)}
+    assert [len(sched.target_kv.tables[s.seq_id]) for s in (a, b)] == [10, 12]  # 9 + 1 (+ 2 forced)
+    assert a.seq_id not in sched.draft_kv.tables and b.seq_id not in sched.draft_kv.tables
+    postprocess(sched, out)
+    sched.plain_next = lambda num_seqs: False
+    out = sched.schedule()
+    got = {s.seq.request_id: (s.num_draft, s.num_forced, s.plain) for s in out.scheduled}
+    assert got == {"a": (3, 0, False), "b": (3, 2, False)}
+    assert [len(sched.draft_kv.tables[s.seq_id]) for s in (a, b)] == [13, 15]  # 11 tokens + 3 (+ 2) - 1

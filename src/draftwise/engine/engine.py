@@ -5,7 +5,8 @@
 - schedule (`Scheduler`): which sequences run, how many tokens each feeds, how many proposals each
   may verify (`num_draft`, and `num_forced` grammar-forced ones on top for a constrained
   sequence); K/V slots are reserved for them (target: last committed + num_draft + num_forced;
-  drafter: its catch-up + num_draft + num_forced - 1).
+  drafter: its catch-up + num_draft + num_forced - 1; neither for drafted proposals when the
+  policy is sure the step drafts nothing, `ScheduledSeq.plain`).
 - propose: the verification `Policy` plans how many tokens each decoding sequence drafts (0 = plain
   decoding this step), the `Proposer` drafts them (a `DraftBlock` each), and the policy admits a
   prefix of each block for verification (causally: never by looking at the proposal itself); a
@@ -228,7 +229,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         decoding = [s for s in sched.scheduled if not s.seq.is_prefilling]
         try:
-            drafted, blocks = self.propose([s for s in decoding if s.num_draft > 0])
+            drafted, blocks = self.propose([s for s in decoding if s.num_draft > 0 or s.plain])
             t2 = time.perf_counter()
             ver = self.verify(sched.scheduled, blocks)
         except Exception as e:  # a batched phase: nothing committed yet
@@ -432,7 +433,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self.stats.generation_tokens += len(new_ids)
-        if drafted is not None:
+        if drafted is not None and (drafted.token_ids or blk.token_ids):  # (nothing drafted nor verified: nothing to do)
             self.proposer.postprocess(seq, drafted, a, n_before)
             self.policy.observe(seq, drafted, len(blk.token_ids), a)
         if reason:

@@ -27,6 +27,8 @@ class ScheduledSeq:
     num_draft: int  # proposals this sequence may verify (0 while prefilling; without speculation:
     # further tokens it may commit this step, multi-step decoding)
     num_forced: int = 0  # grammar-forced proposals it may verify on top (structured output; K/V reserved)
+    plain: bool = False  # it would draft, but the policy runs this step plain for certain (`plain_next`):
+    # no K/V reserved for drafted proposals (num_draft 0; its `plan` sees 0), none for the drafter
 
     @property
     def samples(self) -> bool:
@@ -133,18 +135,28 @@ class Scheduler:
         chunk = budget
         if self.mixed_chunk and any(s.num_tokens - s.num_computed <= 1 for s in self.running):
             chunk = self.mixed_chunk  # decoding rows ride along: chunks the one forward can take
+        # the policy is sure that no row drafts this step (a coasting lease of plain decoding, for
+        # the rows that would draft: `plan`'s batch): no K/V for proposals nor for the drafter
+        plain = False
+        if self.k and self.plain_next is not None:
+            rows = sum(1 for s in self.running if s.num_tokens - s.num_computed <= 1 and self.num_draft_for(s) > 0)
+            plain = rows > 0 and self.plain_next(rows)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             todo = seq.num_tokens - seq.num_computed
+            held = False
             if todo > 1:  # prefill chunk
                 n, k = min(todo, budget, chunk), 0
             else:
                 n, k = 1, min(self.num_draft_for(seq), budget - 1)
-                if self.multi_step > 1 and len(self.running) == 1 and not self.waiting \
-                        and (not self.k or (self.plain_next is not None and self.plain_next(1))):
+                if self.multi_step > 1 and len(self.running) == 1 and not self.waiting and (not self.k or plain):
                     k = min(self.num_draft_for(seq, self.multi_step - 1), budget - 1)  # tokens after the first
-            f = self.num_forced_for(seq, k, budget - 1 - k)
+                else:
+                    held = plain and k > 0
+            f = self.num_forced_for(seq, k, budget - 1 - k)  # (forced proposals are verified in plain steps too)
+            if held:
+                k = 0
             # the drafter feeds forced tokens too (at most k + f - 1 proposals past the committed ones)
             draft_tokens = seq.num_tokens + k + f - 1 if k else 0
             # the drafter's first blocks for this sequence: its cached prefix (prefix caching; a
@@ -160,7 +172,7 @@ class Scheduler:
             if seq.status is Status.WAITING:  # preempted itself: nothing after it runs either
                 break
             self._reserve(seq, seq.num_computed + n + k + f, draft_tokens)
-            out.scheduled.append(ScheduledSeq(seq, n, k, f))
+            out.scheduled.append(ScheduledSeq(seq, n, k, f, plain=held))
             budget -= n + k + f
             i += 1
         if out.preempted:

@@ -47,7 +47,8 @@ class Policy(Protocol):
         """Proposals to verify per sequence, each in [0, len(blocks[i].token_ids)] (causal for sampled rows)."""
 
     def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
-        """After verification of `block.token_ids[:num_verified]`, of which num_accepted were kept."""
+        """After verification of `block.token_ids[:num_verified]`, of which num_accepted were kept
+        (the engine calls it for rows that drafted or verified something only)."""
 
     def forget(self, seq_id: int) -> None:
         """The request finished: drop its state."""

@@ -31,7 +31,7 @@ class RequestEstimate:
     observed: float = 0.0  # decayed count of tested proposals
     accepted: float = 0.0  # ... of which accepted
     predicted: float = 0.0  # ... the engine-wide prediction of accepted
-    steps_without_verifying: int = 0  # for probing
+    last_verified: int = 0  # the policy's decode step at which it last verified a proposal (or was first planned): for probing
 
 
 class Calibration:

@@ -71,7 +71,10 @@ def choose_lengths(
     first_cost: Sequence[float] | None = None,  # [B] seconds a row's first proposal adds (its drafter catch-up)
 ) -> tuple[list[int], float]:  # lengths [B], the objective's value (expected tokens per second)
     b = len(gains)
-    order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)), key=lambda t: (-t[0], t[1]))
+    fc = first_cost if first_cost is not None else [0.0] * b
+    # by gain; among equal gains the rows with less catch-up first (a row's own positions keep their order)
+    order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)),
+                   key=lambda t: (-t[0], fc[t[2]], t[1]))
     lengths = [0] * b
     count_ge: dict[int, int] = {}  # position j -> rows drafting past it
     tokens, expected, draft_s = b, float(b), 0.0
@@ -134,6 +137,7 @@ class GoodputPolicy:
         self._probes: set[int] = set()  # seq_ids probing this step
         self._rate = 0.0  # the planned step's expected committed tokens per second
         self._idle_steps = 0  # steps since any row verified a proposal
+        self._step = 0  # decode steps observed (a request's probe is due `probe_every` after its last verification)
         # probe intervals: doubled after a probe that accepted nothing (up to max_probe_every), back
         # to probe_every after one that accepted: a useless drafter costs ever fewer probes
         self._probe_interval: dict[int, int] = {}  # seq_id -> steps
@@ -221,16 +225,19 @@ class GoodputPolicy:
                 row.append(g)
             gains.append(row)
             r = cal.requests.get(s.seq_id)
+            if r is None:  # (the same estimates as none: the engine-wide ones)
+                r = cal.requests[s.seq_id] = RequestEstimate(last_verified=self._step)
             every = self._probe_interval.get(s.seq_id, self.probe_every)
-            due.append(1 if m and r is not None and r.steps_without_verifying >= every else 0)
+            due.append(1 if m and self._step - r.last_verified >= every else 0)
         draft = None
         if self.has_draft_model:
             per_rows = [self.model.draft_step_seconds(n, ctx) for n in range(b + 1)]  # rows in a drafter step
             draft = per_rows.__getitem__
         # the drafter's catch-up before a row's first proposal (a new prompt, steps without
-        # drafting), spread over the steps it serves (CATCH_UP_HORIZON): what starting costs
+        # drafting), spread over the steps it serves (`_horizon`): what starting costs
         lag = self._lags(seqs)
-        catch = [(n - 1) * self._catch_up_per_token / self.CATCH_UP_HORIZON if n > 1 else 0.0 for n in lag]
+        catch = [(n - 1) * self._catch_up_per_token / self._horizon(s, row) if n > 1 else 0.0
+                 for n, s, row in zip(lag, seqs, gains)]
         lengths, self._rate = choose_lengths(gains, self.model.tokens_seconds(b, ctx), draft, first_cost=catch)
         if any(lengths):  # the rows the plan leaves out probe when due (their estimates may be stale)
             probes = due
@@ -275,6 +282,18 @@ class GoodputPolicy:
         # the tokens the proposer will feed in forwards of their own (see observe_step)
         self._long_catch_up = sum(n - 1 for n, m in zip(lag, lengths) if m and n > self.LONG_CATCH_UP)
         return lengths
+
+    def _horizon(self, seq, gains) -> float:
+        """Steps a row's drafter catch-up is spread over: CATCH_UP_HORIZON, or fewer when the row
+        has fewer steps left (its tokens left, max_tokens less its output, over the tokens a step
+        drafting all it may is expected to commit): a catch-up near a request's end serves few
+        steps (at 16 rows of code-hard, each first step of a smaller batch at the end of a run
+        drafted for every row, its catch-up spread over 16 steps that the rows no longer had)."""
+        out = getattr(seq, "output_ids", None)
+        if out is None:
+            return self.CATCH_UP_HORIZON
+        steps = (seq.params.max_tokens - len(out)) / (1.0 + sum(gains))
+        return min(self.CATCH_UP_HORIZON, max(1.0, steps))
 
     def _spend(self, committed: float, seconds: float) -> None:
         """The exploration budget: every step adds EXPLORE_BUDGET of its seconds (up to
@@ -340,27 +359,28 @@ class GoodputPolicy:
         return causal_lengths(blocks, keep)
 
     def observe(self, seq, block, num_verified, num_accepted):
+        if not num_verified:  # nothing tested: one committed token, as `observe_step` counts a row not seen
+            return  # (how long since the row last verified is kept as a step number: nothing to count)
         self._committed[0] += num_accepted + 1
         self._committed[1] += 1
+        r = self.calibration.requests.get(seq.seq_id)
+        if r is None:
+            r = self.calibration.requests[seq.seq_id] = RequestEstimate()
+        r.last_verified = self._step
         if self._thin:  # coasting on fixed speculation: one step in COAST_OBSERVE_EVERY calibrates
             return
-        r = self.calibration.requests.setdefault(seq.seq_id, RequestEstimate())
-        if num_verified and seq.seq_id in self._probes:
+        if seq.seq_id in self._probes:
             every = self._probe_interval.get(seq.seq_id, self.probe_every)
             every = self.probe_every if num_accepted else min(self.max_probe_every, 2 * every)
             self._probe_interval[seq.seq_id] = every
             if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too
                 self._engine_probe_interval = (self.probe_every if num_accepted
                                                else min(self.max_probe_every, 2 * self._engine_probe_interval))
-        elif num_verified and num_accepted:
+        elif num_accepted:
             self._probe_interval.pop(seq.seq_id, None)
             self._engine_probe_interval = self.probe_every
-        if num_verified:
-            r.steps_without_verifying = 0
-            conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
-            self.calibration.observe(seq.seq_id, seq.params.is_greedy, conf, num_accepted)
-        else:
-            r.steps_without_verifying += 1
+        conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
+        self.calibration.observe(seq.seq_id, seq.params.is_greedy, conf, num_accepted)
 
     def forget(self, seq_id):
         self.calibration.forget(seq_id)
@@ -368,6 +388,7 @@ class GoodputPolicy:
 
     def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds, catch_up_seconds=0.0,
                      untimed_seconds=None):
+        self._step += 1
         self._idle_steps = 0 if num_tokens > num_seqs else self._idle_steps + 1
         committed = self._committed[0] + max(0, num_seqs - self._committed[1])  # rows not observed: 1 each
         self._committed = [0, 0]
