@@ -870,3 +870,41 @@ def test_a_catch_up_is_spread_over_the_steps_a_row_has_left():
     catch = [240 * 1e-4 / policy._horizon(s, gains) for s in (near, far)]  # 24 ms behind each: 24 and 1.5 ms a step
     lengths, _ = choose_lengths([gains, gains], lambda tokens: 0.010 + 0.0005 * (tokens - 2), first_cost=catch)
     assert lengths[0] == 0 and lengths[1] > 0, lengths  # equal gains: the row with less catch-up first
+
+
+def test_a_filling_batch_is_decided_for_the_batch_ahead():
+    """Requests arriving together decode a few rows first while the others prefill: those steps
+    follow the arms of the batch they fill up to (`expect_batch`), not their own batch size's
+    (where speculation may lead), and record nothing there (another batch size's step)."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    policy.model.observe = lambda *a, **k: None
+
+    def seconds_for(b):  # verification nearly free at 2 rows, dear at 8
+        return lambda admitted, prev: 0.002 * b + (0.0002 if b <= 2 else 0.010) * sum(admitted)
+
+    def drive(b, steps, ahead=None):
+        seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(b)]
+        modes = []
+        for _ in range(steps):
+            if ahead is not None:
+                policy.expect_batch(ahead)
+            lengths = policy.plan(seqs, [4] * b)
+            blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+            admitted = policy.admit(seqs, blocks, 0.0)
+            for s, blk, n in zip(seqs, blocks, admitted):
+                policy.observe(s, blk, n, min(n, 2))
+            policy.observe_step(b, b + sum(admitted), 50.0, list(lengths), seconds_for(b)(admitted, None))
+            modes.append(policy._mode)
+        return modes
+
+    drive(2, 300)
+    drive(8, 300)
+    arms2, arms8 = policy._arms[batch_bucket(2)], policy._arms[batch_bucket(8)]
+    assert arms2.rates["plain"] < max(arms2.rates["full"], arms2.rates["spec"])
+    assert arms8.lead_rate == arms8.rates["plain"]
+    before = [list(f) for f in arms2.figures.values()]
+    filling = drive(2, 10, ahead=8)
+    assert filling.count("plain") >= 9, filling
+    assert [list(f) for f in arms2.figures.values()] == before  # nothing recorded at 2 rows
+    alone = drive(2, 10)  # the same rows with no batch ahead: their own batch size's arms
+    assert alone.count("plain") <= 3, alone

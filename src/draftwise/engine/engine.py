@@ -127,6 +127,7 @@ class LLMEngine:
         # a policy that knows the next step runs plain (a coasting lease) lets a lone greedy row
         # commit several tokens in one call there, as plain decoding does
         self.scheduler.plain_next = getattr(self.policy, "plain_next", None)
+        self._expect_batch = getattr(self.policy, "expect_batch", None)
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
         self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
@@ -268,6 +269,9 @@ class LLMEngine:
         if self.proposer is None or not decoding:
             return {}, {}
         seqs = [s.seq for s in decoding]
+        if self._expect_batch is not None:  # the batch ahead: rows prefilling or waiting decode soon
+            sch = self.scheduler
+            self._expect_batch(min(sch.max_num_seqs, max(len(seqs), len(sch.running) + len(sch.waiting))))
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
         plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
         if self._reads_confidence is not None:

@@ -69,6 +69,12 @@ class Policy(Protocol):
         may then give a lone greedy row several target steps in one call, and reserves no K/V for
         proposals). Absent: never."""
 
+    def expect_batch(self, num_seqs: int) -> None:
+        """Optional, called before `plan`: the sequences the coming steps will decode together,
+        this step's decoding rows plus those prefilling or waiting now (up to max_num_seqs). A
+        step whose batch is still filling (requests arriving together) can then be decided for
+        the batch its rows will run in, not for the few rows already decoding."""
+
     def reads_confidence(self) -> bool:
         """Optional, asked after `plan`: this step's `admit` and `observe` read the drafted blocks'
         confidences (the drafter computes them only then: ~3% of a batch-1 step with the draft

@@ -43,9 +43,13 @@ ones runs slower than the plain steps after it: costs of switching, left out of 
 figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
 optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32), and of those plain steps
 one in four updates the cost model (the update is ~1% of a batch-1 plain step). Looking away from the
-leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~2% of the run's
+leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~1% of the run's
 step time, so that where one arm leads clearly the looks (mostly the drafter's catch-up after
 plain steps) cost little whatever the intervals say.
+
+The arms are those of the batch the rows will decode in (`expect_batch`: this step's rows plus
+those prefilling or waiting): a batch filling up is decided as the full one, its steps recorded
+nowhere.
 
 `choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
@@ -119,7 +123,7 @@ class GoodputPolicy:
     probe_every = 32
     ARMS = ("spec", "full", "plain")  # planned lengths, every row its maximum (fixed k), no drafting
     max_probe_every = 512
-    EXPLORE_BUDGET = 0.02  # of the run's step time, spent at most on looking away from the leading arm
+    EXPLORE_BUDGET = 0.01  # of the run's step time, spent at most on looking away from the leading arm
     CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
     CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
@@ -161,7 +165,10 @@ class GoodputPolicy:
         self._idle_plan = False  # the last plan drafted for no row (its "spec" step is a plain one)
         self._full_plan = False  # the last plan drafted all it may for every row (its "spec" step is a "full" one)
         self._bucket = 0
-        self._plan_b = 0  # the batch size `_bucket` is of
+        self._plan_b = 0  # the batch size `_bucket` is of (the rows decoding)
+        self._ahead = 0  # `expect_batch`'s figure for the next plan (0: not told)
+        self._plan_ahead = 0  # the batch ahead `_bucket` is of
+        self._filling = False  # this step's rows are fewer than the batch ahead's bucket
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
         # the exploration budget: seconds of steps that looked away from the leading arm (bursts of
         # the others, engine-wide probes) may cost at most EXPLORE_BUDGET of the time run
@@ -185,6 +192,9 @@ class GoodputPolicy:
         proposal and calibrates nothing: its drafter need not compute max q_j per proposal."""
         return not self._thin
 
+    def expect_batch(self, num_seqs: int) -> None:
+        self._ahead = num_seqs
+
     def _context(self, seqs) -> float:
         return sum(s.num_tokens for s in seqs) / max(1, len(seqs))
 
@@ -197,9 +207,19 @@ class GoodputPolicy:
     def _plan(self, seqs, max_draft):
         b = len(seqs)
         moved = False
-        if b != self._plan_b:
-            bucket = batch_bucket(b)
-            self._plan_b, self._bucket, moved = b, bucket, bucket != self._bucket
+        # the arms of the batch these rows will run in: while it fills (requests arriving together,
+        # prefilling in turn), its first steps decode a few rows; decided at their own batch size,
+        # fixed speculation's lead at 1-3 rows started the drafter's catch-up over each new prompt
+        # for a step or two, then plain decoding at the full batch (at 8 rows of code-hard, every
+        # turnover of a closed loop)
+        ahead = max(b, self._ahead)
+        self._ahead = 0
+        if (b, ahead) != (self._plan_b, self._plan_ahead):
+            bucket = batch_bucket(ahead)
+            self._plan_b, self._plan_ahead, moved = b, ahead, bucket != self._bucket
+            self._bucket = bucket
+        # a step of a filling batch is its bucket's decision, not its figures (another batch size)
+        self._filling = batch_bucket(b) != self._bucket
         arms = self._arms_at(self._bucket)
         if moved:  # back from another bucket, whose plans may have changed what `coast` reads (`idle`)
             arms.lease = 0
@@ -424,7 +444,7 @@ class GoodputPolicy:
             # run as the leader, coast: no plan to pay
             arm_seconds = seconds - (self._plan_seconds if self._mode != "spec" else 0.0)
             self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], arm_seconds,
-                                               self._pred[1], switched=catch_up or switched)
+                                               self._pred[1], switched=catch_up or switched or self._filling)
         self._last_mode = self._mode
         lengths = list(draft_lengths) if self.has_draft_model else []
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
