@@ -908,3 +908,35 @@ def test_a_filling_batch_is_decided_for_the_batch_ahead():
     assert [list(f) for f in arms2.figures.values()] == before  # nothing recorded at 2 rows
     alone = drive(2, 10)  # the same rows with no batch ahead: their own batch size's arms
     assert alone.count("plain") <= 3, alone
+
+
+def test_a_rival_rated_from_old_steps_is_measured_again_before_it_takes_over():
+    """Plain steps rated 1000 tok/s long ago; fixed speculation, running, slows to 800 (the rows'
+    contexts grow, the machine drifts): the check does not switch on the old figure but runs a
+    burst of plain first, whose steps rate it beside the running arm's (the older ones at one
+    step's weight), and stays on speculation when plain is no faster now."""
+    arms = _Arms(GoodputPolicy.ARMS)
+    pred = {"spec": (20.0, 0.04, 0.0), "full": (40.0, 0.04, 0.0), "plain": (10.0, 0.01, 0.0)}
+
+    def step(arm, rate):
+        arms.choose(pred, last=arm)
+        arms.record(arm, committed=pred[arm][0], expected=pred[arm][0], seconds=pred[arm][0] / rate,
+                    predicted=pred[arm][1], switched=False)
+
+    for _ in range(20):
+        step("plain", 1000.0)
+    arms.current = "full"
+    for _ in range(40):  # long after plain's steps: full runs at 1100 tok/s
+        step("full", 1100.0)
+    assert arms.rates["plain"] == pytest.approx(1000.0) and arms.exploring is None
+    arms.due = {a: 10 ** 9 for a in arms.arms}  # no exploration due: only the staleness check
+    for _ in range(30):  # full slows to 800
+        step("full", 800.0)
+        if arms.exploring is not None:
+            break
+    assert arms.exploring == "plain" and arms.current == "plain"  # a burst, not a switch
+    assert arms.figures["plain"][4] == pytest.approx(1.0)  # its old steps at one step's weight
+    for _ in range(_Arms.BURST):  # plain, measured now, is slower too (750)
+        arms.record("plain", committed=10.0, expected=10.0, seconds=10.0 / 750.0, predicted=0.01, switched=False)
+        mode = arms.choose(pred, last="plain")
+    assert mode == "full" and arms.rates["plain"] < 820.0

@@ -43,7 +43,7 @@ ones runs slower than the plain steps after it: costs of switching, left out of 
 figures. While "plain" or "full" leads the others clearly at a batch size, `plan` skips the
 optimisation (its Python work is ~0.3 ms a step at 8 rows, 1 ms at 32), and of those plain steps
 one in four updates the cost model (the update is ~1% of a batch-1 plain step). Looking away from the
-leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~1% of the run's
+leading arm (a burst of another, an engine-wide probe) has a budget (`_spend`): ~2% of the run's
 step time, so that where one arm leads clearly the looks (mostly the drafter's catch-up after
 plain steps) cost little whatever the intervals say.
 
@@ -123,7 +123,7 @@ class GoodputPolicy:
     probe_every = 32
     ARMS = ("spec", "full", "plain")  # planned lengths, every row its maximum (fixed k), no drafting
     max_probe_every = 512
-    EXPLORE_BUDGET = 0.01  # of the run's step time, spent at most on looking away from the leading arm
+    EXPLORE_BUDGET = 0.02  # of the run's step time, spent at most on looking away from the leading arm
     CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
     CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
@@ -507,7 +507,11 @@ class _Arms:
     compare with this one's), and it is looked at within `FIRST_LOOK` steps, whatever the
     exploration budget (the intervals after that first look grow from the neighbour's). A step
     that switches sides (drafting after plain steps: the drafter's catch-up; plain after drafting:
-    caches holding the drafting's data) is a cost of switching, left out of the arm's figures."""
+    caches holding the drafting's data) is a cost of switching, left out of the arm's figures.
+    An arm whose last step here is more than `STALE` decisions old does not take over on its
+    figures: it runs a burst first, and a burst rates its arm by its own steps (the arm's older
+    ones kept at one step's weight): the rows' contexts grow and the machine's speed drifts, so
+    two arms compare only from steps taken close together."""
 
     BURST = 3
     DECAY = 0.9  # per recorded step of that arm: its seconds follow the last ~10 of its steps
@@ -523,6 +527,7 @@ class _Arms:
     FAR_COAST_STEPS = 64  # while the leader's lead is beyond 1 / FAR
     PLAN_EDGE = 1.03  # "spec" runs instead of "full" only when rated this much ahead
     SWITCH = 1.05  # from drafting to plain steps or back only when the other side is rated this much ahead
+    STALE = 16  # decisions: an arm whose last step is older is measured again (a burst) before it takes over
 
     def __init__(self, arms: Sequence[str], seed: "_Arms | None" = None):
         self.arms = tuple(arms)
@@ -542,6 +547,7 @@ class _Arms:
         self.own: set[str] = set()  # arms with steps of their own here (the others: a neighbour's figures)
         self.lead_rate = 0.0  # the best arm's rating at the last decision (tokens/s)
         self.look_cost: dict[str, float] = {}  # arm -> seconds its last burst cost against the leader
+        self.seen: dict[str, int] = {}  # arm -> `steps` at its last recorded step (or its last confirming burst)
         self._spent: dict[str, float] = {}  # arm -> seconds the running burst has cost so far
         if seed is not None:  # a neighbour's figures, at the weight of one step each, its intervals and costs
             for a, f in seed.figures.items():
@@ -662,6 +668,12 @@ class _Arms:
         if last in rate and last != best and (last == "plain") != (best == "plain") \
                 and rate[last] * self.SWITCH >= rate[best]:
             best = last  # between drafting and not, the step before's side unless the other is clearly ahead
+        if last in rate and best != last and best in self.own and self.steps - self.seen.get(best, 0) > self.STALE:
+            # its lead is of steps taken a while ago (another machine speed, the rows' shorter
+            # contexts): measured again, beside the running arm's recent steps, before it takes over
+            self.seen[best] = self.steps  # (once per STALE steps: a "spec" that plans nothing records as plain)
+            self.rates, self.lead_rate = rate, rate[last]
+            return self._burst(best)
         self.rates = rate
         self.lead_rate = rate[best]
         for arm in self.arms:
@@ -679,12 +691,16 @@ class _Arms:
 
     def _burst(self, arm: str) -> str:
         self.current, self.exploring, self.burst_left = arm, arm, self.BURST - 1
+        f = self.figures[arm]
+        if arm in self.own and f[4] > 1:  # the burst's steps rate it, its older ones at one step's weight
+            self.figures[arm] = [v / f[4] for v in f[:4]] + [1.0]
         return arm
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
                switched: bool) -> None:
         if switched:  # a switch of sides: its cost is not the arm's (a burst's other steps rate it)
             return
+        self.seen[arm] = self.steps
         if arm not in self.own:  # its first step here replaces the neighbour's figures
             self.own.add(arm)
             self.figures[arm] = [0.0] * 5
