@@ -908,6 +908,8 @@ def test_a_filling_batch_is_decided_for_the_batch_ahead():
     assert [list(f) for f in arms2.figures.values()] == before  # nothing recorded at 2 rows
     alone = drive(2, 10)  # the same rows with no batch ahead: their own batch size's arms
     assert alone.count("plain") <= 3, alone
+    stuck = drive(2, 80, ahead=8)  # a batch that never fills (K/V, admission): its own size after a while
+    assert stuck[:10].count("plain") >= 9 and stuck[-10:].count("plain") <= 3, stuck
 
 
 def test_a_rival_rated_from_old_steps_is_measured_again_before_it_takes_over():

@@ -49,7 +49,7 @@ plain steps) cost little whatever the intervals say.
 
 The arms are those of the batch the rows will decode in (`expect_batch`: this step's rows plus
 those prefilling or waiting): a batch filling up is decided as the full one, its steps recorded
-nowhere.
+nowhere (for `FILL_PLANS` plans at most: a batch that does not fill is then decided at its size).
 
 `choose_lengths` adds candidate positions in decreasing order of their gain (a row's gains
 decrease along it, so every row keeps a prefix) and keeps the best prefix of that order: exact
@@ -127,6 +127,7 @@ class GoodputPolicy:
     CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
     CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
+    FILL_PLANS = 64  # plans a batch may take to fill up to the batch ahead (then: its own size)
     COAST_OBSERVE_EVERY = 4  # coasting steps (plain or full): one in this many updates the cost model
     # (and, coasting on "full", the calibration)
 
@@ -169,6 +170,7 @@ class GoodputPolicy:
         self._ahead = 0  # `expect_batch`'s figure for the next plan (0: not told)
         self._plan_ahead = 0  # the batch ahead `_bucket` is of
         self._filling = False  # this step's rows are fewer than the batch ahead's bucket
+        self._fill_plans = 0  # consecutive plans whose batch ahead was in another bucket
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
         # the exploration budget: seconds of steps that looked away from the leading arm (bursts of
         # the others, engine-wide probes) may cost at most EXPLORE_BUDGET of the time run
@@ -214,6 +216,12 @@ class GoodputPolicy:
         # turnover of a closed loop)
         ahead = max(b, self._ahead)
         self._ahead = 0
+        if batch_bucket(ahead) != batch_bucket(b):
+            self._fill_plans += 1
+            if self._fill_plans > self.FILL_PLANS:  # a batch that does not fill (the K/V pool holds
+                ahead = b  # fewer, an admission limit): its own size
+        else:
+            self._fill_plans = 0
         if (b, ahead) != (self._plan_b, self._plan_ahead):
             bucket = batch_bucket(ahead)
             self._plan_b, self._plan_ahead, moved = b, ahead, bucket != self._bucket
