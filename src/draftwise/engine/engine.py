@@ -271,7 +271,7 @@ class LLMEngine:
         seqs = [s.seq for s in decoding]
         if self._expect_batch is not None:  # the batch ahead: rows prefilling or waiting decode soon
             sch = self.scheduler
-            self._expect_batch(min(sch.max_num_seqs, max(len(seqs), len(sch.running) + len(sch.waiting))))
+            self._expect_batch(min(sch.max_num_seqs, len(sch.running) + len(sch.waiting)))  # (running holds seqs)
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
         plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
         if self._reads_confidence is not None:

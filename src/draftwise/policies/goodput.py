@@ -169,6 +169,7 @@ class GoodputPolicy:
         self._plan_b = 0  # the batch size `_bucket` is of (the rows decoding)
         self._ahead = 0  # `expect_batch`'s figure for the next plan (0: not told)
         self._plan_ahead = 0  # the batch ahead `_bucket` is of
+        self._own_bucket = self._ahead_bucket = 0  # batch_bucket of _plan_b and of _plan_ahead
         self._filling = False  # this step's rows are fewer than the batch ahead's bucket
         self._fill_plans = 0  # consecutive plans whose batch ahead was in another bucket
         self._committed = [0, 0]  # this step: tokens committed and rows seen by `observe`
@@ -208,7 +209,6 @@ class GoodputPolicy:
 
     def _plan(self, seqs, max_draft):
         b = len(seqs)
-        moved = False
         # the arms of the batch these rows will run in: while it fills (requests arriving together,
         # prefilling in turn), its first steps decode a few rows; decided at their own batch size,
         # fixed speculation's lead at 1-3 rows started the drafter's catch-up over each new prompt
@@ -216,18 +216,17 @@ class GoodputPolicy:
         # turnover of a closed loop)
         ahead = max(b, self._ahead)
         self._ahead = 0
-        if batch_bucket(ahead) != batch_bucket(b):
-            self._fill_plans += 1
-            if self._fill_plans > self.FILL_PLANS:  # a batch that does not fill (the K/V pool holds
-                ahead = b  # fewer, an admission limit): its own size
-        else:
-            self._fill_plans = 0
-        if (b, ahead) != (self._plan_b, self._plan_ahead):
-            bucket = batch_bucket(ahead)
-            self._plan_b, self._plan_ahead, moved = b, ahead, bucket != self._bucket
-            self._bucket = bucket
+        if (b, ahead) != (self._plan_b, self._plan_ahead):  # (batch_bucket's log2 only when they change)
+            self._plan_b, self._plan_ahead = b, ahead
+            self._own_bucket, self._ahead_bucket = batch_bucket(b), batch_bucket(ahead)
+        filling = self._ahead_bucket != self._own_bucket
+        self._fill_plans = self._fill_plans + 1 if filling else 0
+        if self._fill_plans > self.FILL_PLANS:  # a batch that does not fill (the K/V pool holds fewer,
+            filling = False  # an admission limit): its own size
+        bucket = self._ahead_bucket if filling else self._own_bucket
+        moved, self._bucket = bucket != self._bucket, bucket
         # a step of a filling batch is its bucket's decision, not its figures (another batch size)
-        self._filling = batch_bucket(b) != self._bucket
+        self._filling = filling
         arms = self._arms_at(self._bucket)
         if moved:  # back from another bucket, whose plans may have changed what `coast` reads (`idle`)
             arms.lease = 0
