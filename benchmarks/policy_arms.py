@@ -1,7 +1,7 @@
 """The goodput policy's arms at one load point, in one process: which arm ran at which batch size,
 its steps' rate, and what its steps cost against plain steps at the same batch size.
 
-    .venv/bin/python benchmarks/policy_arms.py WORKLOAD CONCURRENCY [--rounds 3] [--num-requests 64]
+    .venv/bin/python benchmarks/policy_arms.py WORKLOAD CONCURRENCY[,CONCURRENCY...] [--rounds 3] [--num-requests 64]
         [--configs none,draft:k=4,draft:k=4:policy=goodput] [--output-len 128] [--threads 2]
         [--rate R] [--max-tokens N] [--force ARM] [--plan-edge X] [--time-slice MS] [--trace]
 
@@ -32,7 +32,8 @@ from rich.console import Console
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload")
-    ap.add_argument("concurrency", type=int)
+    ap.add_argument("concurrency", help="a level, or levels run in turn through the same engines (1,2,4,8:"
+                    " as the grid reaches 8; the step figures and trace are of them all)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--configs", default="none,draft:k=4,draft:k=4:policy=goodput")
@@ -106,17 +107,19 @@ def main() -> None:
         setattr(gp.GoodputPolicy, name, timed(name))
     plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
                      configs=parse_configs(args.configs),
-                     levels=[LoadLevel("rate", args.rate) if args.rate else LoadLevel("concurrency", args.concurrency)],
+                     levels=[LoadLevel("rate", args.rate)] if args.rate else
+                     [LoadLevel("concurrency", int(c)) for c in args.concurrency.split(",")],
                      output_len=None if args.max_tokens else args.output_len, max_tokens=args.max_tokens,
                      repeats=args.rounds, time_slice=args.time_slice / 1000 if args.time_slice else None)
     t = time.perf_counter()
     runs = run_bench(plan, Console(stderr=True, quiet=True))[0]["runs"]
-    base = next((r["output_tokens_per_s"] for r in runs if r["config"] == "none"), None)
     for r in runs:
+        base = next((x["output_tokens_per_s"] for x in runs
+                     if x["config"] == "none" and x["level_label"] == r["level_label"]), None)
         m = r["speculation"]["ms_per_token"]
         ratio = f"{r['output_tokens_per_s'] / base:.3f}x none" if base else ""
         rounds = [round(x) for x in r.get("rounds", {}).get("output_tokens_per_s", [])]
-        print(f"{r['config']:28s} {r['output_tokens_per_s']:8.1f} tok/s {ratio} rounds {rounds} ms/token "
+        print(f"{r['level_label']:5s} {r['config']:28s} {r['output_tokens_per_s']:8.1f} tok/s {ratio} rounds {rounds} ms/token "
               f"{m['drafting']:.3f}+{m['verification']:.3f}+{m['scheduling_state']:.3f} = {m['total']:.3f}"
               f"; TPOT p90 {r['tpot_ms']['p90']:.2f} ms")
     total = 0.0

@@ -864,10 +864,10 @@ def test_a_catch_up_is_spread_over_the_steps_a_row_has_left():
     near = SimpleNamespace(seq_id=0, params=sp, num_tokens=300, output_ids=[1] * 196, draft_computed=60)
     far = SimpleNamespace(seq_id=1, params=sp, num_tokens=300, output_ids=[1] * 20, draft_computed=60)
     gains = [0.9, 0.72, 0.5, 0.3]  # prod_{m<=j} a_m
-    assert policy._horizon(far, gains) == GoodputPolicy.CATCH_UP_HORIZON
+    assert policy._horizon(far, gains) == pytest.approx(min(GoodputPolicy.CATCH_UP_HORIZON, 180 / 3.42))
     assert policy._horizon(near, gains) == pytest.approx(4 / 3.42)  # 4 tokens left, 3.42 a step
     assert policy._horizon(SimpleNamespace(params=sp), gains) == GoodputPolicy.CATCH_UP_HORIZON  # no history
-    catch = [240 * 1e-4 / policy._horizon(s, gains) for s in (near, far)]  # 24 ms behind each: 24 and 1.5 ms a step
+    catch = [240 * 1e-4 / policy._horizon(s, gains) for s in (near, far)]  # 24 ms behind each: 20 and ~0.5 ms a step
     lengths, _ = choose_lengths([gains, gains], lambda tokens: 0.010 + 0.0005 * (tokens - 2), first_cost=catch)
     assert lengths[0] == 0 and lengths[1] > 0, lengths  # equal gains: the row with less catch-up first
 
@@ -942,3 +942,55 @@ def test_a_rival_rated_from_old_steps_is_measured_again_before_it_takes_over():
         arms.record("plain", committed=10.0, expected=10.0, seconds=10.0 / 750.0, predicted=0.01, switched=False)
         mode = arms.choose(pred, last="plain")
     assert mode == "full" and arms.rates["plain"] < 820.0
+
+
+def test_arms_compare_their_steps_at_the_contexts_of_now():
+    """A step's time grows with the rows' contexts: two arms whose steps were taken at different
+    times are compared as if both ran at today's contexts, each by the profile's seconds per
+    token of context of its own steps. "full" ran fast at short contexts; "plain" ran later, at
+    long ones; at those contexts "full" (whose drafter steps also read the context) is the slower."""
+    arms = _Arms(GoodputPolicy.ARMS)
+    for _ in range(10):  # 12 tokens in 10 ms at context 100, 3e-5 s per token of context
+        arms.record("full", committed=12.0, expected=12.0, seconds=0.010, predicted=0.010, switched=False,
+                    context=(100.0, 3e-5))
+    for _ in range(10):  # 8 tokens in 9 ms at context 300, 1e-5 s per token of context
+        arms.record("plain", committed=8.0, expected=8.0, seconds=0.009, predicted=0.009, switched=False,
+                    context=(300.0, 1e-5))
+    now = {"spec": (8.0, 0.010, 0.0, 300.0, 3e-5), "full": (12.0, 0.010, 0.0, 300.0, 3e-5),
+           "plain": (8.0, 0.009, 0.0, 300.0, 1e-5)}
+    assert arms.rating("full", now["full"]) == pytest.approx(12.0 / (0.010 + 3e-5 * 200))  # 750 tok/s
+    assert arms.rating("plain", now["plain"]) == pytest.approx(8.0 / 0.009)  # its own contexts: as measured
+    assert arms.rating("full", now["full"][:3]) == pytest.approx(1200.0)  # uncorrected, it would lead
+    arms.due = {a: 10 ** 9 for a in arms.arms}
+    assert arms.choose(now) == "plain"
+
+
+def test_a_coasting_arm_keeps_measuring_its_steps():
+    """The leading arm coasts (no plan), and one coasting step in COAST_OBSERVE_EVERY is recorded
+    in its figures: when its steps slow down (the machine, longer contexts), its rating follows
+    them, not the steps planned before the coast (frozen, they had rated "full" at batch 1 of
+    grounded far below what it ran, and every look at "spec" put that ahead)."""
+    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+    policy.model.observe = lambda *a, **k: None
+    scale = [1.0]
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(2)]
+
+    def drive(steps):  # a drafter whose proposals are all rejected: plain decoding leads
+        coasting = 0
+        for _ in range(steps):
+            lengths = policy.plan(seqs, [4, 4])
+            coasting += policy._pred is None and policy._mode == "plain"
+            blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+            admitted = policy.admit(seqs, blocks, 0.0)
+            for s, blk, n in zip(seqs, blocks, admitted):
+                policy.observe(s, blk, n, 0)
+            policy.observe_step(2, 2 + sum(admitted), 50.0, list(lengths), scale[0] * (0.004 + 0.001 * sum(admitted)))
+        return coasting
+
+    assert drive(300) > 200  # plain decoding leads by far: it coasts
+    arms = policy._arms[batch_bucket(2)]
+    seconds = lambda: arms.figures["plain"][2] / arms.figures["plain"][4]  # per step, decayed
+    before = seconds()
+    scale[0] = 1.5
+    assert drive(100) > 80
+    assert seconds() > 1.4 * before

@@ -125,7 +125,7 @@ class GoodputPolicy:
     max_probe_every = 512
     EXPLORE_BUDGET = 0.02  # of the run's step time, spent at most on looking away from the leading arm
     CREDIT_CAP = 0.25  # seconds: the budget does not bank more (no cluster of looks after a long run)
-    CATCH_UP_HORIZON = 16  # steps a drafter catch-up is spread over when deciding to start drafting
+    CATCH_UP_HORIZON = 64  # steps a drafter catch-up is spread over when deciding to start drafting
     LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags fed in forwards of their own (timed apart)
     FILL_PLANS = 64  # plans a batch may take to fill up to the batch ahead (then: its own size)
     COAST_OBSERVE_EVERY = 4  # coasting steps (plain or full): one in this many updates the cost model
@@ -149,7 +149,8 @@ class GoodputPolicy:
         self._engine_probe_interval = self.probe_every
         self._arms: dict[int, _Arms] = {}  # batch bucket (batch_bucket(B)) -> the measured check's figures
         self._last_mode = "plain"  # the previous step's arm (a drafting arm after plain steps catches up)
-        self._pred: tuple[float, float, float] | None = None  # (tokens, seconds, catch-up) predicted for this step
+        # (tokens, seconds, catch-up, context, the seconds' growth per token of context) predicted for this step
+        self._pred: tuple[float, float, float, float, float] | None = None
         # seconds per token of the drafter's catch-up, learned from the long ones (timed by the
         # proposer); at first the profile's per-sequence cost of a drafter step
         self._catch_up_per_token = cost.draft[1] if cost.draft[1] > 0 else 2e-5
@@ -350,14 +351,18 @@ class GoodputPolicy:
             return [0] * len(seqs)
         return [max(0, s.num_tokens - getattr(s, "draft_computed", s.num_tokens)) for s in seqs]
 
-    def _predict(self, gains, lengths, b: int, ctx: float, catch) -> tuple[float, float, float]:
+    def _predict(self, gains, lengths, b: int, ctx: float, catch) -> tuple[float, float, float, float, float]:
         """Expected committed tokens and seconds of a step drafting `lengths`: the estimates', the
         hardware profile's alone (fixed: the online residual moves, and ratios to a moving
-        prediction would not compare), and the drafting rows' catch-up (amortised)."""
+        prediction would not compare), the drafting rows' catch-up (amortised), and the mean
+        context with the profile's seconds per token of it for this step (`_Arms.rating` moves an
+        arm's measured seconds to the contexts of now)."""
         expected = b + sum(sum(row[:n]) for row, n in zip(gains, lengths))
         fed = b + sum(lengths)
-        seconds = self.model.profile_seconds(b, fed, ctx, lengths if self.has_draft_model else ())
-        return expected, seconds, sum(c for c, n in zip(catch, lengths) if n)
+        drafted = lengths if self.has_draft_model else ()
+        seconds = self.model.profile_seconds(b, fed, ctx, drafted)
+        return (expected, seconds, sum(c for c, n in zip(catch, lengths) if n),
+                ctx, self.model.context_seconds(b, 1.0, drafted))
 
     def _arms_at(self, bucket: int) -> "_Arms":
         """The bucket's figures; a new bucket starts from its nearest measured neighbour's (the
@@ -451,10 +456,23 @@ class GoodputPolicy:
             # run as the leader, coast: no plan to pay
             arm_seconds = seconds - (self._plan_seconds if self._mode != "spec" else 0.0)
             self._arms_at(self._bucket).record(self._mode, committed, self._pred[0], arm_seconds,
-                                               self._pred[1], switched=catch_up or switched or self._filling)
-        self._last_mode = self._mode
+                                               self._pred[1], switched=catch_up or switched or self._filling,
+                                               context=self._pred[3:5])
         lengths = list(draft_lengths) if self.has_draft_model else []
         profile_only = self.model.profile_seconds(num_seqs, num_tokens, context, lengths)
+        if self._pred is None and self._last_mode == self._mode and self._mode in ("plain", "full"):
+            # a coasting step (one in COAST_OBSERVE_EVERY gets here): the leader's figures follow the
+            # steps it runs (unrecorded, they stayed those of its last planned steps: at batch 1 of
+            # grounded, "full" coasted ~1000 steps rated 570 tok/s from steps before, where it ran
+            # ~900, and every look at "spec" put that ahead); no plan, so no estimate of its tokens:
+            # what it committed, scaled so that the arm's committed / expected ratio stays as it is
+            arms = self._arms_at(self._bucket)
+            got, meant = arms.tokens[self._mode]
+            expected = committed * (meant / got if got > 0 and meant > 0 else 1.0)
+            arms.record(self._mode, committed, expected, seconds - self._plan_seconds, profile_only,
+                        switched=self._filling,
+                        context=(context, self.model.context_seconds(num_seqs, 1.0, lengths)))
+        self._last_mode = self._mode
         predicted = profile_only + self.model.residual(num_seqs, num_tokens, max(lengths, default=0))
         # the cost model is of the decode step proper; the arms pay for everything (a drafting
         # arm is what makes the drafter prefill new prompts)
@@ -542,6 +560,9 @@ class _Arms:
         self.figures = {a: [0.0, 0.0, 0.0, 0.0, 0.0] for a in arms}
         # tokens committed and expected (decayed by TOKEN_DECAY: over many more steps)
         self.tokens = {a: [0.0, 0.0] for a in arms}
+        # its steps' seconds per token of context (the profile's) times their context, those
+        # seconds per token, and their weight (decayed as `figures`)
+        self.context = {a: [0.0, 0.0, 0.0] for a in arms}
         self.steps = 0  # decisions made
         self.current = "spec"
         self.burst_left = 0
@@ -560,6 +581,8 @@ class _Arms:
             for a, f in seed.figures.items():
                 if f[4] > 0:
                     self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
+                    c = seed.context[a]
+                    self.context[a] = [c[0] / c[2], c[1] / c[2], 1.0] if c[2] > 0 else [0.0, 0.0, 0.0]
             # its committed / expected tokens as a prior (TOKEN_PRIOR of the neighbour's weight),
             # which this batch size's own steps add to: a ratio of tokens, not of time
             self.tokens = {a: [v * self.TOKEN_PRIOR for v in t] for a, t in seed.tokens.items()}
@@ -578,11 +601,17 @@ class _Arms:
         figures (`seed`), the model's figures corrected by that neighbour's measured / predicted
         ratios; an arm never run, the model's figures."""
         _, tok_p, sec_m, sec_p, n = self.figures[arm]
-        expected, seconds, catch_up = pred
+        expected, seconds, catch_up, *now = pred
         got, meant = self.tokens[arm]
         accuracy = got / meant if meant > 0 else 1.0  # committed / expected tokens, over many steps
         if arm in self.own and sec_m > 0:
             expected, seconds = accuracy * tok_p / n, sec_m / n
+            c_sum, slope, c_n = self.context[arm]
+            if now and c_n > 0:  # its steps as if at the contexts of now: a step's time grows with
+                # them (~15% over a request at 16 rows of code-easy), and two arms' figures are of
+                # steps taken at different times; by the profile's seconds per token of context of
+                # the arm's own steps (this step's lengths are not the arm's steps')
+                seconds = max(0.0, seconds + (slope * now[0] - c_sum) / c_n)
         elif n > 0 and sec_p > 0:  # a neighbour's: its rates belong to another batch size,
             expected *= accuracy  # its ratios to the model's figures carry over
             seconds *= sec_m / sec_p
@@ -701,18 +730,26 @@ class _Arms:
         f = self.figures[arm]
         if arm in self.own and f[4] > 1:  # the burst's steps rate it, its older ones at one step's weight
             self.figures[arm] = [v / f[4] for v in f[:4]] + [1.0]
+            c = self.context[arm]
+            if c[2] > 0:
+                self.context[arm] = [c[0] / c[2], c[1] / c[2], 1.0]
         return arm
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
-               switched: bool) -> None:
+               switched: bool, context: tuple[float, float] | None = None) -> None:
+        """A step of `arm`; `context`: its mean context and the profile's seconds per token of it."""
         if switched:  # a switch of sides: its cost is not the arm's (a burst's other steps rate it)
             return
         self.seen[arm] = self.steps
         if arm not in self.own:  # its first step here replaces the neighbour's figures
             self.own.add(arm)
             self.figures[arm] = [0.0] * 5
+            self.context[arm] = [0.0, 0.0, 0.0]
         f, d = self.figures[arm], self.DECAY
         for i, v in enumerate((committed, expected, seconds, predicted, 1.0)):
             f[i] = f[i] * d + v
+        if context is not None:
+            c, (ctx, slope) = self.context[arm], context
+            c[0], c[1], c[2] = c[0] * d + slope * ctx, c[1] * d + slope, c[2] * d + 1.0
         t, d = self.tokens[arm], self.TOKEN_DECAY
         t[0], t[1] = t[0] * d + committed, t[1] * d + expected
