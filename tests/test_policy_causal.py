@@ -597,14 +597,19 @@ def test_switching_between_drafting_and_plain_steps_needs_a_clear_lead():
 def test_idle_plan_coasts_plain_against_full_alone():
     """Where the plan drafts for no row, its "spec" step is a plain one: "plain" and "spec" rate
     alike, and coasting (no plan for a few steps) then needs "plain" to lead "full" only; with a
-    plan that drafts, "spec" is a rival and a near tie does not coast."""
+    plan that drafts, "spec" is a rival, and coasting needs that `choose` would keep plain
+    decoding against it (it leads, or "spec" is not ahead by the margin to leave plain)."""
     arms = _Arms(GoodputPolicy.ARMS)
     pred = {"spec": (1.0, 0.0101, 0.0), "plain": (1.0, 0.01, 0.0), "full": (1.2, 0.03, 0.0)}
     arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
     assert arms.choose(pred) == "plain"
     assert arms.coast(idle=True) is None  # rated by the model alone: not before steps of its own here
     arms.own.update(arms.arms)  # (as if measured: `rating` reads figures only for arms with steps)
-    assert arms.coast() is None  # "spec" within 1% of plain: a rival while the plan drafts
+    arms.rates["spec"] = arms.rates["plain"] * (_Arms.SWITCH + 0.01)  # a plan that drafts, clearly ahead
+    assert arms.coast() is None  # a rival while the plan drafts: decide
+    arms.rates["spec"] = arms.rates["plain"] * 1.01  # within the margin `choose` asks to leave plain
+    assert arms.coast() == "plain"  # (choose would keep plain decoding: only the plan is skipped)
+    arms.lease = 0
     assert arms.coast(idle=True) == "plain"
     arms.current, arms.lease = "spec", 0  # a near tie the other way: the idle plan's spec step is plain anyway
     assert arms.coast(idle=True) == "plain"  # (the lease ends: this test sets what `coast` reads directly)
@@ -623,22 +628,24 @@ def test_idle_plan_coasts_plain_against_full_alone():
 def test_full_plan_coasts_full_against_plain_alone():
     """Where the plan drafts all it may for every row, its "spec" step is a "full" one: the two rate
     alike, and coasting as "full" (no plan, no admission for a few steps) then needs "full" to lead
-    "plain" only; with a plan that leaves proposals out, "spec" is a rival and a near tie does not
-    coast."""
+    "plain" only; with a plan that leaves proposals out, "spec" is a rival; either way it coasts
+    while `choose` would keep it (a rival ahead by less than the margin it asks)."""
     arms = _Arms(GoodputPolicy.ARMS)
     pred = {"spec": (3.0, 0.0101, 0.0), "full": (3.0, 0.01, 0.0), "plain": (1.0, 0.01, 0.0)}
     arms.due = {a: 10**9 for a in arms.arms}  # no exploration due
     assert arms.choose(pred) == "full"  # (the plan must beat "full" clearly)
     assert arms.coast(full=True) is None  # rated by the model alone: not before steps of its own here
     arms.own.add("spec")  # the plan's steps measured here: they are "full"'s too
-    assert arms.coast() is None  # "spec" within 1% of "full": a rival while the plan leaves some out
+    assert arms.coast() is None  # a plan leaving some out: "full" has no steps of its own here
     assert arms.coast(full=True) == "full"
     arms.current, arms.lease = "spec", 0  # a near tie the other way: the full plan's spec step is "full" anyway
     assert arms.coast(full=True) == "full"
     arms.due["plain"], arms.lease = 0, 0  # a burst of "plain" due: decide instead
     assert arms.coast(full=True) is None
     arms.due["plain"] = 10**9
-    arms.rates["full"] = 1.05 * arms.rates["plain"]  # not clearly ahead of plain: decide every step
+    arms.rates["full"] = 1.05 * arms.rates["plain"]  # ahead, under COAST: choose would keep it (SWITCH)
+    assert arms.coast(full=True) == "full"
+    arms.rates["plain"], arms.lease = arms.rates["full"] * (_Arms.SWITCH + 0.01), 0  # plain clearly ahead
     assert arms.coast(full=True) is None
 
 

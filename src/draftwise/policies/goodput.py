@@ -312,11 +312,12 @@ class GoodputPolicy:
         return lengths
 
     def _horizon(self, seq, gains) -> float:
-        """Steps a row's drafter catch-up is spread over: CATCH_UP_HORIZON, or fewer when the row
-        has fewer steps left (its tokens left, max_tokens less its output, over the tokens a step
-        drafting all it may is expected to commit): a catch-up near a request's end serves few
-        steps (at 16 rows of code-hard, each first step of a smaller batch at the end of a run
-        drafted for every row, its catch-up spread over 16 steps that the rows no longer had)."""
+        """Steps a row's drafter catch-up is spread over: the steps the row has left (its tokens
+        left, max_tokens less its output, over the tokens a step drafting all it may is expected to
+        commit), up to CATCH_UP_HORIZON: a catch-up serves the row's steps after it, few near a
+        request's end (at 16 rows of code-hard, each first step of a smaller batch at the end of a
+        run drafted for every row, its catch-up spread over 16 steps that the rows no longer had),
+        ~36 for a fresh 128-token one (a cap of 16 charged it more than twice that)."""
         out = getattr(seq, "output_ids", None)
         if out is None:
             return self.CATCH_UP_HORIZON
@@ -499,7 +500,14 @@ class _Arms:
     benchmarks/arms_sim.py). Measured seconds, not the model's prediction corrected by a ratio: at
     batch 1 on the AVX2 machine the plan's shorter blocks cost nearly a full block's time (13.8
     against 14.5 ms, the drafter's steps and the step's fixed work), while the corrected
-    prediction still rated them first. An arm never run is rated by the model alone.
+    prediction still rated them first. An arm never run is rated by the model alone. Its
+    seconds are moved to the contexts of now: a step's time grows with the rows' contexts (~15%
+    over a request at 16 rows of code-easy), and two arms' figures are of steps taken at different
+    times; each arm keeps the profile's seconds per token of context of its steps and their
+    context (`record`'s `context`, decayed as its seconds), and its rating adds that slope times
+    how far the context moved since. The leader's coasting steps are recorded too (one in
+    `COAST_OBSERVE_EVERY`, the tokens they committed as expected, scaled by the arm's committed /
+    expected ratio): its figures follow the steps it runs, not those before the coast.
 
     The best-rated arm runs ("spec" only when rated more than `PLAN_EDGE` ahead of "full": two
     ratings from a few noisy steps each, and a plan that merely ties with fixed speculation
@@ -525,7 +533,8 @@ class _Arms:
     look at fixed speculation ~130 steps at 32 rows in benchmarks/policy_sim.py, where it ran
     1.39x plain's rate). A clearly worse arm (speculation
     at a high load, plain decoding at batch 1) so costs ever less exploration. While "plain" or
-    "full" leads every other arm by more than `COAST` and no burst is due, `plan` is skipped for up
+    "full" leads every other arm by more than `COAST` (or none is ahead of it by the margin `choose`
+    asks to leave it: `_keeps`) and no burst is due, `plan` is skipped for up
     to `COAST_STEPS` steps (`coast`; `FAR_COAST_STEPS` while it leads by more than 1 / FAR). A new batch size starts from a neighbour's figures and
     intervals (`seed`): until an arm has steps of its own there, it is rated by the model's figures
     times the neighbour's measured / predicted ratios (rates measured at another batch size do not
@@ -667,7 +676,7 @@ class _Arms:
         rivals = [a for a in self.arms if a != current and not ((idle or full) and a == "spec")]
         lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
         limit = self.COAST_STEPS if lead * self.FAR < 1 else self.FAR_COAST_STEPS
-        if lead < self.COAST or self.coasted >= limit:
+        if not self._keeps(current, rivals) or self.coasted >= limit:
             return None
         if any(self.steps + 1 >= self.due[a] and self.affordable(a, credit, cap) for a in rivals):
             return None
@@ -678,6 +687,26 @@ class _Arms:
         self.lease = min(limit - self.coasted, min(self.due[a] for a in rivals) - self.steps - 1)
         self.lease_arm = current
         return current
+
+    def _keeps(self, current: str, rivals) -> bool:
+        """`choose` would keep `current` on the last decision's ratings, whatever a rival's look:
+        it leads by COAST, or no rival passes it by the margin `choose` asks of that rival (SWITCH
+        across drafting and plain, PLAN_EDGE for "spec" over "full"). At 32 rows of code-easy,
+        plain decoding led fixed speculation by 8%, under COAST: every step ran the plan (~1 ms
+        of Python, 7% of a step) to keep plain decoding (goodput 0.94x `none`)."""
+        rate = self.rates.get(current, 0.0)
+        if rate >= self.COAST * max(self.rates.get(a, 0.0) for a in rivals):
+            return True
+        for a in rivals:
+            if (a == "plain") != (current == "plain"):
+                margin = self.SWITCH
+            elif current == "full" and a == "spec":
+                margin = self.PLAN_EDGE
+            else:
+                return False
+            if rate * margin < self.rates.get(a, 0.0):
+                return False
+        return True
 
     def choose(self, pred: dict[str, tuple[float, float, float]], credit: float = math.inf,
                cap: float = math.inf, last: str | None = None) -> str:
