@@ -481,6 +481,11 @@ class GoodputPolicy:
         return predicted, profile_only
 
 
+def _one_step(sums: list[float]) -> list[float]:
+    """Decayed sums whose last entry is their weight, brought to the weight of one step (their means)."""
+    return [v / sums[-1] for v in sums[:-1]] + [1.0]
+
+
 class _Arms:
     """The measured check at one batch size: what each arm's steps gave, and when to look at the
     others again.
@@ -589,9 +594,9 @@ class _Arms:
         if seed is not None:  # a neighbour's figures, at the weight of one step each, its intervals and costs
             for a, f in seed.figures.items():
                 if f[4] > 0:
-                    self.figures[a] = [v / f[4] for v in f[:4]] + [1.0]
+                    self.figures[a] = _one_step(f)
                     c = seed.context[a]
-                    self.context[a] = [c[0] / c[2], c[1] / c[2], 1.0] if c[2] > 0 else [0.0, 0.0, 0.0]
+                    self.context[a] = _one_step(c) if c[2] > 0 else [0.0, 0.0, 0.0]
             # its committed / expected tokens as a prior (TOKEN_PRIOR of the neighbour's weight),
             # which this batch size's own steps add to: a ratio of tokens, not of time
             self.tokens = {a: [v * self.TOKEN_PRIOR for v in t] for a, t in seed.tokens.items()}
@@ -758,10 +763,9 @@ class _Arms:
         self.current, self.exploring, self.burst_left = arm, arm, self.BURST - 1
         f = self.figures[arm]
         if arm in self.own and f[4] > 1:  # the burst's steps rate it, its older ones at one step's weight
-            self.figures[arm] = [v / f[4] for v in f[:4]] + [1.0]
-            c = self.context[arm]
-            if c[2] > 0:
-                self.context[arm] = [c[0] / c[2], c[1] / c[2], 1.0]
+            self.figures[arm] = _one_step(f)
+            if self.context[arm][2] > 0:
+                self.context[arm] = _one_step(self.context[arm])
         return arm
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
