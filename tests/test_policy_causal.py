@@ -747,38 +747,6 @@ def test_a_look_that_ties_waits_longer_and_one_that_leads_resets():
 
 
 
-def test_a_first_look_at_a_new_batch_size_keeps_a_long_wait_only_when_far_behind():
-    """At a batch size seeded by a neighbour, an arm's first look here ends the neighbour's wait
-    unless it finds the arm far behind here too: close (here plain decoding at 0.9x), its next
-    look comes 2 x EXPLORE_EVERY steps later (the neighbour's 512 would leave a lead that changed
-    with the batch size unseen for ~1000 steps); far behind, the neighbour's wait grows as usual;
-    and later looks grow from there as everywhere."""
-    def first_look(own_rate: float) -> tuple[int, int]:
-        near = _Arms(GoodputPolicy.ARMS)
-        for a in near.arms:
-            near.record(a, committed=4.0, expected=4.0, seconds=0.010, predicted=0.010, switched=False)
-        near.interval = {a: 16 * _Arms.EXPLORE_EVERY for a in near.arms}
-        arms = _Arms(GoodputPolicy.ARMS, seed=near)
-        arms.own = set(arms.arms)
-        arms.figures = {a: [0.0] * 5 for a in arms.arms}  # rated by the figures given below
-        arms.deferred = set(arms.arms)  # (no first look put off: the test times the looks)
-        arms.due = {a: 10**9 for a in arms.arms}
-        start = {"spec": (0.5, 0.010, 0.0), "full": (1.0, 0.010, 0.0), "plain": (0.5, 0.010, 0.0)}
-        measured = dict(start, plain=(own_rate, 0.010, 0.0))
-
-        def look() -> int:
-            arms.due["plain"] = arms.steps + 1  # its turn now
-            assert arms.choose(start, last="full") == "plain"
-            for _ in range(_Arms.BURST - 1):
-                arms.choose(start, last="plain")
-            arms.choose(measured, last="plain")  # the burst ends: its interval is set from the ratings
-            return arms.interval["plain"]
-        return look(), look()
-
-    assert first_look(0.9) == (2 * _Arms.EXPLORE_EVERY, 4 * _Arms.EXPLORE_EVERY)  # close: its own waits
-    assert first_look(0.5) == (_Arms.MAX_EXPLORE_EVERY,) * 2  # far behind: the neighbour's, grown
-
-
 def test_goodput_is_sure_of_plain_steps_only_while_coasting_on_plain():
     """`plain_next` (the scheduler may then give a lone row several target steps a call) holds
     exactly while the batch size's arms hold a lease of plain decoding, which `plan` then returns

@@ -606,10 +606,8 @@ class _Arms:
         # the neighbour's ratios carry the model's errors at that batch size, not this one's (on the
         # EPYC, code-hard at 8 rows ran fixed speculation 3 rounds long at 0.97x plain's rate, the
         # plain arm's interval inherited from 2 rows, where it had lost, never due); the intervals
-        # after it follow the neighbour's only when that first look finds the arm far behind
+        # after it follow the neighbour's
         self.due = {a: min(i, self.FIRST_LOOK) for a, i in self.interval.items()}
-        # arms whose interval is still the neighbour's (their first look here not yet over)
-        self.inherited: set[str] = set(self.arms) if seed is not None else set()
 
     def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
         """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
@@ -726,19 +724,11 @@ class _Arms:
             return self.current
         if self.exploring is not None:  # a burst has ended: when to look at that arm again
             arm, self.exploring = self.exploring, None
-            first = arm in self.inherited
-            self.inherited.discard(arm)
             self.look_cost[arm] = max(0.0, self._spent.pop(arm, 0.0))
             others = max(rate[a] for a in self.arms if a != arm)
             if rate[arm] * self.MARGIN <= others:  # not clearly ahead: look later (far behind: much later)
-                far = rate[arm] < self.FAR * others
-                if first and not far:
-                    # its first look here: a neighbour's long wait holds only where it is far behind
-                    # here too (code-hard, 4 rows after 2: plain decoding, first measured at 0.83x
-                    # the model-rated "full" over two steps, waited the 1024 steps inherited from 2
-                    # rows while fixed speculation ran at ~0.9x its rate)
-                    self.interval[arm] = self.EXPLORE_EVERY
-                self.interval[arm] = min(self.MAX_EXPLORE_EVERY, (4 if far else 2) * self.interval[arm])
+                grow = 4 if rate[arm] < self.FAR * others else 2
+                self.interval[arm] = min(self.MAX_EXPLORE_EVERY, grow * self.interval[arm])
             else:  # clearly ahead: it leads now, and the arms it passed are looked at again soon
                 self.interval[arm] = self.EXPLORE_EVERY
             self.due[arm] = self.steps + self.interval[arm]
