@@ -29,10 +29,18 @@ import torch
 from rich.console import Console
 
 
+def _levels(text: str) -> list[int]:
+    """CONCURRENCY[,CONCURRENCY...] -> the levels (argparse reports a bad one in one line, exit 2)."""
+    levels = [int(c) for c in text.split(",")]  # (ValueError: argparse's "invalid _levels value")
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be positive integers, got {text!r}")
+    return levels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload")
-    ap.add_argument("concurrency", help="a level, or levels run in turn through the same engines (1,2,4,8:"
+    ap.add_argument("concurrency", type=_levels, help="a level, or levels run in turn through the same engines (1,2,4,8:"
                     " as the grid reaches 8; the step figures and trace are of them all)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -108,7 +116,7 @@ def main() -> None:
     plan = BenchPlan(workloads=[load_workload(args.workload).head(args.num_requests)],
                      configs=parse_configs(args.configs),
                      levels=[LoadLevel("rate", args.rate)] if args.rate else
-                     [LoadLevel("concurrency", int(c)) for c in args.concurrency.split(",")],
+                     [LoadLevel("concurrency", c) for c in args.concurrency],
                      output_len=None if args.max_tokens else args.output_len, max_tokens=args.max_tokens,
                      repeats=args.rounds, time_slice=args.time_slice / 1000 if args.time_slice else None)
     t = time.perf_counter()

@@ -90,10 +90,10 @@ class OnlineCost:
         return (self.draft_lengths_seconds(self.cost, draft_lengths, context)
                 + self.cost.target_seconds(num_seqs, num_tokens, context))
 
-    def context_seconds(self, num_seqs: int, context: float, draft_lengths=()) -> float:
-        """The part of profile_seconds that grows with the context: the target's t_ctx * B * C and
-        the drafter's d_ctx * C per row-step (the rest does not change as the rows' contexts grow)."""
-        return context * (self.cost.target[3] * num_seqs + self.cost.draft[2] * sum(draft_lengths))
+    def context_slope(self, num_seqs: int, draft_lengths=()) -> float:
+        """Seconds of profile_seconds per token of mean context: the target's t_ctx * B and the
+        drafter's d_ctx per row-step (the rest does not change as the rows' contexts grow)."""
+        return self.cost.target[3] * num_seqs + self.cost.draft[2] * sum(draft_lengths)
 
     def step_seconds(self, num_seqs: int, num_tokens: int, context: float, draft_lengths=()) -> float:
         steps = max(list(draft_lengths), default=0)

@@ -363,7 +363,7 @@ class GoodputPolicy:
         drafted = lengths if self.has_draft_model else ()
         seconds = self.model.profile_seconds(b, fed, ctx, drafted)
         return (expected, seconds, sum(c for c, n in zip(catch, lengths) if n),
-                ctx, self.model.context_seconds(b, 1.0, drafted))
+                ctx, self.model.context_slope(b, drafted))
 
     def _arms_at(self, bucket: int) -> "_Arms":
         """The bucket's figures; a new bucket starts from its nearest measured neighbour's (the
@@ -472,7 +472,7 @@ class GoodputPolicy:
             expected = committed * (meant / got if got > 0 and meant > 0 else 1.0)
             arms.record(self._mode, committed, expected, seconds - self._plan_seconds, profile_only,
                         switched=self._filling,
-                        context=(context, self.model.context_seconds(num_seqs, 1.0, lengths)))
+                        context=(context, self.model.context_slope(num_seqs, lengths)))
         self._last_mode = self._mode
         predicted = profile_only + self.model.residual(num_seqs, num_tokens, max(lengths, default=0))
         # the cost model is of the decode step proper; the arms pay for everything (a drafting
@@ -482,7 +482,10 @@ class GoodputPolicy:
 
 
 def _one_step(sums: list[float]) -> list[float]:
-    """Decayed sums whose last entry is their weight, brought to the weight of one step (their means)."""
+    """Decayed sums whose last entry is their weight, brought to the weight of one step (their
+    means); sums of no weight (nothing recorded) stay as they are."""
+    if sums[-1] <= 0:
+        return list(sums)
     return [v / sums[-1] for v in sums[:-1]] + [1.0]
 
 
@@ -595,8 +598,7 @@ class _Arms:
             for a, f in seed.figures.items():
                 if f[4] > 0:
                     self.figures[a] = _one_step(f)
-                    c = seed.context[a]
-                    self.context[a] = _one_step(c) if c[2] > 0 else [0.0, 0.0, 0.0]
+                    self.context[a] = _one_step(seed.context[a])
             # its committed / expected tokens as a prior (TOKEN_PRIOR of the neighbour's weight),
             # which this batch size's own steps add to: a ratio of tokens, not of time
             self.tokens = {a: [v * self.TOKEN_PRIOR for v in t] for a, t in seed.tokens.items()}
@@ -609,7 +611,7 @@ class _Arms:
         # after it follow the neighbour's
         self.due = {a: min(i, self.FIRST_LOOK) for a, i in self.interval.items()}
 
-    def rating(self, arm: str, pred: tuple[float, float, float]) -> float:
+    def rating(self, arm: str, pred: tuple[float, ...]) -> float:
         """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
         that running it now would start with added; an arm with only a neighbouring batch size's
         figures (`seed`), the model's figures corrected by that neighbour's measured / predicted
@@ -713,7 +715,7 @@ class _Arms:
                 return False
         return True
 
-    def choose(self, pred: dict[str, tuple[float, float, float]], credit: float = math.inf,
+    def choose(self, pred: dict[str, tuple[float, ...]], credit: float = math.inf,
                cap: float = math.inf, last: str | None = None) -> str:
         self.steps += 1
         self.coasted = 0
@@ -764,8 +766,7 @@ class _Arms:
         f = self.figures[arm]
         if arm in self.own and f[4] > 1:  # the burst's steps rate it, its older ones at one step's weight
             self.figures[arm] = _one_step(f)
-            if self.context[arm][2] > 0:
-                self.context[arm] = _one_step(self.context[arm])
+            self.context[arm] = _one_step(self.context[arm])
         return arm
 
     def record(self, arm: str, committed: float, expected: float, seconds: float, predicted: float,
