@@ -19,6 +19,7 @@ import torch
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.policies import CostModel, register_policy
 from draftwise.policies.base import _Stateless, causal_lengths
+from draftwise.policies.cost import OnlineCost
 from draftwise.policies.goodput import GoodputPolicy, _Arms, batch_bucket, choose_lengths
 from draftwise.proposers import DraftBlock
 from draftwise.sampling import VerifyMetadata, accept_probability, residual_distribution, verify
@@ -392,6 +393,36 @@ def test_goodput_probes_back_off_with_a_useless_drafter():
     bursts.clear()
     probes = run(2 * GoodputPolicy.max_probe_every, accept=1)  # the drafter became right
     assert probes and policy._probe_interval.get(0, GoodputPolicy.probe_every) == GoodputPolicy.probe_every
+
+
+def test_engine_wide_probes_back_off_when_the_load_stops_drafting():
+    """A fair drafter (every probe accepts) at a load where verification costs more than it
+    commits: the plan drafts for no row whatever the estimates say, so an accepting probe changes
+    nothing and the engine-wide interval doubles anyway (probes every 32 idle steps while they
+    accepted, ~90 in 3000 steps). A plan that drafts again brings the interval back."""
+    dear = CostModel((0.0001, 0.0, 0.02, 0.0), (0.0003, 0.00005, 0.0))  # all of it per token fed: none pays
+    policy = GoodputPolicy(k=4, cost=dear, has_draft_model=True)
+    b = 4
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(b)]
+    probes = []
+    for step in range(3000):
+        lengths = policy.plan(seqs, [4] * b)
+        blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
+        admitted = policy.admit(seqs, blocks, 0.0)
+        if any(admitted) and policy._mode != "full":
+            assert sum(1 for n in admitted if n) == 1 and policy._pred is not None  # one row probes
+            probes.append(step)
+        for s, blk, n in zip(seqs, blocks, admitted):
+            policy.observe(s, blk, n, n)  # every proposal accepted
+        policy.observe_step(b, b + sum(admitted), 50.0, list(lengths), dear.target_seconds(b, b + sum(admitted)))
+    gaps = [y - x for x, y in zip(probes, probes[1:])]
+    assert 3 <= len(probes) <= 3000 // GoodputPolicy.max_probe_every + 6, probes
+    assert gaps[-1] >= GoodputPolicy.max_probe_every // 2 and gaps == sorted(gaps), gaps
+    policy.model = OnlineCost(COST)  # verification cheap: the next plan that runs (after a coast) drafts
+    for _ in range(2 * _Arms.FAR_COAST_STEPS):
+        lengths = policy.plan(seqs, [4] * b)
+        policy.observe_step(b, b, 50.0, [0] * b, COST.target_seconds(b, b))
+    assert policy._engine_probe_interval == GoodputPolicy.probe_every
 
 
 def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():

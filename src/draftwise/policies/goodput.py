@@ -16,9 +16,11 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   recover); when the plan drafts for no row (the load or the engine-wide estimate stops them
   all), only one row of the batch probes, when no row has verified for the engine-wide interval
   (the engine-wide estimate, which new requests start from, can recover too; per-row probes there
-  would each pay the drafter's catch-up over the row's whole context for nothing). A probe that
-  accepts nothing doubles that interval (up to
-  `max_probe_every`); one that accepts resets it. The optimum's value, lambda
+  would each pay the drafter's catch-up over the row's whole context for nothing). A row's probe
+  that accepts nothing doubles its interval (up to `max_probe_every`); one that accepts resets
+  it. The engine-wide probe doubles the engine-wide interval whatever it accepts: only a plan
+  that drafts again brings it back (an accepting probe after which the plan still drafts nothing
+  says that the load, not the estimate, stops speculation). The optimum's value, lambda
   (expected committed tokens per second of the planned step), is kept for `admit`.
 - `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
   the confidences of q_1..q_j, pays for its marginal verification time at the planned rate:
@@ -269,6 +271,7 @@ class GoodputPolicy:
         lengths, self._rate = choose_lengths(gains, self.model.tokens_seconds(b, ctx), draft, first_cost=catch)
         if any(lengths):  # the rows the plan leaves out probe when due (their estimates may be stale)
             probes = due
+            self._engine_probe_interval = self.probe_every  # speculation pays: a later stop probes soon
         else:  # the load or the engine-wide estimate stops every row: one engine-wide probe now and then
             probes = [0] * b
             i = next((i for i, m in enumerate(max_draft) if m), None)
@@ -406,12 +409,16 @@ class GoodputPolicy:
             every = self._probe_interval.get(seq.seq_id, self.probe_every)
             every = self.probe_every if num_accepted else min(self.max_probe_every, 2 * every)
             self._probe_interval[seq.seq_id] = every
-            if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too
-                self._engine_probe_interval = (self.probe_every if num_accepted
-                                               else min(self.max_probe_every, 2 * self._engine_probe_interval))
+            if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too:
+                # the next one waits twice as long, accepted or not; only a plan that drafts again
+                # (`_plan`) brings the wait back. Reset by every accepting probe (and by a burst of
+                # "full" that accepted), at 4 and 8 rows of code-hard, where the drafter is fair and
+                # the load is what stops it, a probe came every ~76 steps, each catching a row's
+                # drafter up over its whole context for one proposal (~1.5% of the time) for a plan
+                # that still drafted nothing
+                self._engine_probe_interval = min(self.max_probe_every, 2 * self._engine_probe_interval)
         elif num_accepted:
             self._probe_interval.pop(seq.seq_id, None)
-            self._engine_probe_interval = self.probe_every
         conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
         self.calibration.observe(seq.seq_id, seq.params.is_greedy, conf, num_accepted)
 
