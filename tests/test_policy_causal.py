@@ -396,15 +396,16 @@ def test_goodput_probes_back_off_with_a_useless_drafter():
 
 
 def test_engine_wide_probes_back_off_when_the_load_stops_drafting():
-    """A fair drafter (every probe accepts) at a load where verification costs more than it
-    commits: the plan drafts for no row whatever the estimates say, so an accepting probe changes
+    """A drafter whose first proposal is right (every probe accepts) at a load where verification
+    costs more than it commits: the plan drafts for no row whatever the estimates say and the
+    measured check rates plain steps above fixed speculation, so an accepting probe changes
     nothing and the engine-wide interval doubles anyway (probes every 32 idle steps while they
-    accepted, ~90 in 3000 steps). A plan that drafts again brings the interval back."""
+    accepted, ~80 in 3000 steps). A plan that drafts again brings the interval back."""
     dear = CostModel((0.0001, 0.0, 0.02, 0.0), (0.0003, 0.00005, 0.0))  # all of it per token fed: none pays
     policy = GoodputPolicy(k=4, cost=dear, has_draft_model=True)
     b = 4
     seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(temperature=0), num_tokens=50) for i in range(b)]
-    probes = []
+    probes, intervals = [], []
     for step in range(3000):
         lengths = policy.plan(seqs, [4] * b)
         blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
@@ -413,16 +414,36 @@ def test_engine_wide_probes_back_off_when_the_load_stops_drafting():
             assert sum(1 for n in admitted if n) == 1 and policy._pred is not None  # one row probes
             probes.append(step)
         for s, blk, n in zip(seqs, blocks, admitted):
-            policy.observe(s, blk, n, n)  # every proposal accepted
+            policy.observe(s, blk, n, min(n, 1))  # the first proposal accepted
+        if probes and probes[-1] == step:
+            intervals.append(policy._engine_probe_interval)
         policy.observe_step(b, b + sum(admitted), 50.0, list(lengths), dear.target_seconds(b, b + sum(admitted)))
-    gaps = [y - x for x, y in zip(probes, probes[1:])]
     assert 3 <= len(probes) <= 3000 // GoodputPolicy.max_probe_every + 6, probes
-    assert gaps[-1] >= GoodputPolicy.max_probe_every // 2 and gaps == sorted(gaps), gaps
+    # each probe doubled the wait (the gaps also wait for the budget and restart after bursts of "full")
+    assert intervals == [min(GoodputPolicy.max_probe_every, GoodputPolicy.probe_every * 2 ** (i + 1))
+                         for i in range(len(intervals))], intervals
     policy.model = OnlineCost(COST)  # verification cheap: the next plan that runs (after a coast) drafts
     for _ in range(2 * _Arms.FAR_COAST_STEPS):
         lengths = policy.plan(seqs, [4] * b)
         policy.observe_step(b, b, 50.0, [0] * b, COST.target_seconds(b, b))
     assert policy._engine_probe_interval == GoodputPolicy.probe_every
+
+
+def test_an_accepting_engine_wide_probe_resets_only_where_speculation_measures_ahead():
+    """Where the measured check rates fixed speculation above plain steps, what stops drafting is
+    the estimate: an engine-wide probe that accepts brings the interval back to probe_every (a
+    pessimistic start recovers soon). Where plain steps lead, it doubles, as one that accepts
+    nothing does everywhere."""
+    seq = SimpleNamespace(seq_id=0, params=SamplingParams(temperature=0), num_tokens=50)
+    block = DraftBlock([1], None, [0.9])
+    for plain_leads, accepted, expected in ((False, 1, 32), (True, 1, 128), (False, 0, 128)):
+        policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+        policy._engine_probe_interval = 64
+        policy._idle_steps = 64  # no row verified for the engine-wide interval: this is its probe
+        policy._probes = {0}
+        policy._plain_leads = plain_leads
+        policy.observe(seq, block, 1, accepted)
+        assert policy._engine_probe_interval == expected, (plain_leads, accepted)
 
 
 def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():

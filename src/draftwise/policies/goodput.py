@@ -18,9 +18,10 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   (the engine-wide estimate, which new requests start from, can recover too; per-row probes there
   would each pay the drafter's catch-up over the row's whole context for nothing). A row's probe
   that accepts nothing doubles its interval (up to `max_probe_every`); one that accepts resets
-  it. The engine-wide probe doubles the engine-wide interval whatever it accepts: only a plan
-  that drafts again brings it back (an accepting probe after which the plan still drafts nothing
-  says that the load, not the estimate, stops speculation). The optimum's value, lambda
+  it. The engine-wide probe that accepts resets the engine-wide interval only while the measured
+  check rates fixed speculation above plain steps (the estimate, not the load, stops drafting);
+  otherwise it doubles it whatever it accepts, and only a plan that drafts again brings it back.
+  The optimum's value, lambda
   (expected committed tokens per second of the planned step), is kept for `admit`.
 - `admit` (after drafting) keeps proposal j of row i while its gain prod_{m<=j} a_{i,m}, now from
   the confidences of q_1..q_j, pays for its marginal verification time at the planned rate:
@@ -149,6 +150,7 @@ class GoodputPolicy:
         # to probe_every after one that accepted: a useless drafter costs ever fewer probes
         self._probe_interval: dict[int, int] = {}  # seq_id -> steps
         self._engine_probe_interval = self.probe_every
+        self._plain_leads = False  # the last decision rated plain steps at least as high as "full"
         self._arms: dict[int, _Arms] = {}  # batch bucket (batch_bucket(B)) -> the measured check's figures
         self._last_mode = "plain"  # the previous step's arm (a drafting arm after plain steps catches up)
         # (tokens, seconds, catch-up, context, the seconds' growth per token of context) predicted for this step
@@ -293,6 +295,9 @@ class GoodputPolicy:
         # "full", which test every proposal, not only through one-proposal probes
         self._mode = arms.choose(pred, self._credit, self.CREDIT_CAP, last=self._last_mode)
         self._lead_rate = arms.lead_rate
+        # the measured check rates plain steps at least as high as fixed speculation's here: then an
+        # accepting engine-wide probe does not say that speculation would pay (see `observe`)
+        self._plain_leads = arms.rates.get("plain", 0.0) >= arms.rates.get("full", 0.0)
         if arms.exploring is not None:
             self._looking = arms.exploring
         if planned_plain and self._mode == "spec":
@@ -409,14 +414,18 @@ class GoodputPolicy:
             every = self._probe_interval.get(seq.seq_id, self.probe_every)
             every = self.probe_every if num_accepted else min(self.max_probe_every, 2 * every)
             self._probe_interval[seq.seq_id] = every
-            if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too:
-                # the next one waits twice as long, accepted or not; only a plan that drafts again
-                # (`_plan`) brings the wait back. Reset by every accepting probe (and by a burst of
-                # "full" that accepted), at 4 and 8 rows of code-hard, where the drafter is fair and
-                # the load is what stops it, a probe came every ~76 steps, each catching a row's
-                # drafter up over its whole context for one proposal (~1.5% of the time) for a plan
-                # that still drafted nothing
-                self._engine_probe_interval = min(self.max_probe_every, 2 * self._engine_probe_interval)
+            if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too
+                if num_accepted and not self._plain_leads:  # the estimate stops drafting: probe soon
+                    self._engine_probe_interval = self.probe_every
+                else:
+                    # nothing accepted, or plain steps measure ahead of fixed speculation here (the
+                    # load stops it, whatever the estimate): the next one waits twice as long; a
+                    # plan that drafts again (`_plan`) brings the wait back. Reset by every
+                    # accepting probe (and by a burst of "full" that accepted), at 4 and 8 rows of
+                    # code-hard, where the drafter is fair and the load is what stops it, a probe
+                    # came every ~76 steps, each catching a row's drafter up over its whole context
+                    # for one proposal (~1.5% of the time) for a plan that still drafted nothing
+                    self._engine_probe_interval = min(self.max_probe_every, 2 * self._engine_probe_interval)
         elif num_accepted:
             self._probe_interval.pop(seq.seq_id, None)
         conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
