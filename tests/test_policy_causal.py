@@ -441,7 +441,7 @@ def test_an_accepting_engine_wide_probe_resets_only_where_speculation_measures_a
         policy._engine_probe_interval = 64
         policy._idle_steps = 64  # no row verified for the engine-wide interval: this is its probe
         policy._probes = {0}
-        policy._plain_leads = plain_leads
+        policy._arms_at(policy._bucket).rates = {"plain": 2.0, "full": 1.0} if plain_leads else {"plain": 1.0, "full": 2.0}
         policy.observe(seq, block, 1, accepted)
         assert policy._engine_probe_interval == expected, (plain_leads, accepted)
 

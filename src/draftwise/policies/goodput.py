@@ -150,7 +150,6 @@ class GoodputPolicy:
         # to probe_every after one that accepted: a useless drafter costs ever fewer probes
         self._probe_interval: dict[int, int] = {}  # seq_id -> steps
         self._engine_probe_interval = self.probe_every
-        self._plain_leads = False  # the last decision rated plain steps at least as high as "full"
         self._arms: dict[int, _Arms] = {}  # batch bucket (batch_bucket(B)) -> the measured check's figures
         self._last_mode = "plain"  # the previous step's arm (a drafting arm after plain steps catches up)
         # (tokens, seconds, catch-up, context, the seconds' growth per token of context) predicted for this step
@@ -295,9 +294,6 @@ class GoodputPolicy:
         # "full", which test every proposal, not only through one-proposal probes
         self._mode = arms.choose(pred, self._credit, self.CREDIT_CAP, last=self._last_mode)
         self._lead_rate = arms.lead_rate
-        # the measured check rates plain steps at least as high as fixed speculation's here: then an
-        # accepting engine-wide probe does not say that speculation would pay (see `observe`)
-        self._plain_leads = arms.rates.get("plain", 0.0) >= arms.rates.get("full", 0.0)
         if arms.exploring is not None:
             self._looking = arms.exploring
         if planned_plain and self._mode == "spec":
@@ -415,7 +411,7 @@ class GoodputPolicy:
             every = self.probe_every if num_accepted else min(self.max_probe_every, 2 * every)
             self._probe_interval[seq.seq_id] = every
             if self._idle_steps >= self._engine_probe_interval:  # it was the engine-wide probe too
-                if num_accepted and not self._plain_leads:  # the estimate stops drafting: probe soon
+                if num_accepted and not self._plain_leads():  # the estimate stops drafting: probe soon
                     self._engine_probe_interval = self.probe_every
                 else:
                     # nothing accepted, or plain steps measure ahead of fixed speculation here (the
@@ -430,6 +426,13 @@ class GoodputPolicy:
             self._probe_interval.pop(seq.seq_id, None)
         conf = (block.confidence or [None] * len(block.token_ids))[:num_verified]
         self.calibration.observe(seq.seq_id, seq.params.is_greedy, conf, num_accepted)
+
+    def _plain_leads(self) -> bool:
+        """The measured check's last decision at this batch size rated plain steps at least as high
+        as fixed speculation: an accepting engine-wide probe then does not say that speculation
+        would pay (the load, not the estimate, stops it)."""
+        rates = self._arms_at(self._bucket).rates
+        return rates.get("plain", 0.0) >= rates.get("full", 0.0)
 
     def forget(self, seq_id):
         self.calibration.forget(seq_id)
