@@ -4,6 +4,7 @@ No tensors of K/V here: reserve (lookahead), truncate (rollback frees only empti
 reuse, consecutive slots for a lone sequence, and the slot map the attention reads.
 """
 import pytest
+import torch
 
 from draftwise.kv import BlockPool, KVManager, OutOfBlocks
 
@@ -148,3 +149,37 @@ def test_slots_stay_true_as_the_tables_change():
     kv.reserve(0, 3)  # a new sequence with the same id
     assert kv.slots([0], [3]).tolist() == [[kv.tables[0][0] * 4 + i for i in range(3)]]
     assert kv.slots([1, 0], [4, 3])[0].tolist() == [8, 9, 10, 11]
+
+
+def test_batch_slots_match_the_tables_through_random_changes():
+    """The batch matrix `slots` keeps between calls (rows written where a table changed) gives,
+    after any sequence of reserve / truncate / free, every position's slot from the current
+    tables, and a matrix returned earlier is never written afterwards."""
+    import random
+
+    rng = random.Random(0)
+    kv = KVManager(64, 4)
+    lengths = {sid: 0 for sid in range(5)}
+    held = []
+    for step in range(400):
+        sid = rng.randrange(5)
+        op = rng.random()
+        if op < 0.55:
+            lengths[sid] += rng.choice([1, 1, 1, 3, 5])
+            kv.reserve(sid, lengths[sid])
+        elif op < 0.85:
+            lengths[sid] = max(0, lengths[sid] - rng.randrange(6))
+            kv.truncate(sid, lengths[sid])
+        elif op < 0.9:
+            kv.free(sid)
+            lengths[sid] = 0
+        ids = [s for s in range(5) if lengths[s] > 0][: rng.randint(2, 5)]
+        if len(ids) < 2:
+            continue
+        ends = [lengths[s] for s in ids]
+        got = kv.slots(ids, ends)
+        for row, s, n in zip(got.tolist(), ids, ends):
+            want = [kv.tables[s][p // 4] * 4 + p % 4 for p in range(n)]
+            assert row[:n] == want
+        held.append((got, got.clone()))
+    assert held and all(torch.equal(a, b) for a, b in held)

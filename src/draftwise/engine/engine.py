@@ -277,6 +277,9 @@ class LLMEngine:
         if self._reads_confidence is not None:
             self.proposer.confidence = self._reads_confidence()
         forced = [s.num_forced for s in decoding]
+        if not any(plan) and not any(forced):  # no row drafts nor verifies: no drafter, nothing to admit
+            none = dict.fromkeys([s.seq_id for s in seqs], _NO_DRAFT)  # (a coasting plain step: ~1% of
+            return none, none  # a 4-row step went to this method's Python, cold after the forward)
         t0 = time.perf_counter()
         if any(plan):
             drafted = self.proposer.propose(seqs, plan, forced)

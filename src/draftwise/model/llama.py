@@ -547,10 +547,13 @@ class LlamaModel(nn.Module):
         if meta.gather_start is not None and B == 1:  # consecutive slots
             slot0, Lmax, slots_p, lens_p, news_p = meta.gather_start, 0, 0, 0, 0
         else:  # paged: every key position's slot, per sequence; rows after a sequence's new tokens pad
-            slot0, slots = 0, meta.gather_slots.contiguous()
+            slots = meta.gather_slots  # (a view of wider rows, `KVManager.slots`: the row stride is the kernels' Lmax)
+            if slots.stride(1) != 1 or (slots.shape[0] > 1 and slots.stride(0) < slots.shape[1]):
+                slots = slots.contiguous()
+            slot0 = 0
             lens_news = (ctypes.c_int64 * (2 * B))(*meta.seq_lens, *meta.seq_new)
             keep += [slots, lens_news]
-            Lmax, slots_p = slots.shape[1], slots.data_ptr()
+            Lmax, slots_p = (slots.stride(0) if slots.shape[0] > 1 else slots.shape[1]), slots.data_ptr()
             lens_p = ctypes.addressof(lens_news)
             news_p = lens_p + 8 * B
         ptrs, kinds, _ = self._decoder_plan or (None, None, 0)  # (): no one-call plan, the per-layer path
