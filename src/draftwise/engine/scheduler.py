@@ -138,8 +138,10 @@ class Scheduler:
         # the policy is sure that no row drafts this step (a coasting lease of plain decoding, for
         # the rows that would draft: `plan`'s batch): no K/V for proposals nor for the drafter
         plain = False
+        drafts = None  # num_draft_for each running sequence, worked out once (0 while prefilling)
         if self.k and self.plain_next is not None:
-            rows = sum(1 for s in self.running if s.num_tokens - s.num_computed <= 1 and self.num_draft_for(s) > 0)
+            drafts = [self.num_draft_for(s) if s.num_tokens - s.num_computed <= 1 else 0 for s in self.running]
+            rows = len(drafts) - drafts.count(0)
             plain = rows > 0 and self.plain_next(rows)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -149,7 +151,7 @@ class Scheduler:
             if todo > 1:  # prefill chunk
                 n, k = min(todo, budget, chunk), 0
             else:
-                n, k = 1, min(self.num_draft_for(seq), budget - 1)
+                n, k = 1, min(self.num_draft_for(seq) if drafts is None else drafts[i], budget - 1)
                 if self.multi_step > 1 and len(self.running) == 1 and not self.waiting and (not self.k or plain):
                     k = min(self.num_draft_for(seq, self.multi_step - 1), budget - 1)  # tokens after the first
                 else:

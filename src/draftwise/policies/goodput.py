@@ -16,7 +16,9 @@ request); cost(.) and t_draft: the measured hardware profile's cost model (cost.
   recover); when the plan drafts for no row (the load or the engine-wide estimate stops them
   all), only one row of the batch probes, when no row has verified for the engine-wide interval
   (the engine-wide estimate, which new requests start from, can recover too; per-row probes there
-  would each pay the drafter's catch-up over the row's whole context for nothing). A row's probe
+  would each pay the drafter's catch-up over the row's whole context for nothing), and only while
+  the measured check rates fixed speculation above plain steps at this batch size (where it does
+  not, its bursts of "full" calibrate the estimates: `_plain_leads`). A row's probe
   that accepts nothing doubles its interval (up to `max_probe_every`); one that accepts resets
   it. The engine-wide probe that accepts resets the engine-wide interval only while the measured
   check rates fixed speculation above plain steps (the estimate, not the load, stops drafting);
@@ -277,7 +279,7 @@ class GoodputPolicy:
             probes = [0] * b
             i = next((i for i, m in enumerate(max_draft) if m), None)
             if self._idle_steps >= self._engine_probe_interval and i is not None \
-                    and self._credit >= min(self._probe_cost, self.CREDIT_CAP):
+                    and self._credit >= min(self._probe_cost, self.CREDIT_CAP) and not self._plain_leads():
                 probes[i] = 1
         lengths = [max(n, p) for n, p in zip(lengths, probes)]
         self._probes = {s.seq_id for s, p in zip(seqs, probes) if p}
@@ -429,8 +431,13 @@ class GoodputPolicy:
 
     def _plain_leads(self) -> bool:
         """The measured check's last decision at this batch size rated plain steps at least as high
-        as fixed speculation: an accepting engine-wide probe then does not say that speculation
-        would pay (the load, not the estimate, stops it)."""
+        as fixed speculation (or none was made yet): the load, not the estimate, stops drafting.
+        No engine-wide probe is started then: the bursts of "full" that the check still runs now
+        and then verify every row at every position, which calibrates the estimates more than a
+        probe's one proposal (at 8 rows of code-hard, where fixed speculation ran at ~0.8x plain
+        decoding's rate, ~20 probes in 3 rounds each caught a row's drafter up over its whole
+        context: ~0.5% of the run); and an accepting probe, were one made, does not say that
+        speculation would pay."""
         rates = self._arms_at(self._bucket).rates
         return rates.get("plain", 0.0) >= rates.get("full", 0.0)
 
