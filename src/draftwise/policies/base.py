@@ -44,7 +44,8 @@ class Policy(Protocol):
         """Tokens to draft per sequence, each in [0, max_draft[i]]."""
 
     def admit(self, seqs: Sequence[History], blocks: Sequence[DraftBlock], draft_seconds: float) -> list[int]:
-        """Proposals to verify per sequence, each in [0, len(blocks[i].token_ids)] (causal for sampled rows)."""
+        """Proposals to verify per sequence, each in [0, len(blocks[i].token_ids)] (causal for sampled rows).
+        Not called for a step in which no row drafted and no grammar forces proposals."""
 
     def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
         """After verification of `block.token_ids[:num_verified]`, of which num_accepted were kept
