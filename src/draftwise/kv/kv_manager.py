@@ -26,7 +26,7 @@ class KVManager:
         self.tables: dict[int, list[int]] = {}
         self.prefix_cache = PrefixCache(self.pool) if prefix_caching else None
         self.free_hooks: list = []  # called with the seq_id when a sequence's blocks are freed
-        self._offsets: torch.Tensor | None = None  # arange(block_size), for `slots`
+        self._offsets = torch.arange(block_size)  # a block's slot offsets, for `slots`
         self._rows: dict[int, tuple[list[int], torch.Tensor]] = {}  # seq_id -> (its blocks, their slots)
         # the last batch's slots: (seq_ids, blocks wide, `_epoch` then, their tables, [B, blocks * block_size])
         self._matrix: tuple[list[int], int, int, list[list[int]], torch.Tensor] | None = None
@@ -149,10 +149,7 @@ class KVManager:
                         m[i, j * bs : (j + 1) * bs] = self._offsets + b * bs
         else:
             tables = [self.tables.get(sid, [])[:nbc] for sid in seq_ids]
-            if self._offsets is None:
-                self._offsets = torch.arange(self.block_size)
-            tab = torch.tensor([t + [0] * (nbc - len(t)) for t in tables], dtype=torch.long)  # [B, nbc]
-            m = (tab[:, :, None] * self.block_size + self._offsets).reshape(len(seq_ids), -1)
+            m = self._expand(tables, nbc)
         self._matrix = (list(seq_ids), nbc, self._epoch, tables, m)
         return m
 
@@ -164,9 +161,11 @@ class KVManager:
         hit = self._rows.get(seq_id)
         if hit is not None and hit[0] == t and hit[1].numel() == nb * self.block_size:
             return hit[1]
-        if self._offsets is None:
-            self._offsets = torch.arange(self.block_size)
-        table = torch.tensor(t + [0] * (nb - len(t)), dtype=torch.long)
-        row = (table[:, None] * self.block_size + self._offsets).reshape(-1)
+        row = self._expand([t], nb)[0]
         self._rows[seq_id] = (t, row)
         return row
+
+    def _expand(self, tables: list[list[int]], nb: int) -> torch.Tensor:
+        """`[len(tables), nb * block_size]`: each table's first nb blocks as slots (missing -> 0)."""
+        tab = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long)  # [B, nb]
+        return (tab[:, :, None] * self.block_size + self._offsets).reshape(len(tables), -1)
