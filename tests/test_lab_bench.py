@@ -155,7 +155,7 @@ def test_capacity_searches_run_in_lock_step_their_runs_interleaved():
 
 
 def test_capacity_table_says_when_the_slo_never_broke():
-    from draftwise.lab.report import capacity_table
+    from draftwise.lab.tables import capacity_table
 
     def cap(first_failing, achieved):
         probes = [{"rate": r, "held": r != first_failing, "achieved_requests_per_s": a} for r, a in achieved]

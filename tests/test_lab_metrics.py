@@ -105,7 +105,7 @@ def test_grown_lists_and_the_grammar_time_per_step():
     """Per-position counts grow past k when forced proposals go deeper (structured output): the
     delta pads the shorter list; the grammar's time per step is its own figure, and the report
     shows it against `none`'s step at the same level."""
-    from draftwise.lab.report import workload_table
+    from draftwise.lab.tables import workload_table
 
     before = {"steps": 10, "accepted_per_position": [2, 1], "grammar_seconds": 0.01, "propose_seconds": 0.0,
               "verify_seconds": 0.1, "other_seconds": 0.0}
@@ -126,7 +126,7 @@ def test_grown_lists_and_the_grammar_time_per_step():
 def test_policy_against_the_better_fixed_choice():
     """The report rates a load-aware config at each point against the better of `none` and the same
     config verifying every proposal (its fixed counterpart): the question such a policy answers."""
-    from draftwise.lab.report import policy_points, policy_summary
+    from draftwise.lab.policy_compare import policy_points, policy_summary
 
     def run(config, level, tps):
         return {"config": config, "level_label": level, "output_tokens_per_s": tps}
@@ -148,7 +148,7 @@ def test_an_aa_copy_is_judged_as_a_policy_and_against_its_original():
     """`copy=N` runs a config again in an engine of its own (an A/A control): the report judges the
     copy as it judges a load-aware policy (against max(none, its original)) and gives its ratios to
     the original: how far the machine's noise alone moves a cell."""
-    from draftwise.lab.report import control_points, policy_points, policy_summary
+    from draftwise.lab.policy_compare import control_points, policy_points, policy_summary
     from draftwise.lab.runner import parse_configs
 
     cfgs = parse_configs("none,draft:k=4,draft:k=4:copy=2,none:copy=2,draft:k=4:policy=goodput:copy=2")
@@ -184,7 +184,7 @@ def test_steal_share_and_its_report_line():
     """The hypervisor's share of CPU time between two /proc/stat samples, and the report's line
     over every measured round."""
     from draftwise.lab import steal
-    from draftwise.lab.report import steal_line
+    from draftwise.lab.tables import steal_line
 
     assert steal.share((10, 1000), (60, 2000)) == pytest.approx(0.05)
     assert steal.share(None, (60, 2000)) is None and steal.share((10, 1000), (10, 1000)) is None
@@ -202,7 +202,7 @@ def test_steal_share_and_its_report_line():
 def test_misses_beyond_the_aa_noise():
     """With an A/A copy in the grid, the report counts the points where a load-aware config falls
     below max(none, fixed) - 3% by more than twice the copies' noise (the sd of log(copy / original))."""
-    from draftwise.lab.report import policy_summary
+    from draftwise.lab.policy_compare import policy_summary
 
     def run(config, level, tps):
         return {"config": config, "level_label": level, "output_tokens_per_s": tps}

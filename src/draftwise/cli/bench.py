@@ -96,7 +96,8 @@ def run(args) -> int:
 
     from ..lab.arrivals import parse_levels
     from ..lab.metrics import parse_slo
-    from ..lab.report import build_results, markdown, write_report
+    from ..lab.report import markdown, write_report
+    from ..lab.results import build_results
     from ..lab.runner import QUICK, BenchPlan, parse_configs, run_bench
     from ..lab.workload import load_workload
     from ..paths import resolve_model
