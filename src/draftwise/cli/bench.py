@@ -94,16 +94,32 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from ..lab.arrivals import parse_levels
-    from ..lab.metrics import parse_slo
-    from ..lab.report import markdown, write_report
     from ..lab.results import build_results
-    from ..lab.runner import QUICK, BenchPlan, parse_configs, run_bench
-    from ..lab.workload import load_workload
-    from ..paths import resolve_model
+    from ..lab.runner import run_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    plan, num_requests = _plan(args)
+    if not args.url:
+        warn_tokenizer_mismatch(args, "bench", [c.method for c in plan.configs])
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    results = run_bench(plan, console)
+    command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    results = build_results(results, _settings(args, plan, num_requests), command, time.perf_counter() - t0)
+    _write(results, args, console)
+    _print_failures(results, console)
+    return 0
+
+
+def _plan(args):
+    """The bench plan the options ask for (--quick filling what they leave out), checked; and the
+    requests per run (None: every request of each workload)."""
+    from ..lab.arrivals import parse_levels
+    from ..lab.metrics import parse_slo
+    from ..lab.runner import QUICK, BenchPlan, parse_configs
+    from ..lab.workload import load_workload
+
     q = QUICK if args.quick else {}
     wl_names = args.workload or ("grounded,code-hard" if args.quick else "code-easy,code-hard,grounded")
     workloads = [load_workload(w.strip()) for w in wl_names.split(",") if w.strip()]
@@ -122,13 +138,35 @@ def run(args) -> int:
     levels = parse_levels(conc, args.request_rate, args.burstiness)
     if not levels and not args.find_capacity:
         raise ValueError("give --concurrency and/or --request-rate")
+    max_tokens = args.max_tokens or q.get("max_tokens")
+    _check_options(args, max_tokens)
+    plan = BenchPlan(
+        workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
+        reference_url=args.reference_url, prefix_caching=args.prefix_caching,
+        served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
+        quantization=args.quantization,
+        slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
+        capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
+        dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
+        repeats=args.repeats, time_slice=args.time_slice / 1000 if args.time_slice else None,
+        **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
+    )
+    if plan.find_capacity and not plan.slo:
+        raise ValueError("--find-capacity needs --slo (e.g. --slo tpot=50 or --slo ttft=1000,tpot=50)")
+    return plan, n
+
+
+def _check_options(args, max_tokens: int | None) -> None:
+    """Values out of range, and options that do not go together (a server under --url cannot be
+    sliced, repeated in-process or searched for capacity)."""
+    from ..paths import resolve_model
+
     if args.reference_url and not args.url:
         raise ValueError("--reference-url goes with --url (the server to compare against the reference)")
     if args.find_capacity and args.url:
         raise ValueError("--find-capacity runs the in-process engine; it does not combine with --url")
     if not args.capacity_start_rate > 0:
         raise ValueError(f"--capacity-start-rate must be > 0, got {args.capacity_start_rate}")
-    max_tokens = args.max_tokens or q.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if args.output_len is not None and args.output_len < 1:
@@ -147,39 +185,36 @@ def run(args) -> int:
         raise ValueError(f"--model: not a directory: {args.model}")
     if args.draft and not resolve_model(args.draft).is_dir():
         raise ValueError(f"--draft: not a directory: {args.draft}")
-    plan = BenchPlan(
-        workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
-        reference_url=args.reference_url, prefix_caching=args.prefix_caching,
-        served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-        quantization=args.quantization,
-        slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
-        capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
-        dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
-        repeats=args.repeats, time_slice=args.time_slice / 1000 if args.time_slice else None,
-        **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
-    )
-    if plan.find_capacity and not plan.slo:
-        raise ValueError("--find-capacity needs --slo (e.g. --slo tpot=50 or --slo ttft=1000,tpot=50)")
-    if not args.url:
-        warn_tokenizer_mismatch(args, "bench", [c.method for c in configs])
-    console = Console(stderr=True)
-    t0 = time.perf_counter()
-    results = run_bench(plan, console)
-    settings = {
-        "workloads": [w.name for w in workloads], "configs": [c.label for c in configs] or ["server"],
-        "levels": [lv.to_dict() for lv in levels], "num_requests": n, "max_tokens": max_tokens, "output_len": args.output_len, "repeats": args.repeats, "time_slice_ms": args.time_slice, "prefix_caching": args.prefix_caching,
+
+
+def _settings(args, plan, num_requests: int | None) -> dict:
+    """What results.json records of the run's settings."""
+    return {
+        "workloads": [w.name for w in plan.workloads], "configs": [c.label for c in plan.configs] or ["server"],
+        "levels": [lv.to_dict() for lv in plan.levels], "num_requests": num_requests, "max_tokens": plan.max_tokens,
+        "output_len": args.output_len, "repeats": args.repeats, "time_slice_ms": args.time_slice,
+        "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),
-        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": _quantization(args), "device": args.device, "seed": args.seed, "quick": args.quick,
+        "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": _quantization(args),
+        "device": args.device, "seed": args.seed, "quick": args.quick,
     }
-    command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
-    results = build_results(results, settings, command, time.perf_counter() - t0)
+
+
+def _write(results: dict, args, console) -> None:
+    """results.json, report.md and the plots under --out; the report again at --markdown."""
+    from ..lab.report import markdown, write_report
+
     out = Path(args.out)
     write_report(results, out)
     if args.markdown:
         rel = os.path.relpath(out.resolve(), Path(args.markdown).resolve().parent)
         Path(args.markdown).write_text(markdown(results, title="Benchmarks", image_prefix=f"{rel}/") + "\n")
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots")
+
+
+def _print_failures(results: dict, console) -> None:
+    """Failed requests, then greedy outputs that differ from `none`'s."""
     bad = [(w["name"], r["config"], r["level_label"]) for w in results["workloads"] for r in w["runs"]
            if r.get("correctness") and r["correctness"]["mismatching_requests"]]
     for w in results["workloads"]:
@@ -189,5 +224,3 @@ def run(args) -> int:
                               f"e.g. {r['error_examples'][0]}[/red]")
     for b in bad:
         console.print(f"[yellow]greedy mismatch vs none: {b}[/yellow]")
-    return 0
-

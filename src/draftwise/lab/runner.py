@@ -177,7 +177,20 @@ def _uses_draft(cfg: BenchConfig) -> bool:
     return cfg.method is not None and _needs_draft(cfg.method)
 
 
-def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> dict:
+@dataclass
+class _Prompts:
+    """A workload's requests made ready for the engines: their token ids (each prompt's tail kept
+    so that prompt + max_tokens + lookahead fits the context) and sampling parameters."""
+
+    reqs: list
+    prompts: list[list[int]]
+    params: list
+    truncated: int  # prompts cut to fit the context
+    need: int  # the longest prompt + output, in tokens
+    chat: ChatTemplate
+
+
+def _prepare(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> _Prompts:
     reqs = wl.requests
     max_len = target.config.max_position_embeddings
     if draft is not None:
@@ -191,81 +204,112 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                       "the plain one (role: content lines), as `serve` does[/yellow]")
     # a rendered chat prompt is tokenized without added special tokens (the template writes them), as in serve
     full = [target.tokenizer.encode(r.render_prompt(chat), add_special_tokens=not r.messages).ids for r in reqs]
-    # keep each prompt's tail so that prompt + max_tokens + lookahead fits the context
     prompts = [ids[-max(1, max_len - mt - max_k - 2):] for ids, mt in zip(full, mts)]
-    truncated = sum(len(a) != len(b) for a, b in zip(full, prompts))
-    need = max(len(p) + mt for p, mt in zip(prompts, mts))
-    max_seqs = max([int(lv.value) for lv in plan.levels if lv.kind == "concurrency"] + [32])
-    dist_ids = [p[-plan.dist_prompt_tokens:] for p in prompts[: plan.dist_prompts]]
-    temp = max((r.temperature for r in reqs), default=0.0)
+    return _Prompts(reqs, prompts, params, truncated=sum(len(a) != len(b) for a, b in zip(full, prompts)),
+                    need=max(len(p) + mt for p, mt in zip(prompts, mts)), chat=chat)
 
-    runs, outputs, dist = [], {}, {}
-    ref_counts = None
+
+def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> dict:
+    """Every config at every level (then the capacity search and the distribution test, where
+    asked for) on one workload, each config in an engine of its own."""
+    w = _prepare(plan, wl, target, draft, console)
+    reqs = w.reqs
+    max_seqs = max([int(lv.value) for lv in plan.levels if lv.kind == "concurrency"] + [32])
+    dist_ids = [p[-plan.dist_prompt_tokens:] for p in w.prompts[: plan.dist_prompts]]
+    temp = max((r.temperature for r in reqs), default=0.0)
+    runs, outputs, dist, capacity = [], {}, {}, {}
     total = len(plan.configs) * len(plan.levels) * len(reqs) * plan.repeats
     with _progress(console) as progress:
         task = progress.add_task(f"{wl.name}", total=total)
-        backends = {}
-        for cfg in plan.configs:
-            backends[cfg.label] = backend = EngineBackend(_engine(plan, cfg, target, draft, max_seqs, need))
-            progress.update(task, description=f"{wl.name} {cfg.label} warm-up")
-            n_w = min(plan.warmup_requests, len(reqs))
-            backend.run(reqs[:n_w], prompts[:n_w], [sampling_params(r, 0, 8) for r in reqs[:n_w]],
-                        LoadLevel("concurrency", max(1, n_w)))
-        # configs interleaved level by level, so that drifting background load biases no config (with
-        # --time-slice, a round's configs run together, sliced); with --repeats N each level runs N
-        # rounds of every config (the order rotated each round) and a config's figures are those of
-        # its median round by output tokens/s
-        n_cfg = len(plan.configs)
+        backends = _warm_backends(plan, wl, w, target, draft, max_seqs, progress, task)
         for level in plan.levels:
-            trials: dict[str, list[tuple[dict, object]]] = {cfg.label: [] for cfg in plan.configs}
-            for rnd in range(plan.repeats):
-                order = plan.configs[rnd % n_cfg:] + plan.configs[: rnd % n_cfg]
-                progress.update(task, description=f"{wl.name} {level.label}"
-                                + (f" (round {rnd + 1}/{plan.repeats})" if plan.repeats > 1 else ""))
-                for cfg, out, stolen, mem in _round(plan, order, backends, reqs, prompts, params, level,
-                                                    lambda: progress.advance(task)):
-                    summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
-                    run = {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
-                           "level": level.to_dict(), "level_label": level.label, **summary,
-                           "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
-                           "memory": mem, "steal_share": stolen,
-                           "recurrent": _recurrent_memory(backends[cfg.label].engine),
-                           "structured_output": correctness.constraint_validity(
-                               backends[cfg.label].engine, reqs, out.records)}
-                    trials[cfg.label].append((run, out.records))
-            for cfg in plan.configs:
-                run, records = median_trial(trials[cfg.label])
-                if plan.repeats > 1:
-                    run["rounds"] = {"output_tokens_per_s": [t["output_tokens_per_s"] for t, _ in trials[cfg.label]],
-                                     "steal_share": [t.get("steal_share") for t, _ in trials[cfg.label]],
-                                     "greedy_outputs_identical": all(
-                                         [x.token_ids for x in recs] == [x.token_ids for x in records]
-                                         for _, recs in trials[cfg.label])}
+            for cfg, run, records in _run_level(plan, wl, w, backends, level, progress, task):
                 runs.append(run)
                 outputs[(cfg.label, level.label)] = records
-        capacity = {}
         if plan.find_capacity:
             progress.update(task, description=f"{wl.name} capacity search (configs interleaved)")
-            capacity = _capacity(plan, backends, reqs, prompts, params)
-        if wl.sampled:  # the distribution test, once per config; `none` (the reference) comes first
-            for ci, cfg in enumerate(plan.configs):
-                progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
-                # disjoint seeds per config: each comparison with `none` is an independent test
-                seed = 10_000 if cfg.label == "none" else 10_000 * (ci + 2)
-                counts = correctness.sample_counts(backends[cfg.label].engine, dist_ids, temp, plan.dist_horizon,
-                                                   plan.dist_samples, seed=seed)
-                if cfg.label == "none":
-                    ref_counts = counts
-                else:
-                    dist[cfg.label] = correctness.compare_distributions(ref_counts, counts)
+            capacity = _capacity(plan, backends, reqs, w.prompts, w.params)
+        if wl.sampled:
+            dist = _distribution_tests(plan, wl, backends, dist_ids, temp, progress, task)
         del backends
     runs.sort(key=lambda r: [c.label for c in plan.configs].index(r["config"]))
-    _compare_to_none(runs, outputs, reqs, prompts, target)
+    _compare_to_none(runs, outputs, reqs, w.prompts, target)
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
-            "chat_template": None if not any(r.messages for r in reqs) else "plain" if chat.is_plain else "model",
-            "truncated_prompts": truncated, "runs": runs, "distribution": dist, "capacity": capacity,
+            "chat_template": None if not any(r.messages for r in reqs) else "plain" if w.chat.is_plain else "model",
+            "truncated_prompts": w.truncated, "runs": runs, "distribution": dist, "capacity": capacity,
             "distribution_settings": {"prompts": len(dist_ids), "samples": plan.dist_samples,
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
+
+
+def _warm_backends(plan: BenchPlan, wl: Workload, w: _Prompts, target, draft, max_seqs: int, progress,
+                   task) -> dict[str, EngineBackend]:
+    """One engine per config, each warmed up on a few short requests before anything is measured."""
+    backends = {}
+    n_w = min(plan.warmup_requests, len(w.reqs))
+    for cfg in plan.configs:
+        backends[cfg.label] = backend = EngineBackend(_engine(plan, cfg, target, draft, max_seqs, w.need))
+        progress.update(task, description=f"{wl.name} {cfg.label} warm-up")
+        backend.run(w.reqs[:n_w], w.prompts[:n_w], [sampling_params(r, 0, 8) for r in w.reqs[:n_w]],
+                    LoadLevel("concurrency", max(1, n_w)))
+    return backends
+
+
+def _run_level(plan: BenchPlan, wl: Workload, w: _Prompts, backends: dict, level: LoadLevel, progress,
+               task) -> list[tuple[BenchConfig, dict, list]]:
+    """Every config at one level: (config, its run entry, its records), from its median round.
+
+    Configs are interleaved level by level, so that drifting background load biases no config (with
+    --time-slice, a round's configs run together, sliced); with --repeats N the level runs N rounds
+    of every config, the order rotated each round."""
+    trials: dict[str, list[tuple[dict, object]]] = {cfg.label: [] for cfg in plan.configs}
+    n_cfg = len(plan.configs)
+    for rnd in range(plan.repeats):
+        order = plan.configs[rnd % n_cfg:] + plan.configs[: rnd % n_cfg]
+        progress.update(task, description=f"{wl.name} {level.label}"
+                        + (f" (round {rnd + 1}/{plan.repeats})" if plan.repeats > 1 else ""))
+        for cfg, out, stolen, mem in _round(plan, order, backends, w.reqs, w.prompts, w.params, level,
+                                            lambda: progress.advance(task)):
+            engine = backends[cfg.label].engine
+            trials[cfg.label].append((_run_entry(plan, cfg, level, out, stolen, mem, engine, w.reqs), out.records))
+    done = []
+    for cfg in plan.configs:
+        run, records = median_trial(trials[cfg.label])
+        if plan.repeats > 1:
+            run["rounds"] = {"output_tokens_per_s": [t["output_tokens_per_s"] for t, _ in trials[cfg.label]],
+                             "steal_share": [t.get("steal_share") for t, _ in trials[cfg.label]],
+                             "greedy_outputs_identical": all(
+                                 [x.token_ids for x in recs] == [x.token_ids for x in records]
+                                 for _, recs in trials[cfg.label])}
+        done.append((cfg, run, records))
+    return done
+
+
+def _run_entry(plan: BenchPlan, cfg: BenchConfig, level: LoadLevel, out, stolen: float | None, mem: dict,
+               engine: LLMEngine, reqs) -> dict:
+    """One (config, level) round as results.json records it."""
+    summary = summarize(out.records, out.wall, plan.slo, plan.dollars_per_hour)
+    return {"config": cfg.label, "method": cfg.method or "none", "k": cfg.k if cfg.method else 0,
+            "level": level.to_dict(), "level_label": level.label, **summary,
+            "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]),
+            "memory": mem, "steal_share": stolen, "recurrent": _recurrent_memory(engine),
+            "structured_output": correctness.constraint_validity(engine, reqs, out.records)}
+
+
+def _distribution_tests(plan: BenchPlan, wl: Workload, backends: dict, dist_ids: list[list[int]], temp: float,
+                        progress, task) -> dict:
+    """The sampled-output test, once per config against `none` (the reference, sampled first)."""
+    dist, ref_counts = {}, None
+    for ci, cfg in enumerate(plan.configs):
+        progress.update(task, description=f"{wl.name} {cfg.label} distribution test")
+        # disjoint seeds per config: each comparison with `none` is an independent test
+        seed = 10_000 if cfg.label == "none" else 10_000 * (ci + 2)
+        counts = correctness.sample_counts(backends[cfg.label].engine, dist_ids, temp, plan.dist_horizon,
+                                           plan.dist_samples, seed=seed)
+        if cfg.label == "none":
+            ref_counts = counts
+        else:
+            dist[cfg.label] = correctness.compare_distributions(ref_counts, counts)
+    return dist
 
 
 def _round(plan: BenchPlan, order: list[BenchConfig], backends: dict, reqs, prompts, params, level: LoadLevel,
