@@ -131,42 +131,53 @@ def _fmt_acc(a: dict) -> str:
 
 def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float | None = None,
                      eval_result: dict | None = None, make_models_note: str | None = None) -> dict:
+    """Write `eval.json` and the model card `README.md` into `models`; returns the evaluation
+    (`eval_result`, or a fresh `evaluate_pair`)."""
     models = Path(models)
     ev = eval_result or evaluate_pair(models, ce_draft_dir)
     (models / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
     tt = _read(models / "target" / "training.json")
     dt = _read(models / "draft" / "training.json")
+    lines = (_overview(models, tt, dt) + _corpus_section(tt.get("corpus", {})) + TOKENIZER_SECTION
+             + _speculation_section(ev) + _quality_section(ev) + REPRODUCE_SECTION)
+    if make_models_note:
+        lines += ["", make_models_note]
+    lines += ["", f"Hardware: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+                  f"Python {platform.python_version()}, torch {torch.__version__}."]
+    if total_wall_s:
+        lines += [f"Wall time of this run of `draftwise train all`: {total_wall_s / 60:.0f} min."]
+    (models / "README.md").write_text("\n".join(lines) + "\n")
+    return ev
+
+
+def _shape(cfg: dict) -> str:
+    return (f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
+            f"({cfg['num_key_value_heads']} KV, head dim {cfg['head_dim']}), MLP {cfg['intermediate_size']}, "
+            f"{'tied' if cfg['tie_word_embeddings'] else 'untied'} embeddings, context {cfg['max_position_embeddings']}")
+
+
+def _train_line(t: dict) -> str:
+    """One model's training record in a sentence; a warm-started run with its whole history, earliest first."""
+    if not t:
+        return "n/a"
+    hp = t.get("config", {})
+    line = (f"{t['tokens']:,} tokens ({t['steps']} steps of {hp.get('batch_size')}x{hp.get('seq_len')}), "
+            f"{t['train_seconds'] / 60:.1f} min of training at {t['tokens_per_second']} tokens/s, "
+            f"peak RSS {t['peak_rss_mb']} MB, lr {hp.get('lr')} (warm-up {hp.get('warmup_steps')} steps, cosine to 10%)")
+    prev = t.get("continued_from")
+    if prev:
+        total = t["tokens"] + _total_tokens(prev)
+        return f"{total:,} tokens in all: {_train_line(prev)}; then, continued from those weights: {line}"
+    return line
+
+
+def _overview(models: Path, tt: dict, dt: dict) -> list[str]:
+    """The title, what the pair is for, the side-by-side table of both models and their format."""
     tc = json.loads((models / "target" / "config.json").read_text())
     dc = json.loads((models / "draft" / "config.json").read_text())
-    c = tt.get("corpus", {})
-    acc = ev["acceptance"]
     size_mb = sum(f.stat().st_size for f in models.rglob("*") if f.is_file()) / 1e6
-
-    def shape(cfg):
-        return (f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
-                f"({cfg['num_key_value_heads']} KV, head dim {cfg['head_dim']}), MLP {cfg['intermediate_size']}, "
-                f"{'tied' if cfg['tie_word_embeddings'] else 'untied'} embeddings, context {cfg['max_position_embeddings']}")
-
-    def train_line(t):
-        if not t:
-            return "n/a"
-        hp = t.get("config", {})
-        line = (f"{t['tokens']:,} tokens ({t['steps']} steps of {hp.get('batch_size')}x{hp.get('seq_len')}), "
-                f"{t['train_seconds'] / 60:.1f} min of training at {t['tokens_per_second']} tokens/s, "
-                f"peak RSS {t['peak_rss_mb']} MB, lr {hp.get('lr')} (warm-up {hp.get('warmup_steps')} steps, cosine to 10%)")
-        prev = t.get("continued_from")
-        if prev:  # a warm-started run: show the whole history, earliest first
-            total = t["tokens"] + _total_tokens(prev)
-            return f"{total:,} tokens in all: {train_line(prev)}; then, continued from those weights: {line}"
-        return line
-
-    rows = []
-    for name, label in (("distilled", "distilled (shipped, `models/draft`)"), ("ce_only", "cross-entropy only (not shipped)")):
-        if name in acc:
-            a0, a1 = acc[name]["t0"], acc[name]["t1"]
-            rows.append(f"| {label} | {ev['val_loss'].get(name)} | {_fmt_acc(a0)} | {_fmt_acc(a1)} |")
-    step = ev.get("decode_step_ms", {})
-    lines = [
+    share = dt.get("parameters", 0) / max(1, tt.get("parameters", 1))
+    return [
         "# draftwise default models: a Python code target and its distilled draft",
         "",
         "Trained from scratch by `draftwise train` (`make models`) on the Python standard library of the",
@@ -176,10 +187,10 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "",
         "| | target (`models/target`) | draft (`models/draft`) |",
         "|---|---|---|",
-        f"| parameters | {tt.get('parameters', 0):,} | {dt.get('parameters', 0):,} ({dt.get('parameters', 0) / max(1, tt.get('parameters', 1)):.3f} of the target) |",
-        f"| shape | {shape(tc)} | {shape(dc)} |",
+        f"| parameters | {tt.get('parameters', 0):,} | {dt.get('parameters', 0):,} ({share:.3f} of the target) |",
+        f"| shape | {_shape(tc)} | {_shape(dc)} |",
         f"| objective | next-token cross-entropy | {dt.get('objective', '?')} on the target's next-token distributions |",
-        f"| training | {train_line(tt)} | {train_line(dt)} |",
+        f"| training | {_train_line(tt)} | {_train_line(dt)} |",
         f"| validation loss (held-out, nats/token) | {tt.get('val_loss')} | {dt.get('val_loss')} |",
         "",
         "Format: Hugging Face (`config.json` with `LlamaForCausalLM`, `model.safetensors` in bfloat16,",
@@ -187,6 +198,11 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "directory holds the full training record (hyper-parameters, loss history, timings).",
         f"Both directories together: {size_mb:.1f} MB.",
         "",
+    ]
+
+
+def _corpus_section(c: dict) -> list[str]:
+    return [
         "## Corpus",
         "",
         f"- Source: the `*.py` files under `sysconfig.get_paths()[\"stdlib\"]` (here `{c.get('root')}`), read",
@@ -199,12 +215,29 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "- Token stream: `<|endoftext|>` before each file, files in path order; training windows of",
         "  `seq_len + 1` tokens visited in a seeded shuffled order each epoch.",
         "",
-        "## Tokenizer",
-        "",
-        "Byte-level BPE (`tokenizers`), vocabulary 8192, trained on the training split; one special token",
-        "`<|endoftext|>` (id 0), the EOS (and BOS, GPT-2 style; not added automatically). decode(encode(x)) == x",
-        "holds on every held-out file (tested). `transformers.AutoTokenizer` loads it.",
-        "",
+    ]
+
+
+TOKENIZER_SECTION = [
+    "## Tokenizer",
+    "",
+    "Byte-level BPE (`tokenizers`), vocabulary 8192, trained on the training split; one special token",
+    "`<|endoftext|>` (id 0), the EOS (and BOS, GPT-2 style; not added automatically). decode(encode(x)) == x",
+    "holds on every held-out file (tested). `transformers.AutoTokenizer` loads it.",
+    "",
+]
+
+
+def _speculation_section(ev: dict) -> list[str]:
+    """Acceptance of each draft at K = 4, how it is computed, the engine's cross-check and the step times."""
+    acc = ev["acceptance"]
+    rows = []
+    for name, label in (("distilled", "distilled (shipped, `models/draft`)"), ("ce_only", "cross-entropy only (not shipped)")):
+        if name in acc:
+            a0, a1 = acc[name]["t0"], acc[name]["t1"]
+            rows.append(f"| {label} | {ev['val_loss'].get(name)} | {_fmt_acc(a0)} | {_fmt_acc(a1)} |")
+    length = acc["distilled"]["t0"]["mean_accepted_length"]
+    lines = [
         "## Speculative decoding on held-out code (K = 4)",
         "",
         f"Prompts: {ev['prompts']} held-out functions (signature + docstring, dedented, preceded by",
@@ -219,8 +252,7 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         *rows,
         "",
         f"Quality bar of the issue (distilled draft, T=0, mean accepted length >= 2.8): "
-        f"{'met' if acc['distilled']['t0']['mean_accepted_length'] >= 2.8 else 'NOT met'} "
-        f"({acc['distilled']['t0']['mean_accepted_length']:.2f}).",
+        f"{'met' if length >= 2.8 else 'NOT met'} ({length:.2f}).",
         "",
         "How these are computed (`draftwise.train.evaluate`): the target's continuations (greedy for T=0,",
         "sampled with seed 0 for T=1) are scored by one forward pass of target and draft. At T=0 a draft",
@@ -231,7 +263,7 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         "programming over round start positions (this takes the sampled text as the path, an approximation:",
         "tokens accepted from the draft are distributed as min(p, q) rather than p).",
     ]
-    eng = ev.get("engine_check", {})
+    eng, step = ev.get("engine_check", {}), ev.get("decode_step_ms", {})
     if "t0" in eng:
         lines += ["", f"Cross-check with the engine itself (`draftwise.LLM`, draft proposer, K = {ev['k']}, first "
                       f"{eng['prompts']} prompts, distilled draft): mean accepted length {eng['t0']['mean_accepted_length']} "
@@ -240,7 +272,12 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
     if "ratio" in step:
         lines += ["", f"Decoding step, batch 1 with KV cache (draftwise runner, fp32, this machine): target "
                       f"{step['target']} ms, draft {step['draft']} ms (ratio {step['ratio']})."]
-    lines += [
+    return lines
+
+
+def _quality_section(ev: dict) -> list[str]:
+    """The target's greedy completions: how many parse, and one example."""
+    return [
         "",
         "## Target quality",
         "",
@@ -258,32 +295,28 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
         ev["example"]["prompt"] + ev["example"]["completion"].rstrip(),
         "```",
         "",
-        "## Reproduce",
-        "",
-        "```",
-        "make models      # = draftwise train all --out models --draft-continue-minutes 100 (...)",
-        "# or step by step:",
-        "draftwise train tokenizer --out checkpoints/tokenizer",
-        "draftwise train target --out models/target --tokenizer checkpoints/tokenizer --minutes 80",
-        "draftwise train draft --target models/target --out models/draft --minutes 15 --warmup 50",
-        "draftwise train draft --target models/target --out checkpoints/draft_ce_model --ce-only --tokens N  # N: the distilled draft's tokens",
-        "# then both continue from their weights (fresh optimizer and schedule; M: the distilled run's tokens):",
-        "draftwise train draft --target models/target --out models/draft --init models/draft --minutes 100 \\",
-        "    --lr 1.5e-3 --warmup 20 --seed 1 --ckpt-dir checkpoints/draft_long",
-        "draftwise train draft --target models/target --out checkpoints/draft_ce_model --init checkpoints/draft_ce_model \\",
-        "    --ce-only --tokens M --lr 1.5e-3 --warmup 20 --seed 1 --ckpt-dir checkpoints/draft_ce_long",
-        "```",
-        "",
-        "Checkpoints (model, optimizer, RNG, data position, elapsed time) are written to `checkpoints/` every",
-        "3 minutes; rerun with `--resume` after an interruption. With a `--minutes` budget the cosine schedule",
-        "follows the measured training time, so the result depends on the machine's speed; `--tokens N`",
-        "gives a step-deterministic run.",
     ]
-    if make_models_note:
-        lines += ["", make_models_note]
-    lines += ["", f"Hardware: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-                  f"Python {platform.python_version()}, torch {torch.__version__}."]
-    if total_wall_s:
-        lines += [f"Wall time of this run of `draftwise train all`: {total_wall_s / 60:.0f} min."]
-    (models / "README.md").write_text("\n".join(lines) + "\n")
-    return ev
+
+
+REPRODUCE_SECTION = [
+    "## Reproduce",
+    "",
+    "```",
+    "make models      # = draftwise train all --out models --draft-continue-minutes 100 (...)",
+    "# or step by step:",
+    "draftwise train tokenizer --out checkpoints/tokenizer",
+    "draftwise train target --out models/target --tokenizer checkpoints/tokenizer --minutes 80",
+    "draftwise train draft --target models/target --out models/draft --minutes 15 --warmup 50",
+    "draftwise train draft --target models/target --out checkpoints/draft_ce_model --ce-only --tokens N  # N: the distilled draft's tokens",
+    "# then both continue from their weights (fresh optimizer and schedule; M: the distilled run's tokens):",
+    "draftwise train draft --target models/target --out models/draft --init models/draft --minutes 100 \\",
+    "    --lr 1.5e-3 --warmup 20 --seed 1 --ckpt-dir checkpoints/draft_long",
+    "draftwise train draft --target models/target --out checkpoints/draft_ce_model --init checkpoints/draft_ce_model \\",
+    "    --ce-only --tokens M --lr 1.5e-3 --warmup 20 --seed 1 --ckpt-dir checkpoints/draft_ce_long",
+    "```",
+    "",
+    "Checkpoints (model, optimizer, RNG, data position, elapsed time) are written to `checkpoints/` every",
+    "3 minutes; rerun with `--resume` after an interruption. With a `--minutes` budget the cosine schedule",
+    "follows the measured training time, so the result depends on the machine's speed; `--tokens N`",
+    "gives a step-deterministic run.",
+]
