@@ -96,7 +96,7 @@ def test_cli_errors_are_one_line(tmp_path, target_dir):
         assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in r.stderr
 
 
-# ----------------------------------------------------------------------------------- issue 11
+# ------------------------------------------------------------------------ the command line's user errors
 def run_cli(argv, capsys) -> tuple[int, str]:
     """`draftwise ARGV` in this process: (exit status, stderr)."""
     from draftwise.cli.main import main
@@ -118,7 +118,7 @@ def corrupt_copy(src, dst, size: int | None):
 
 
 def test_cli_user_errors_are_one_line_naming_what(tmp_path, target_dir, draft_dir, capsys):
-    """Every user error the issue lists: one line on stderr naming the file or option, status 2."""
+    """Every user error (bad files, options, workloads): one line on stderr naming the file or option, status 2."""
     bad_target = corrupt_copy(target_dir, tmp_path / "t", 1000)  # truncated
     bad_draft = corrupt_copy(draft_dir, tmp_path / "d", None)  # empty
     wl = tmp_path / "wl"

@@ -204,7 +204,7 @@ def test_rollback_exactness(hybrid_dir, rollback):
 
 def test_replay_scratch_is_at_most_one_state_in_k_plus_1(plain, hybrid_dir):
     """replay keeps per-position inputs, snapshot per-position states: at k = 4 on this model
-    replay's scratch is <= 1/(k+1) of snapshot's (the issue's memory goal)."""
+    replay's scratch is <= 1/(k+1) of snapshot's (what makes replay worth having)."""
     ps, sp, base = plain
     peak = {}
     for rollback in ("snapshot", "replay"):

@@ -89,7 +89,7 @@ def test_validate_vocab():
 
 
 def test_float32_edge_values():
-    """Values that are valid Python floats but 0 or inf in float32 (issue 11)."""
+    """Values that are valid Python floats but 0 or inf in float32."""
     tiny = SamplingParams(temperature=1e-50)
     assert tiny.is_greedy and SamplingParams(temperature=9.9e-6).is_greedy
     assert not SamplingParams(temperature=1e-5).is_greedy

@@ -1,4 +1,4 @@
-"""Hostile but realistic requests (issue 11): each is answered with a clear 4xx (or served, where
+"""Hostile but realistic requests: each is answered with a clear 4xx (or served, where
 the value is legal), and after each the server is whole: /health answers, a greedy request gives
 exactly the text it gave before, and every K/V block is free.
 

@@ -1,9 +1,9 @@
 """The hypervisor's share of the machine's CPU time during a run: Linux's `steal` in /proc/stat,
 time a virtual CPU was ready to run but the host ran something else (a co-tenant). On a shared
-cloud VM it is the visible part of why one run differs from the next: in one run of two engines'
-rounds on the 2-vCPU EPYC, 12.5% of the CPU time was stolen and the rounds spread from 885 to
-1944 tok/s. A report shows it beside the figures; nothing is corrected by it (a stolen slice of
-one thread stalls the other at the next barrier, so the loss is not the share itself)."""
+cloud VM it is the visible part of why one run differs from the next: with an eighth of the CPU
+time stolen, rounds of the same configs have spread by a factor of two. A report shows it beside
+the figures; nothing is corrected by it (a stolen slice of one thread stalls the other at the
+next barrier, so the loss is not the share itself)."""
 from __future__ import annotations
 
 

@@ -3,13 +3,12 @@ milliseconds each in turn, each timed on a clock of its own that runs only durin
 
     draftwise bench --time-slice 50 ...
 
-Why: a shared VM's speed drifts on the scale of seconds. Measured on the 2-vCPU machine of
-sessions 21-25 (a fixed matmul loop, `benchmarks/machine_noise.py`): its rate over 0.1 s blocks
-has a log sd of ~0.11 and an autocorrelation of ~0.8 at 0.1 s, ~0.4 at 1 s, ~0 at 5 s. Two runs
-of the same work back to back, a few seconds each (the lab's rounds), then differ by ~10%
-(sd of the log ratio), while the same two alternated every 0.1 s over 10 s differ by ~1%: the
-drift hits both alike. So configs whose runs are sliced together meet the same machine, and
-their ratio is measured with far less noise than rounds run one after the other.
+Why: a shared VM's speed drifts on the scale of seconds (a fixed matmul loop on a 2-vCPU cloud
+machine keeps its rate correlated over about a second, not over five). Two runs of the same work
+back to back, a few seconds each (the lab's rounds), then differ by ~10%, while the same two
+alternated every 0.1 s differ by ~1%: the drift hits both alike. So configs whose runs are sliced
+together meet the same machine, and their ratio is measured with far less noise than rounds run
+one after the other.
 
 - `SliceClock`: a run's clock. It stands still while other runs hold the CPU (`pause`/`resume`),
   so every timestamp of a run (arrivals, deliveries, its wall time) is in its own engine time:

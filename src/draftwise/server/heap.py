@@ -3,20 +3,20 @@
 Why: glibc's malloc keeps freed memory in its arenas. A serving process allocates activations and
 logits whose sizes change every step (batch size x tokens), and glibc raises its mmap threshold
 after the first large frees, so those buffers come from the heap, where freed holes stay resident.
-Measured on the embedded pair (products of 1..600 rows): RSS 1.9 GB before `malloc_trim(0)`, 0.7 GB
-after; a 10-minute soak's RSS kept climbing by such holes. `malloc_trim` walks the free lists and
+On the embedded pair (products of 1..600 rows) `malloc_trim(0)` takes RSS from 1.9 GB to 0.7 GB;
+without it a long-running server's RSS keeps climbing by such holes. `malloc_trim` walks the free lists and
 returns whole free pages (also inside the heap, glibc >= 2.8); it takes a few milliseconds, so the
 engine thread calls `maybe_trim` after each step and it trims at most once per `interval_s`, and
 once more when the engine goes idle after work.
 
 glibc also gives every thread that allocates its own arena (up to 8 per core), each keeping its
 own high-water mark: the server's threads (engine, tokenizer pool, asyncio's executor, OpenMP
-workers) came one after another, and a 6-minute soak's RSS grew by a new 32 MB arena in 75 s.
+workers) come one after another, and each new arena can add 32 MB to RSS.
 `draftwise serve` therefore caps the arenas (`limit_arenas(2)`, as MALLOC_ARENA_MAX=2 would) first
 thing, before any thread allocates: glibc reads the limit once, when it first has to decide
 whether a thread gets an arena of its own, so the call must come before the engine thread
-(which loads the models) runs. The soak after both fixes (and the padding in model/llama.py)
-held RSS within +0.5% over 8 minutes (README, "Soak").
+(which loads the models) runs. With both, a server's RSS stays flat under a steady load
+(`benchmarks/soak.py`).
 Not glibc (musl, macOS) or trimming disabled: a no-op.
 """
 from __future__ import annotations

@@ -236,7 +236,6 @@ def _speculation_section(ev: dict) -> list[str]:
         if name in acc:
             a0, a1 = acc[name]["t0"], acc[name]["t1"]
             rows.append(f"| {label} | {ev['val_loss'].get(name)} | {_fmt_acc(a0)} | {_fmt_acc(a1)} |")
-    length = acc["distilled"]["t0"]["mean_accepted_length"]
     lines = [
         "## Speculative decoding on held-out code (K = 4)",
         "",
@@ -250,9 +249,6 @@ def _speculation_section(ev: dict) -> list[str]:
         "| draft | val loss | T=0 mean accepted length | T=0 acceptance rate | T=1 mean accepted length | T=1 acceptance rate |",
         "|---|---|---|---|---|---|",
         *rows,
-        "",
-        f"Quality bar of the issue (distilled draft, T=0, mean accepted length >= 2.8): "
-        f"{'met' if length >= 2.8 else 'NOT met'} ({length:.2f}).",
         "",
         "How these are computed (`draftwise.train.evaluate`): the target's continuations (greedy for T=0,",
         "sampled with seed 0 for T=1) are scored by one forward pass of target and draft. At T=0 a draft",
@@ -284,7 +280,6 @@ def _quality_section(ev: dict) -> list[str]:
         f"Greedy completions of the same {ev['prompts']} held-out functions ({ev['max_new_tokens']} new tokens, cut at",
         "the end of the function's indentation block, i.e. at the first non-blank line at column 0):",
         f"**{ev['ast_parsed']}/{ev['prompts']} ({100 * ev['ast_parse_rate']:.0f}%) parse with `ast`**.",
-        f"Quality bar of the issue (>= 40%): {'met' if ev['ast_parse_rate'] >= 0.4 else 'NOT met'}.",
         "The prompt ends at the docstring's closing quotes: with byte-level BPE a newline is merged with",
         "the next line's indentation, so a prompt ending in a bare newline makes the model start a new",
         "top-level definition instead of the body (with it, 0 of 64 bodies were even started).",

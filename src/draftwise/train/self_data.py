@@ -8,7 +8,7 @@ training split (the lab's chat workloads come from the held-out files: nothing i
 rendered with the target's chat template and answered by draftwise's own engine, greedy for
 even prompts and at temperature 0.8 for odd ones (both kinds of decoding the draft will serve).
 
-Storage (resumable across sessions): `DIR/shard_NNNNN.pt`, one per batch of prompts, each a
+Storage (resumable after an interruption): `DIR/shard_NNNNN.pt`, one per batch of prompts, each a
 list of int32 token tensors (prompt + reply, one per request), written atomically, and
 `DIR/manifest.json` (the target's fingerprint, the settings, prompts and tokens done; prompts
 too long for the target's context with the reply are skipped and counted). A rerun
