@@ -95,11 +95,11 @@ def test_greedy_equality_with_packed_projections(target_dir, draft_dir, draft, m
     tiny test weights are below the packing size): one-token and K+1-token products go through
     oneDNN (or, on CPUs without AVX-512, dw_gemm_f32, bitwise the same) in both the drafter and
     the target."""
-    import draftwise.model.llama as llama
+    import draftwise.model.packed_weights as packed_weights
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    monkeypatch.setattr(llama, "PACK_MIN_NUMEL", 0)
+    monkeypatch.setattr(packed_weights, "PACK_MIN_NUMEL", 0)
     plain_llm = LLM(str(target_dir))
     head = plain_llm.engine.runner.model.lm_head
     assert head.is_packed

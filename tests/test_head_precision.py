@@ -53,7 +53,7 @@ def test_a_packed_bfloat16_head_gives_every_logit_in_float32():
     """A bfloat16 head in dw_gemm_bf16's packing gives float32 sums for the whole vocabulary (no
     bfloat16 rounding, so no refinement needed), a row's logits independent of the other rows."""
     from draftwise.model import cpu_kernels
-    from draftwise.model.llama import NATIVE_MIN_NUMEL, PackedLinear
+    from draftwise.model.packed_weights import NATIVE_MIN_NUMEL, PackedLinear
 
     g = torch.Generator().manual_seed(2)
     V, H = 4096, max(96, -(-NATIVE_MIN_NUMEL // 4096))

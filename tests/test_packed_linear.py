@@ -4,7 +4,7 @@ a server can meet must stay small."""
 import pytest
 import torch
 
-from draftwise.model.llama import EXACT_ROWS, PackedLinear, padded_rows
+from draftwise.model.packed_weights import EXACT_ROWS, PackedLinear, padded_rows
 
 
 def test_padded_rows_bounded_and_tight():
@@ -61,7 +61,7 @@ def test_bfloat16_packed_only_where_the_cpu_multiplies_it(monkeypatch, native):
     load. Where the CPU multiplies bfloat16 natively, oneDNN packs it only with the kernels off
     (dw_gemm_bf16 is ~2x faster for decode steps on the AVX-512 EPYC: see `_packable`)."""
     from draftwise.model import cpu_kernels
-    from draftwise.model.llama import native_gemm_wanted
+    from draftwise.model.packed_weights import native_gemm_wanted
     if native and not cpu_kernels.bf16_native():
         pytest.skip("this CPU has no native bfloat16 products")
     monkeypatch.setattr(cpu_kernels, "bf16_native", lambda: native)
@@ -85,7 +85,7 @@ def test_native_products_equal_onednn_bitwise(shape):
     shapes: dw_gemm_f32 replaces it for every row count, close to its results, and a row's result
     is the same whatever the other rows (verification blocks, batches, single steps agree)."""
     from draftwise.model import cpu_kernels
-    from draftwise.model.llama import native_gemm_wanted
+    from draftwise.model.packed_weights import native_gemm_wanted
 
     if not native_gemm_wanted() or not torch.backends.mkldnn.is_available():
         pytest.skip("dw_gemm_f32 is not used on this machine")
@@ -114,7 +114,7 @@ def test_native_products_equal_onednn_bitwise(shape):
 def test_native_bfloat16_products_match_f_linear():
     """Without native bfloat16 products, large bfloat16 weights run dw_gemm_bf16: float32 sums of
     the widened weights, one rounding at the end, as F.linear's; the same rows alone or together."""
-    from draftwise.model.llama import native_gemm_wanted
+    from draftwise.model.packed_weights import native_gemm_wanted
     from draftwise.model import cpu_kernels
 
     if not native_gemm_wanted() or cpu_kernels.bf16_native():

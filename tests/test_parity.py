@@ -26,12 +26,12 @@ CASES = {
 def test_logits_match_transformers(name, packed, tmp_path, monkeypatch):
     """Also with every projection packed for oneDNN (the tiny test weights are below the size at
     which draftwise packs them; the shipped models' are above)."""
-    import draftwise.model.llama as llama
+    import draftwise.model.packed_weights as packed_weights
 
     if packed:
         if not torch.backends.mkldnn.is_available():
             pytest.skip("no oneDNN in this torch build")
-        monkeypatch.setattr(llama, "PACK_MIN_NUMEL", 0)
+        monkeypatch.setattr(packed_weights, "PACK_MIN_NUMEL", 0)
     cfg_cls, model_cls, extra = CASES[name]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})

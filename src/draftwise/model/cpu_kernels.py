@@ -1,13 +1,15 @@
-"""Fused CPU kernels (`kernels.c`) for the decoder layer of one sequence, loaded with ctypes.
+"""Fused CPU kernels (the C files of `kernels/`) for the decoder layers, loaded with ctypes.
 
-The C file is compiled once per machine with the system C compiler (`cc -O3 -march=native`) into
-a cache folder (`$DRAFTWISE_CACHE`, default `~/.cache/draftwise`), keyed by the source, the flags
-and the CPU's feature flags; a compile takes about a second. Without a compiler, or with
-`DRAFTWISE_KERNELS=0`, `kernels()` returns None and the model runs its plain PyTorch path (same
-results up to float rounding: tests compare the two).
+The C files (`kernels/*.c`, one op family each, sharing `kernels/kernels.h`) are compiled
+together once per machine with the system C compiler (`cc -O3 -march=native`) into one library in
+a cache folder (`$DRAFTWISE_CACHE`, default `~/.cache/draftwise`), keyed by every source and header,
+the flags and the CPU's feature flags: a change to any part builds a new library. Without a
+compiler, or with `DRAFTWISE_KERNELS=0`, `kernels()` returns None and the model runs its plain
+PyTorch path (same results up to float rounding: tests compare the two).
 
-`LlamaModel.forward` uses them when one sequence's tokens sit on consecutive cache slots (batch-1
-decoding, a drafter's steps, verification of a lone sequence); see `fused_layer` in llama.py.
+`LlamaModel` calls them on its fused CPU path (native_forward.py) and from its prepared weights
+(packed_weights.py). `DecoderArgs` and `NativeIO` mirror the C structs that the whole-model calls
+(`dw_decoder`, `dw_forward`, the drafter's greedy steps) take by pointer.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+KERNEL_DIR = Path(__file__).with_name("kernels")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 # the products split their outputs across an OpenMP team (libgomp, which torch has loaded already:
 # one thread pool); a compiler without OpenMP builds the same kernels single-threaded
@@ -46,7 +48,7 @@ def _cpu_flags() -> str:
 
 def _vendor_flags() -> list[str]:
     """Defines for this CPU's vendor: Intel's prefetchnta left the products' weight streams
-    starved (kernels.c, GEMM_PREFETCH_LOCALITY), prefetcht2 there."""
+    starved (kernels/gemm.c, GEMM_PREFETCH_LOCALITY), prefetcht2 there."""
     try:
         intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -54,14 +56,41 @@ def _vendor_flags() -> list[str]:
     return ["-DGEMM_PREFETCH_LOCALITY=1"] if intel else []
 
 
-def _build(source: Path = SOURCE) -> Path:
-    """Compile `source` (kernels.c, or another C file of model/, e.g. gated_delta.c) once per machine."""
+def _parts(source: Path) -> tuple[list[Path], list[Path]]:
+    """(the C files to compile, every file the build reads) for a C file or a folder of them."""
+    if source.is_dir():
+        sources = sorted(source.glob("*.c"))
+        return sources, sorted([*sources, *source.glob("*.h")])
+    return [source], [source]
+
+
+def source_bytes(source: Path = KERNEL_DIR) -> bytes:
+    """Every file the build of `source` reads, each as its name and bytes in name order: a changed,
+    added or removed part changes them (the build cache's key, and the hardware profile's)."""
+    return b"".join(part.name.encode() + b"\0" + part.read_bytes() + b"\0" for part in _parts(source)[1])
+
+
+class _Sources:
+    """`SOURCE.read_bytes()`: the kernels' parts as one source (policies/profile.py keys its cache by
+    it; `source_bytes` is the same)."""
+
+    def read_bytes(self) -> bytes:
+        return source_bytes(KERNEL_DIR)
+
+
+SOURCE = _Sources()
+
+
+def _build(source: Path = KERNEL_DIR) -> Path:
+    """Compile `source` once per machine: the folder `kernels/` (all its C files into one library),
+    or one C file of model/ (gated_delta.c)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang)")
-    src = source.read_bytes()
+    sources = _parts(source)[0]
     flags = FLAGS + _vendor_flags()
-    key = hashlib.sha256(src + " ".join(flags + OPENMP).encode() + _cpu_flags().encode() + platform.machine().encode())
+    key = hashlib.sha256(source_bytes(source) + " ".join(flags + OPENMP).encode() + _cpu_flags().encode()
+                         + platform.machine().encode())
     cache = Path(os.environ.get("DRAFTWISE_CACHE") or Path.home() / ".cache" / "draftwise")
     lib = cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -71,15 +100,52 @@ def _build(source: Path = SOURCE) -> Path:
     os.close(fd)
     try:
         try:
-            subprocess.run([cc, *flags, *OPENMP, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
-                           timeout=120)
+            subprocess.run([cc, *flags, *OPENMP, "-o", tmp, *map(str, sources), "-lm"], check=True,
+                           capture_output=True, timeout=120)
         except subprocess.CalledProcessError:
-            subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], check=True, capture_output=True,
+                           timeout=120)
         os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+class DecoderArgs(ctypes.Structure):
+    """`struct dw_decoder_args` (kernels/kernels.h), field for field: the rows of one decoder call
+    and the model they run through. Pointers are addresses (ints; 0 for NULL)."""
+
+    _fields_ = [(name, ctypes.c_long) for name in ("B", "T", "layers", "hid", "H", "Hkv", "D", "I")] + [
+        ("w", ctypes.c_void_p),  # 14 pointers per layer
+        ("kinds", ctypes.c_void_p),  # int [layers, 4]: the projections' kernels
+        ("final_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("pos", ctypes.c_void_p),  # int64 [rows]
+        ("cos", ctypes.c_void_p),  # float32 [positions, D]
+        ("sin", ctypes.c_void_p),
+        ("cache", ctypes.c_void_p),
+        ("layer_stride", ctypes.c_long),
+        ("kv_stride", ctypes.c_long),
+        ("slot0", ctypes.c_long),
+        ("L", ctypes.c_long),
+        ("slots", ctypes.c_void_p),  # int64 [B, Lmax], or NULL: consecutive slots from slot0
+        ("Lmax", ctypes.c_long),
+        ("lens", ctypes.c_void_p),  # int64 [B]
+        ("news", ctypes.c_void_p),  # int64 [B]
+        ("offs", ctypes.c_void_p),  # int64 [B + 1] (packed rows), or NULL
+        ("window", ctypes.c_long),
+        ("scale", ctypes.c_float),
+        ("bf", ctypes.c_int),
+        ("threads", ctypes.c_int),
+    ]
+
+
+class NativeIO(ctypes.Structure):
+    """`struct dw_io` (kernels/kernels.h): the input embedding and the LM head run in the kernels."""
+
+    _fields_ = [("emb", ctypes.c_void_p), ("emb_packed", ctypes.c_int), ("head_w", ctypes.c_void_p),
+                ("head_kind", ctypes.c_int), ("V", ctypes.c_long)]
 
 
 # 0, or -1: no scratch memory
@@ -92,6 +158,7 @@ class Kernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+        args, io = ctypes.POINTER(DecoderArgs), ctypes.POINTER(NativeIO)
         sig = {
             "dw_rms_norm": [p, p, p, i, i, f, ctypes.c_int],
             "dw_add_rms_norm": [p, p, p, p, i, i, f, ctypes.c_int],
@@ -108,17 +175,10 @@ class Kernels:
             "dw_pack": [p, p, i, i, i],
             "dw_argmax_conf": [p, i, i, p, p, ctypes.c_int],
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int],
-            "dw_decoder": [p, p, i, i, i, i, i, i, i, i, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p,
-                           p, p, p, i, i, i, i, p, i, p, p, p, i, f, ctypes.c_int, ctypes.c_int],
-            "dw_forward": [p, ctypes.c_int, p, p, ctypes.c_int, i, p, i, p, i, i, i, i, i, i, i, i,
-                           ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int), p, f, p, p, p, p, i, i, i, i, p, i, p, p,
-                           p, i, f, ctypes.c_int, ctypes.c_int],
-            "dw_draft_greedy": [p, ctypes.c_int, p, i, i, i, i, i, i, i, i, i, ctypes.POINTER(p),
-                                ctypes.POINTER(ctypes.c_int), p, f, p, p, p, i, i, i, p, i, i, f, ctypes.c_int,
-                                ctypes.c_int, p, ctypes.c_int, i, p, p],
-            "dw_draft_greedy_rows": [p, ctypes.c_int, p, p, p, p, i, i, i, i, i, i, i, ctypes.POINTER(p),
-                                     ctypes.POINTER(ctypes.c_int), p, f, p, p, p, i, i, p, i, i, f, ctypes.c_int,
-                                     ctypes.c_int, p, ctypes.c_int, i, i, p, p],
+            "dw_decoder": [p, p, args],
+            "dw_forward": [io, p, p, i, p, args],
+            "dw_draft_greedy": [io, args, p, i, i, i, p, p],
+            "dw_draft_greedy_rows": [io, args, p, p, p, p, i, i, p, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)
@@ -149,15 +209,14 @@ def set_enabled(enabled: bool) -> None:
 
 def avx512() -> bool:
     """Whether the CPU has AVX-512 (F): oneDNN's float32 kernels there are wider than dw_gemm_f32's
-    and may sum in another order (`llama._native_pack` then takes dw_gemm_f32 unchecked)."""
+    and may sum in another order (`packed_weights._native_pack` then takes dw_gemm_f32 unchecked)."""
     return "avx512f" in _cpu_flags().split()
 
 
 def bf16_native() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AVX-512BW+VL+DQ, AMX or
     AVX-NE-CONVERT, as oneDNN asks). oneDNN's packed bfloat16 weights need it; without it torch's
-    bfloat16 matmul falls back to a generic loop (measured on an AVX2-only EPYC, 2 threads: a
-    4096x384 by 384x1152 product 457 ms in bfloat16 against 66 ms in float32), so bfloat16
+    bfloat16 matmul falls back to a generic loop (several times slower than float32), so bfloat16
     autocast in training is left off there."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -172,9 +231,9 @@ def usable(dtype: torch.dtype) -> bool:
 def argmax_confidence(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """Each row's first maximum and its max softmax probability exp(max - logsumexp) ([N, V]
     float32 logits): `dw_argmax_conf` (1 / sum exp(l - max) on 8 lanes) where the kernels run, else
-    torch's max and logsumexp. A drafter's confidence each step: torch's took 0.17 ms for 4 rows
-    of 8192 logits on 2 threads (0.26 ms for 8), the kernel's a few microseconds a row; the same
-    values within float32 rounding, NaN for a row holding a NaN or whose maximum is infinite."""
+    torch's max and logsumexp. A drafter's confidence each step: a few microseconds a row in the
+    kernel against a tenth of a millisecond or more for torch's calls; the same values within
+    float32 rounding, NaN for a row holding a NaN or whose maximum is infinite."""
     lib = kernels()
     if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
         top, am = logits.float().max(dim=-1)

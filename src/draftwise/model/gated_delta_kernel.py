@@ -1,6 +1,6 @@
 """`recurrent_rule` through the C loop of gated_delta.c (float32, CPU), loaded with ctypes.
 
-Built once per machine like kernels.c (`cpu_kernels._build`: `cc -O3 -march=native`, cached);
+Built once per machine like the kernels of `kernels/` (`cpu_kernels._build`: `cc -O3 -march=native`, cached);
 off with `DRAFTWISE_KERNELS=0` or without a compiler (then `fused_recurrent_rule` returns None
 and the caller runs the PyTorch rule; tests compare the two). Per token and value head the C loop
 reads the d_k x d_v state twice; PyTorch launched ~10 ops for the same work, which dominated the

@@ -30,7 +30,8 @@ from .attention import AttentionMetadata, paged_attention, sdpa
 from .config import ModelConfig
 from .gated_delta import causal_conv, chunked_rule, l2norm, recurrent_rule
 from .gated_delta_kernel import fused_recurrent_rule
-from .llama import MLP, PackedLinear, rms_norm
+from .llama import MLP, rms_norm
+from .packed_weights import PackedLinear
 from .recurrent_state import StateBatch
 
 SEQUENTIAL_MAX_TOKENS = 16  # longer blocks without per-position states take the chunked rule

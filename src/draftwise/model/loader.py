@@ -20,7 +20,8 @@ from ..paths import models_dir, resolve_model
 from . import cpu_kernels
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
-from .llama import LlamaModel, native_gemm_wanted
+from .llama import LlamaModel
+from .packed_weights import native_gemm_wanted
 from .quantize import GROUP, check_method, dequantize_int4, dequantize_q8_groups
 
 

@@ -1,0 +1,449 @@
+/* Products against weights packed by dw_pack ([ceil(O/16)][N][16]): float32 (dw_gemm_f32),
+ * bfloat16 (dw_gemm_bf16, and dw_gemm_bf16_f32out for a head's float32 logits) and int8 with one
+ * scale per output or per group of inputs (dw_gemm_q8, dw_gemm_q8g: quantize.py's Int8Linear).
+ * Batch-1 decoding and verification are bound by reading the weights: these products stream each
+ * weight once per chunk of rows, widened in registers, into float32 FMA chains of a fixed order
+ * per (row, output), so a row's result does not depend on the rows around it or the threads. */
+#include "kernels.h"
+
+/* Float32 products against a weight packed as [ceil(O/16)][N][16] (`dw_pack`: for each input
+ * k the weights of 16 consecutive outputs side by side; the last block's missing outputs are zero).
+ * Each output is an FMA chain over k in order, restarted from zero every GEMM_KB inputs, the
+ * chains' sums added in order, then the bias: the order of oneDNN's float32 product on AVX2 (the
+ * loader checks the two bitwise per weight before using this one, see packed_weights.py), and the same for
+ * every row whatever the others: a row's result does not depend on the batch.
+ *
+ * Register blocking: NR rows x NB 16-output blocks, two 8-lane accumulators each (<= 12 of the 16
+ * AVX2 registers): 1 row x 4 blocks, 2 x 2, or up to 6 x 1; the weights of a block stream from
+ * memory once per 48 rows (RC) and stay in cache for the row blocks of that chunk. */
+#define GEMM_KB 1024
+#define GROUP_Q8 32 /* dw_gemm_q8g: inputs per scale (llama.cpp's Q8_0 block) */
+#define GEMM_RC 48
+/* 2 to GEMM_NB2_ROWS rows (a verification block of up to 5 tokens) take two output blocks per
+ * register block, all their rows in one (GEMM_NB2_RS: 20 accumulators at 5 rows, a few spilled):
+ * two weight streams per thread instead of one, which keeps the memory busier on AVX2. From 6 rows
+ * on, splitting the rows (5 + 1) costs more than the second stream gains: one block, 6 rows each.
+ * The sums are the same: each output's accumulation runs over k in the same order whatever the
+ * blocking. */
+#ifndef GEMM_NB2_ROWS
+#define GEMM_NB2_ROWS 5
+#endif
+#ifndef GEMM_NB2_RS
+#define GEMM_NB2_RS 5
+#endif
+#ifndef GEMM_PREFETCH
+#define GEMM_PREFETCH 512 /* floats ahead in a block's stream (32 lines) */
+#endif
+/* the prefetches' locality hint: 0 (prefetchnta, the faster on AMD EPYCs) unless the build says
+ * otherwise. cpu_kernels.py builds with 1 (prefetcht2) on Intel CPUs, where prefetchnta starved
+ * the weight streams of several rows (about twice as slow as prefetcht2, slower than no prefetch
+ * at all); the bits are the same either way. */
+#ifndef GEMM_PREFETCH_LOCALITY
+#define GEMM_PREFETCH_LOCALITY 0
+#endif
+
+/* 8 int8 weights -> 8 floats (dw_gemm_q8's packed int8 weights) */
+#ifdef __AVX2__
+static inline v8f i8x8f(const void *p) {
+    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+typedef int8_t v8sc __attribute__((vector_size(8)));
+static inline v8f i8x8f(const void *p) {
+    v8sc c;
+    memcpy(&c, p, 8);
+    return __builtin_convertvector(__builtin_convertvector(c, v8i), v8f);
+}
+#endif
+
+/* A register block's sums for outputs o0..o0+15 of one row (y: the row): stored (the first
+ * k-block) or added to what the earlier k-blocks left; outputs past O dropped. */
+static inline void gemm_out16(const float *v, float *y, long O, long o0, int first) {
+    long n = O - o0 < 16 ? O - o0 : 16;
+    y += o0;
+    if (first)
+        for (long l = 0; l < n; l++) y[l] = v[l];
+    else
+        for (long l = 0; l < n; l++) y[l] = y[l] + v[l];
+}
+
+#if defined(__AVX512F__) && !defined(DW_GEMM8)
+/* gemm_out16 for a 16-lane register: a whole block of outputs one vector store (or load, add,
+ * store: the same sums as gemm_out16's), the last partial block through gemm_out16 */
+static inline void gemm_store16(__m512 acc, float *y, long O, long o0, int first) {
+    if (o0 + 16 <= O) {
+        _mm512_storeu_ps(y + o0, first ? acc : _mm512_add_ps(_mm512_loadu_ps(y + o0), acc));
+        return;
+    }
+    float v[16];
+    _mm512_storeu_ps(v, acc);
+    gemm_out16(v, y, O, o0, first);
+}
+
+/* gemm_block on AVX-512 for weights of kind 0-2 (float32, bfloat16, int8 with one scale per
+ * output): each 16-output block's accumulator is one 16-lane register instead of two 8-lane ones,
+ * a block's 16 weights widened in one go. Every output's FMA chain is the same (lane l of block j
+ * accumulates x[k] * w[k][l] over k in order, fused), so are the bits; half the instructions
+ * (bfloat16 weights are widened in registers: bound by instructions rather than by memory), which
+ * pays most from 16 rows up. -DDW_GEMM8 keeps the 8-lane block. */
+static inline __attribute__((always_inline)) void gemm_block16(const float *x, long N, const void *wp, long ob,
+                                                               long k0, long k1, float *out, long O, int NR, int NB,
+                                                               int first, int WB) {
+    __m512 acc[6][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();
+    long es = WB >= 2 ? 1 : WB ? 2 : 4;
+    const char *w = (const char *)wp + (ob * N + k0) * 16 * es;
+    for (long k = k0; k < k1; k++, w += 16 * es) {
+        /* as gemm_block's, but not for one row of bfloat16 weights either: at one row the
+         * hardware's prefetchers keep up with these streams too, and the software prefetch cost
+         * time (from a few rows on it pays) */
+        if ((WB && !(WB == 1 && NB == 4)) || NB < 4)
+            for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, GEMM_PREFETCH_LOCALITY);
+        __m512 wv[4];
+        for (int j = 0; j < NB; j++) {
+            const char *p = w + j * N * 16 * es;
+            if (WB >= 2)
+                wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            else if (WB)
+                wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            else
+                wv[j] = _mm512_loadu_ps((const float *)p);
+        }
+        for (int r = 0; r < NR; r++) {
+            __m512 xb = _mm512_set1_ps(x[r * N + k]);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_fmadd_ps(xb, wv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) gemm_store16(acc[r][j], out + r * O, O, (ob + j) * 16, first);
+}
+#endif
+
+static inline __attribute__((always_inline)) void gemm_block(const float *x, long N, const void *wp, long ob,
+                                                             long k0, long k1, float *out, long O, int NR, int NB,
+                                                             int first, int WB, const uint16_t *gs) {
+#if defined(__AVX512F__) && !defined(DW_GEMM8)
+    if (WB <= 2) {
+        gemm_block16(x, N, wp, ob, k0, k1, out, O, NR, NB, first, WB);
+        return;
+    }
+#endif
+    v8f acc[6][4][2];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) acc[r][j][0] = acc[r][j][1] = (v8f){0};
+    long es = WB >= 2 ? 1 : WB ? 2 : 4; /* int8 (3: with group scales), bfloat16 or float32 weights */
+    const char *w = (const char *)wp + (ob * N + k0) * 16 * es;
+    for (long k = k0; k < k1; k++, w += 16 * es) {
+        /* a line a k (float32; half a line for bfloat16). Not for one row of float32 weights (4
+         * blocks, 4 streams a line a k): the hardware's prefetchers keep up there, and the software
+         * prefetch cost time (bfloat16 weights still gain from it) */
+        if (WB || NB < 4)
+            for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * N * 16 + GEMM_PREFETCH) * es, 0, GEMM_PREFETCH_LOCALITY);
+        v8f w0[4], w1[4];
+        for (int j = 0; j < NB; j++) {
+            if (WB >= 2) {
+                w0[j] = i8x8f(w + j * N * 16);
+                w1[j] = i8x8f(w + j * N * 16 + 8);
+            } else {
+                w0[j] = load8(w + j * N * 16 * es, 0, WB);
+                w1[j] = load8(w + j * N * 16 * es, 8, WB);
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            v8f xb = bcast8(x[r * N + k]);
+            for (int j = 0; j < NB; j++) {
+                acc[r][j][0] = fma8(xb, w0[j], acc[r][j][0]);
+                acc[r][j][1] = fma8(xb, w1[j], acc[r][j][1]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) {
+            if (WB == 3) { /* this k-block is one group of GROUP_Q8 inputs: y += acc * its 16 scales (the
+                              caller's rows are whole blocks of 16: O a multiple of 16) */
+                const uint16_t *sc = gs + ((ob + j) * (N / GROUP_Q8) + k0 / GROUP_Q8) * 16;
+                float *y = out + r * O + (ob + j) * 16;
+                v8f s0 = h8x8f(sc), s1 = h8x8f(sc + 8), y0, y1;
+                if (first) {
+                    y0 = acc[r][j][0] * s0;
+                    y1 = acc[r][j][1] * s1;
+                } else {
+                    memcpy(&y0, y, 32);
+                    memcpy(&y1, y + 8, 32);
+                    y0 = fma8(acc[r][j][0], s0, y0);
+                    y1 = fma8(acc[r][j][1], s1, y1);
+                }
+                memcpy(y, &y0, 32);
+                memcpy(y + 8, &y1, 32);
+                continue;
+            }
+            float v[16];
+            memcpy(v, &acc[r][j][0], 32);
+            memcpy(v + 8, &acc[r][j][1], 32);
+            gemm_out16(v, out + r * O, O, (ob + j) * 16, first);
+        }
+}
+
+#define GEMM_ROWS(NB, WB)                                                                                \
+    for (long r0 = rc; r0 < rc_end; r0 += rs) {                                                          \
+        const float *xr = x + r0 * N;                                                                    \
+        float *yr = out + r0 * O;                                                                        \
+        switch (rc_end - r0 < rs ? rc_end - r0 : rs) {                                                   \
+        case 6: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first, WB, gs); break;                       \
+        case 5: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first, WB, gs); break;                       \
+        case 4: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first, WB, gs); break;                       \
+        case 3: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first, WB, gs); break;                       \
+        case 2: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first, WB, gs); break;                       \
+        default: gemm_block(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first, WB, gs); break;                      \
+        }                                                                                                \
+    }
+
+/* the register block for this step's output blocks (step 4, 2 or 1), weights of kind WB */
+#define GEMM_STEP(WB)              \
+    {                              \
+        if (step == 4) {           \
+            GEMM_ROWS(4, WB)       \
+        } else if (step == 2) {    \
+            GEMM_ROWS(2, WB)       \
+        } else {                   \
+            GEMM_ROWS(1, WB)       \
+        }                          \
+    }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(DW_GEMM8) && !defined(DW_NO_DPBF16)
+#define GEMM_DPBF16 1
+/* bfloat16 weights times bfloat16 rows where the CPU has AVX-512 BF16 (VDPBF16PS: Zen 4 EPYC,
+ * Sapphire Rapids Xeon): each instruction adds the products of two inputs (k, k+1) to 16 float32
+ * sums, the bfloat16 operands used as they are (no widening: a block's two packed weight rows are
+ * one 64-byte load and one lane shuffle into pairs, a row's two inputs one 32-bit broadcast).
+ * Every output's chain is fixed: pairs in input order within a GEMM_KB block, the odd last input
+ * by one FMA, blocks added in order; a row's sums do not depend on the other rows or the threads.
+ * The products of two bfloat16 values are exact in float32; the instruction rounds each addition
+ * to nearest even and flushes denormals (a different float32 rounding sequence from the widened
+ * FMA chain of gemm_block16: sums equal within float32 rounding). From 2 rows up it is markedly
+ * faster than the widened chain (half the instructions per weight pair); -DDW_NO_DPBF16 keeps the
+ * widened chain for comparison (`benchmarks/peer_llamacpp.py` in bfloat16). */
+static const uint16_t DP_PAIRS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline __attribute__((always_inline)) void gemm_block_dp(const uint16_t *x, long N, const uint16_t *wp,
+                                                                long ob, long k0, long k1, float *out, long O,
+                                                                int NR, int NB, int first) {
+    __m512 acc[6][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();
+    const __m512i pairs = _mm512_loadu_si512((const void *)DP_PAIRS);
+    const uint16_t *w = wp + (ob * N + k0) * 16;
+    long k = k0;
+    for (; k + 1 < k1; k += 2, w += 32) {
+        __m512bh wv[4];
+        for (int j = 0; j < NB; j++) {
+            __builtin_prefetch(w + j * N * 16 + GEMM_PREFETCH, 0, GEMM_PREFETCH_LOCALITY);
+            wv[j] = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512((const void *)(w + j * N * 16)));
+        }
+        for (int r = 0; r < NR; r++) {
+            uint32_t two;
+            memcpy(&two, x + r * N + k, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+        }
+    }
+    if (k < k1) /* an odd last input: widened, one FMA (the product is exact either way) */
+        for (int j = 0; j < NB; j++) {
+            __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j * N * 16))), 16));
+            for (int r = 0; r < NR; r++) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(bf2f(x[r * N + k])), wf, acc[r][j]);
+        }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NB; j++) gemm_store16(acc[r][j], out + r * O, O, (ob + j) * 16, first);
+}
+
+#define GEMM_DP_ROWS(NB)                                                                                \
+    switch (nr) {                                                                                       \
+    case 6: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 6, NB, first); break;                           \
+    case 5: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 5, NB, first); break;                           \
+    case 4: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 4, NB, first); break;                           \
+    case 3: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 3, NB, first); break;                           \
+    case 2: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 2, NB, first); break;                           \
+    default: gemm_block_dp(xr, N, wp, ob, k0, k1, yr, O, 1, NB, first); break;                          \
+    }
+
+/* gemm_range's loops for gemm_block_dp: 4 output blocks (2 or 1 at a range's end) by up to 6 rows
+ * a register block (24 sums, 4 weight pairs, one broadcast: 29 of the 32 registers). */
+static void gemm_dp_range(const uint16_t *x, const uint16_t *wp, float *out, long rows, long O, long N, long b0,
+                          long b1) {
+    for (long rc = 0; rc < rows; rc += GEMM_RC) {
+        long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
+        for (long ob = b0; ob < b1;) {
+            int step = ob + 4 <= b1 ? 4 : ob + 2 <= b1 ? 2 : 1;
+            for (long k0 = 0; k0 < N; k0 += GEMM_KB) {
+                long k1 = k0 + GEMM_KB < N ? k0 + GEMM_KB : N;
+                int first = k0 == 0;
+                for (long r0 = rc; r0 < rc_end; r0 += 6) {
+                    const uint16_t *xr = x + r0 * N;
+                    float *yr = out + r0 * O;
+                    long nr = rc_end - r0 < 6 ? rc_end - r0 : 6;
+                    if (step == 4)
+                        GEMM_DP_ROWS(4)
+                    else if (step == 2)
+                        GEMM_DP_ROWS(2)
+                    else
+                        GEMM_DP_ROWS(1)
+                }
+            }
+            ob += step;
+        }
+    }
+}
+#undef GEMM_DP_ROWS
+#endif
+
+static void gemm_range(const void *xv, const void *wp, float *out, long rows, long O, long N, long b0, long b1,
+                       int wb, const uint16_t *gs) {
+#ifdef GEMM_DPBF16
+    if (wb == 4) { /* bfloat16 rows and weights: VDPBF16PS */
+        gemm_dp_range((const uint16_t *)xv, (const uint16_t *)wp, out, rows, O, N, b0, b1);
+        return;
+    }
+#endif
+    const float *x = (const float *)xv;
+    long kb = wb == 3 ? GROUP_Q8 : GEMM_KB; /* group scales: one k-block a group */
+    int nb = rows == 1 ? 4 : rows <= GEMM_NB2_ROWS ? 2 : 1; /* output blocks per register block */
+#if defined(__AVX512F__) && !defined(DW_GEMM8)
+    /* gemm_block16's 32 registers hold 6 rows x 4 blocks (24 sums): past a verification block's
+     * rows, each weight vector loaded feeds 6 rows x 4 blocks of FMAs instead of 6 x 1 (the same
+     * bits, faster from 8 rows on; at 2-5 rows four blocks were slower than two) */
+    if (wb <= 2 && rows > GEMM_NB2_ROWS) nb = 4;
+#endif
+    for (long rc = 0; rc < rows; rc += GEMM_RC) {
+        long rc_end = rc + GEMM_RC < rows ? rc + GEMM_RC : rows;
+        for (long ob = b0; ob < b1;) {
+            int step = (nb == 4 && ob + 4 <= b1) ? 4 : (nb >= 2 && ob + 2 <= b1) ? 2 : 1;
+            long rs = step == 1 || rows > GEMM_NB2_ROWS ? 6 : step == 2 ? GEMM_NB2_RS : 1; /* rows per register block */
+            for (long k0 = 0; k0 < N; k0 += kb) {
+                long k1 = k0 + kb < N ? k0 + kb : N;
+                int first = k0 == 0;
+                if (wb == 3)
+                    GEMM_STEP(3)
+                else if (wb == 2)
+                    GEMM_STEP(2)
+                else if (wb)
+                    GEMM_STEP(1)
+                else
+                    GEMM_STEP(0)
+            }
+            ob += step;
+        }
+    }
+}
+#undef GEMM_STEP
+#undef GEMM_ROWS
+
+/* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
+ * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights,
+ * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16] float16). */
+static void gemm_threads(const void *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb,
+                         const uint16_t *gs) {
+    long blocks = (O + 15) / 16;
+    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
+    if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
+    for (long t = 0; t < nt; t++) {
+        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        b0 = (b0 + 3) & ~3L; /* whole groups of 4 blocks per thread (the last may be short) */
+        b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
+        if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, wb, gs);
+    }
+}
+
+/* out [rows, O] = x [rows, N] times the packed weight (+ bias [O], may be NULL). */
+void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
+                 int threads) {
+    gemm_threads(x, wp, out, rows, O, N, threads, 0, NULL);
+    if (bias)
+        for (long r = 0; r < rows; r++)
+            for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
+}
+
+/* The int8 products (x float32, or bfloat16 when bf; out bfloat16 when obf): the weights packed by
+ * dw_pack (es 1), widened in registers, dw_gemm_f32's register blocks and FMA chains. group 0: one
+ * scale per output (scale [O]), out = (x . q) * scale + bias, each output's chain restarted every
+ * GEMM_KB inputs; group GROUP_Q8: scale [ceil(O/16)][N/GROUP_Q8][16] float16, one k-block a group, its chain
+ * added to the output by one FMA with the group's scale, groups in order (the rows computed as whole
+ * blocks of 16 outputs). One fixed order per (row, output): rows independent of the batch and threads. */
+static void q8_product(const void *x, const int8_t *wp, const void *scale, int group, const float *bias, void *out,
+                       long rows, long O, long N, int threads, int bf, int obf) {
+    long Op = group ? (O + 15) & ~15L : O; /* group scales: the packed outputs (zero past O), whole blocks */
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * Op + 16));
+    float *y = xf + rows * N;
+    for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
+    gemm_threads(xf, wp, y, rows, Op, N, threads, group ? 3 : 2, group ? (const uint16_t *)scale : NULL);
+    for (long r = 0; r < rows; r++)
+        for (long o = 0; o < O; o++) {
+            float v = group ? y[r * Op + o] : y[r * O + o] * ((const float *)scale)[o];
+            if (bias) v += bias[o];
+            st(out, r * O + o, v, obf);
+        }
+    free(xf);
+}
+
+/* int8 weights, scale [O] per output: one weight stream per 16 outputs, a quarter of float32's bytes. */
+void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float *bias, void *out, long rows, long O,
+                long N, int threads, int bf, int obf) {
+    q8_product(x, wp, scale, 0, bias, out, rows, O, N, threads, bf, obf);
+}
+
+/* int8 weights with one scale per group of GROUP_Q8 inputs of each output (llama.cpp's Q8_0 blocks kept
+ * as they are), gs [ceil(O/16)][N/GROUP_Q8][16] float16; N a multiple of GROUP_Q8. */
+void dw_gemm_q8g(const void *x, const int8_t *wp, const uint16_t *gs, const float *bias, void *out, long rows, long O,
+                 long N, int threads, int bf, int obf) {
+    q8_product(x, wp, gs, GROUP_Q8, bias, out, rows, O, N, threads, bf, obf);
+}
+
+/* dw_gemm_bf16's product before its rounding: float32 results (bias added in float32): a bfloat16
+ * LM head's logits as float32 sums of the bfloat16 weights times the bfloat16 hidden states, the
+ * values head_precision.py's refinement recomputes for a row's top logits, for every logit. */
+void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
+                         long N, int threads) {
+#ifdef GEMM_DPBF16
+    gemm_threads(x, wp, out, rows, O, N, threads, 4, NULL);
+#else
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
+    for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
+    gemm_threads(xf, wp, out, rows, O, N, threads, 1, NULL);
+    free(xf);
+#endif
+    if (bias)
+        for (long r = 0; r < rows; r++)
+            for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
+}
+
+/* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16:
+ * float32 sums (VDPBF16PS pairs with AVX-512 BF16, see gemm_block_dp; elsewhere the weights widened
+ * to float32 in registers, float32 FMA chains as dw_gemm_f32's: half the bytes of float32 to
+ * stream), the bias added in float32, one rounding to bfloat16 at the end (as F.linear rounds its
+ * float32 accumulation). */
+void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
+                  long N, int threads) {
+    float *yf = (float *)malloc(sizeof(float) * (rows * O + 16));
+    dw_gemm_bf16_f32out(x, wp, bias, yf, rows, O, N, threads);
+    for (long i = 0; i < rows * O; i++) out[i] = f2bf(yf[i]); /* one rounding, as F.linear's */
+    free(yf);
+}
+
+/* wp [ceil(O/16)][N][16] from w [O, N] (row-major, as nn.Linear keeps it), elements of `es` bytes
+ * (4: float32, 2: bfloat16); the last block's missing outputs zero */
+void dw_pack(const void *w, void *wp, long O, long N, long es) {
+    long blocks = (O + 15) / 16;
+    for (long b = 0; b < blocks; b++)
+        for (long k = 0; k < N; k++)
+            for (long l = 0; l < 16; l++) {
+                long o = b * 16 + l;
+                char *dst = (char *)wp + ((b * N + k) * 16 + l) * es;
+                if (o < O)
+                    memcpy(dst, (const char *)w + (o * N + k) * es, es);
+                else
+                    memset(dst, 0, es);
+            }
+}

@@ -1,0 +1,229 @@
+/* Shared by the fused CPU kernels (the C files of this folder, compiled together into one library by
+ * draftwise/model/cpu_kernels.py): the bfloat16 conversions, the 8-lane vector helpers, and the
+ * entry points one part calls in another.
+ *
+ * Every kernel works on float32 (bf = 0) or bfloat16 (bf = 1) tensors and follows the PyTorch
+ * path's rounding points (Hugging Face semantics for bfloat16). Built with -ffp-contract=off so
+ * that a * b + c is not fused into one rounding (as in PyTorch's separate mul and add kernels);
+ * where a kernel wants one rounding it says so (fma8). */
+#ifndef DW_KERNELS_H
+#define DW_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__FMA__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) { /* round to nearest even, as PyTorch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : r); /* branch-free */
+}
+
+static inline float ld(const void *p, long i, int bf) {
+    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, long i, float v, int bf) {
+    if (bf) ((uint16_t *)p)[i] = f2bf(v);
+    else ((float *)p)[i] = v;
+}
+
+static inline float rnd(float v, int bf) { return bf ? bf2f(f2bf(v)) : v; } /* round to the dtype */
+
+/* 8-lane vectors (GCC/Clang vector extensions): one AVX register on AVX2 machines, half of one
+ * with AVX-512; the attention keeps its 16-lane sums as pairs of them (tree16), so a 16-lane
+ * accumulator is two registers and nothing spills on AVX2. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+/* a * b + c: one rounding (FMA) where the CPU has it (every x86-64 CPU with AVX2), else two. The
+ * attention's and the products' chains use it: one build gives one answer whatever the batch. */
+#ifdef __FMA__
+static inline v8f fma8(v8f a, v8f b, v8f c) { return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
+#endif
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8f vsel8(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
+
+static inline v8f bcast8(float s) { return (v8f){s, s, s, s, s, s, s, s}; } /* vbroadcastss; 0 + s is an add */
+
+/* exp(x) for x in [-87, 88] (clamped: softmax arguments are <= 0, and exp(-87) ~ 1.6e-38 is
+ * negligible next to the maximum's 1): Cephes' expf (range reduction by ln 2, degree-6
+ * polynomial), within ~2 ulp of the exact value. Written on 8-lane vectors (GCC/Clang vector
+ * extensions: one AVX2 register; GCC scalarised a 16-lane version's conversions on AVX2) because
+ * the C library's expf is one call per element. */
+static inline v8f exp8(v8f x) {
+    const v8f lo = bcast8(-87.0f), hi = bcast8(88.0f); /* (not x * 0 - 87: NaN for x = -inf) */
+    x = vsel8(x < lo, lo, x);
+    x = vsel8(x > hi, hi, x);
+    v8f t = x * 1.44269504088896341f + 0.5f;
+    v8i ni = __builtin_convertvector(t, v8i);
+    v8f n = __builtin_convertvector(ni, v8f);
+    v8i below = n > t;
+    ni += below;
+    n = __builtin_convertvector(ni, v8f);
+    x = x - n * 0.693359375f;
+    x = x - n * -2.12194440e-4f;
+    v8f z = x * x;
+    v8f y = ((((x * 1.9875691500e-4f + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+             + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    return y * (v8f)((ni + 127) << 23);
+}
+
+static inline float exp1(float x) { /* one element through the same formula */
+    v8f v = {0};
+    v[0] = x;
+    return exp8(v)[0];
+}
+
+static inline v8f load8(const void *p, long i, int bf) {
+    v8f r;
+    if (bf) {
+        v8h h;
+        memcpy(&h, (const uint16_t *)p + i, 16);
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&r, &u, 32);
+    } else {
+        memcpy(&r, (const float *)p + i, 32);
+    }
+    return r;
+}
+
+/* Q8_MIN_PARALLEL: weights of fewer elements run on the calling thread alone (a fork of the OpenMP
+ * team costs a few microseconds: more than a draft-sized product); dw_gemm_* and dw_linear_q4. */
+#ifndef Q8_MIN_PARALLEL
+#define Q8_MIN_PARALLEL (1L << 17)
+#endif
+
+static inline float h2f(uint16_t h) { /* float16 -> float32, exact */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0) {
+        float f = (float)m * (1.0f / 16777216.0f); /* zero or subnormal: m * 2^-24 */
+        return sign ? -f : f;
+    }
+    bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112u) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 8 float16 -> 8 floats (exact; dw_gemm_q8g's group scales) */
+static inline v8f h8x8f(const uint16_t *p) {
+#ifdef __F16C__
+    return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    v8f v;
+    for (int l = 0; l < 8; l++) v[l] = h2f(p[l]);
+    return v;
+#endif
+}
+
+/* ---- entry points (cpu_kernels.py declares the same signatures for ctypes) ---- */
+
+/* norm.c: the elementwise ops of a layer */
+void dw_rms_norm(const void *x, const void *w, void *out, long rows, long n, float eps, int bf);
+void dw_add_rms_norm(void *x, const void *d, const void *w, void *out, long rows, long n, float eps, int bf);
+void dw_rope(void *qkv, long T, long row, long heads, long D, const int64_t *pos, const float *cos,
+             const float *sin, int bf);
+void dw_silu_mul(const void *gu, void *out, long rows, long I, int bf);
+
+/* attention.c */
+int dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
+              long window, float scale, void *out, int bf, int threads);
+int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
+                    const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
+                    const int64_t *offs, long window, float scale, void *out, int bf, int threads);
+
+/* linear.c: small float weights and int4 groups */
+void dw_linear(const void *x, const void *wt, const void *bias, void *out, long rows, long O, long N, int bf);
+void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const float *bias, void *out, long rows,
+                  long O, long N, int threads, int bf, int obf);
+
+/* gemm.c: weights packed by dw_pack (float32, bfloat16, int8) */
+void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
+                 int threads);
+void dw_gemm_q8(const void *x, const int8_t *wp, const float *scale, const float *bias, void *out, long rows, long O,
+                long N, int threads, int bf, int obf);
+void dw_gemm_q8g(const void *x, const int8_t *wp, const uint16_t *gs, const float *bias, void *out, long rows, long O,
+                 long N, int threads, int bf, int obf);
+void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
+                         long N, int threads);
+void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
+                  long N, int threads);
+void dw_pack(const void *w, void *wp, long O, long N, long es);
+
+/* The decoder's arguments (decoder.c's dw_decoder; `DecoderArgs` in cpu_kernels.py mirrors it field
+ * for field). B sequences of T rows: one sequence on consecutive slots (slots NULL: key position j
+ * in slot slot0 + j, L keys), else paged (slots [B, Lmax]: sequence b's key position j in slot
+ * slots[b * Lmax + j]; lens[b] keys, news[b] new tokens), with padding rows or packed by offs
+ * (sequence b's rows from offs[b], offs[B] rows in all; T unused), as dw_attend_batch takes them.
+ * w holds 14 pointers per layer: ln1, then (weight, bias, scale) of the qkv, o, gate/up and down
+ * projections, ln2 after o's (biases and scales may be NULL); kinds holds the 4 projections' kinds
+ * per layer (dw_product). Caches: layer l's K at cache + l * layer_stride elements, its V
+ * kv_stride further. pos: each row's position; cos, sin: float32 RoPE tables [positions, D].
+ * threads: the products' and attention's OpenMP threads. */
+struct dw_decoder_args {
+    long B, T, layers, hid, H, Hkv, D, I;
+    void **w;
+    const int *kinds;
+    const void *final_norm;
+    float eps;
+    const int64_t *pos;
+    const float *cos, *sin;
+    void *cache;
+    long layer_stride, kv_stride, slot0, L;
+    const int64_t *slots;
+    long Lmax;
+    const int64_t *lens, *news, *offs;
+    long window;
+    float scale;
+    int bf, threads;
+};
+
+/* The input embedding and the LM head run inside dw_forward and the drafter's greedy steps (`NativeIO`
+ * in cpu_kernels.py): emb [V, hid] in the model's dtype (emb_packed 0) or a tied model's float32 head
+ * packed by dw_pack, [ceil(V/16)][hid][16] (emb_packed 1); head_w packed, without bias: head_kind 1
+ * dw_gemm_f32 (float32), 2 dw_gemm_bf16_f32out (bfloat16 weights, float32 logits). */
+struct dw_io {
+    const void *emb;
+    int emb_packed;
+    const void *head_w;
+    int head_kind;
+    long V;
+};
+
+/* decoder.c */
+int dw_decoder(void *x, void *h, const struct dw_decoder_args *a);
+int dw_forward(const struct dw_io *io, const int64_t *ids, const int64_t *sel, long nsel, float *logits,
+               const struct dw_decoder_args *a);
+/* decoder.c's helpers for greedy.c (not exported from the library) */
+__attribute__((visibility("hidden"))) void dw_embed_rows(const struct dw_io *io, const int64_t *ids, long n,
+                                                         long hid, long es, char *x);
+__attribute__((visibility("hidden"))) void dw_head_rows(const struct dw_io *io, const void *h, long n, long hid,
+                                                        float *logits, int threads);
+
+/* greedy.c: a drafter's greedy steps and the argmax with confidence */
+int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *a, const int64_t *feed, long n0,
+                    long start, long k, int64_t *out_tok, float *out_conf);
+int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a, const int64_t *feed,
+                         const int64_t *offs0, const int64_t *start, const int64_t *ks, long B, long kmax,
+                         int64_t *out_tok, float *out_conf);
+void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads);
+
+#endif
