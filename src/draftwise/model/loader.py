@@ -2,8 +2,9 @@
 
 A directory holds `config.json`, `model.safetensors` or `model.safetensors.index.json` with its
 shards, `tokenizer.json` (loaded with `tokenizers`), optionally `tokenizer_config.json`,
-`chat_template.jinja` (read into the tokenizer config's `chat_template`) and `generation_config.json`. A bare name (`smollm2`) that is not a directory here is looked up
-under `models/` (`paths.resolve_model`). Every failure is a `ModelLoadError` naming the file and the field.
+`chat_template.jinja` (read into the tokenizer config's `chat_template`) and
+`generation_config.json`. A bare name (`smollm2`) that is not a directory here is looked up under
+`models/` (`paths.resolve_model`). Every failure is a `ModelLoadError` naming the file and the field.
 """
 from __future__ import annotations
 
@@ -100,9 +101,51 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         log.warning("draftwise: this CPU has no native bfloat16 products (%s): bfloat16 weights run through "
                     "torch's generic matmul, slower than float32 here; consider --dtype float32",
                     torch.backends.cpu.get_cpu_capability())
+    model = _build_model(path, cfg, dt, device, fuse, quantization)
+    tokenizer = _load_tokenizer(path) if load_tokenizer else None
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    jinja = path / "chat_template.jinja"  # transformers 5 writes the template here; it wins, as there
+    if jinja.is_file():
+        tok_cfg["chat_template"] = jinja.read_text(encoding="utf-8")
+    gen_cfg = _read_json(path / "generation_config.json")
+    return LoadedModel(path, cfg, model, tokenizer, tok_cfg, gen_cfg)
+
+
+def _build_model(path: Path, cfg: ModelConfig, dt: torch.dtype, device: str, fuse: bool, quantization: str | None):
+    """The model of `cfg` holding the directory's weights in `dt` on `device`, prepared for
+    inference when `fuse` (quantized as `load_model` describes)."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     expected = dict(model.state_dict())
+    loaded, stored = _read_weights(path, cfg, expected, dt)
+    blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
+    for name, (kind, q, sc) in blocks.items():  # the float paths (fuse=False, training) read their values
+        loaded[name] = (dequantize_int4(q, sc) if kind == "int4" else dequantize_q8_groups(q, sc)).to(dt)
+    as_stored = quantization is None
+    if blocks and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
+        quantization = "int4" if any(kind == "int4" for kind, _, _ in blocks.values()) else "int8"
+    if cfg.tie_word_embeddings:
+        loaded.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = [n for n in expected if n not in loaded]
+    if missing:
+        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}")
+    model = model_class(cfg)(cfg).to(dtype=dt)
+    model.load_state_dict(loaded, strict=False)
+    model.inv_freq = model.inv_freq.float()
+    model.to(device).eval().requires_grad_(False)
+    for name, (kind, q, sc) in blocks.items():  # Int4Linear.of / Int8Linear.of take these instead of
+        if as_stored or kind == quantization:  # quantising the floats (another method asked: re-quantised)
+            setattr(model.get_submodule(name[: -len(".weight")]), f"{kind}_blocks", (q, sc))
+    if fuse:
+        model.fuse_projections(quantization) if quantization else model.fuse_projections()
+    return model
+
+
+def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor], dt: torch.dtype):
+    """(float tensors by name, in `dt`; quantized blocks as stored: weight name -> {"qweight",
+    "qscale"}) from the directory's safetensors files, each checked against `expected`'s names and
+    shapes."""
     loaded: dict[str, torch.Tensor] = {}
     stored: dict[str, dict[str, torch.Tensor]] = {}  # weight name -> its quantized blocks as stored
     for f in _weight_files(path):
@@ -129,45 +172,20 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                         f"{f}: tensor '{name}' has shape {tuple(t.shape)}, config.json implies {want}"
                     )
                 loaded[name] = t.to(dt)
-    blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
-    for name, (kind, q, sc) in blocks.items():  # the float paths (fuse=False, training) read their values
-        loaded[name] = (dequantize_int4(q, sc) if kind == "int4" else dequantize_q8_groups(q, sc)).to(dt)
-    as_stored = quantization is None
-    if blocks and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
-        quantization = "int4" if any(kind == "int4" for kind, _, _ in blocks.values()) else "int8"
-    if cfg.tie_word_embeddings:
-        loaded.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    missing = [n for n in expected if n not in loaded]
-    if missing:
-        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}")
-    model = model_class(cfg)(cfg).to(dtype=dt)
-    model.load_state_dict(loaded, strict=False)
-    model.inv_freq = model.inv_freq.float()
-    model.to(device).eval().requires_grad_(False)
-    for name, (kind, q, sc) in blocks.items():  # Int4Linear.of / Int8Linear.of take these instead of
-        if as_stored or kind == quantization:  # quantising the floats (another method asked: re-quantised)
-            setattr(model.get_submodule(name[: -len(".weight")]), f"{kind}_blocks", (q, sc))
-    if fuse:
-        model.fuse_projections(quantization) if quantization else model.fuse_projections()
+    return loaded, stored
 
-    tokenizer = None
-    if load_tokenizer:
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ModelLoadError(f"{tok_file}: file not found (draftwise reads tokenizers' tokenizer.json)")
-        from tokenizers import Tokenizer
 
-        try:
-            tokenizer = Tokenizer.from_file(str(tok_file))
-        except Exception as e:  # tokenizers raises a bare Exception
-            raise ModelLoadError(f"{tok_file}: cannot be parsed ({e})") from None
-    tok_cfg = _read_json(path / "tokenizer_config.json")
-    jinja = path / "chat_template.jinja"  # transformers 5 writes the template here; it wins, as there
-    if jinja.is_file():
-        tok_cfg["chat_template"] = jinja.read_text(encoding="utf-8")
-    gen_cfg = _read_json(path / "generation_config.json")
-    return LoadedModel(path, cfg, model, tokenizer, tok_cfg, gen_cfg)
+def _load_tokenizer(path: Path):
+    """The directory's `tokenizer.json` as a `tokenizers.Tokenizer`."""
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelLoadError(f"{tok_file}: file not found (draftwise reads tokenizers' tokenizer.json)")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ModelLoadError(f"{tok_file}: cannot be parsed ({e})") from None
 
 
 def stored_quantization(path: str | Path) -> str | None:

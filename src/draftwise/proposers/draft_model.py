@@ -23,6 +23,7 @@ num_draft[i]: with num_forced 0 they only save draft forwards).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +34,21 @@ from ..sampling.rejection import categorical_from_uniform
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
+
+
+@dataclass
+class _Round:
+    """One `propose` call's state, per row (an index into its seqs)."""
+
+    blocks: list[DraftBlock]  # the proposals so far
+    probs: list[list[torch.Tensor]]  # q_j of each proposal of a sampled row, [V] each
+    feeds: dict[int, list[int]]  # the tokens the row feeds next (catch-up, last proposal, forced ones)
+    starts: dict[int, int]  # the position of feeds[i][0]
+    cursors: dict = field(default_factory=dict)  # the grammar's cursor of a constrained row
+    left: dict[int, list[int]] = field(default_factory=dict)  # [drafted tokens left, forced budget left]
+    unfed: dict[int, int] = field(default_factory=dict)  # proposals at the end of feeds[i] (not in the cache yet)
+    short: dict[int, bool] = field(default_factory=dict)  # the last forced run stopped before its budget
+    ran: set[int] = field(default_factory=set)  # rows whose catch-up the drafter has fed
 
 
 @register_proposer("draft")
@@ -65,106 +81,121 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
-        blocks = [DraftBlock([], None, []) for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, n in enumerate(num_draft) if n > 0]
-        feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active}
-        starts = {i: seqs[i].draft_computed for i in active}
-        self._catch_up_long(seqs, feeds, starts)
-        cursors = {i: seqs[i].grammar.cursor() for i in active if getattr(seqs[i], "grammar", None) is not None}
+        r = _Round([DraftBlock([], None, []) for _ in seqs], [[] for _ in seqs],
+                   feeds={i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active},
+                   starts={i: seqs[i].draft_computed for i in active})
+        self._catch_up_long(seqs, r.feeds, r.starts)
+        r.cursors = {i: seqs[i].grammar.cursor() for i in active if getattr(seqs[i], "grammar", None) is not None}
         # [drafted, forced budget left] per row: forced tokens spend the forced budget first
-        left = {i: [num_draft[i], num_forced[i] if num_forced else 0] for i in active}
-        unfed = {i: 0 for i in active}  # proposals at the end of feeds[i] (not in the draft cache yet)
-        short = {}  # row -> the last forced run stopped before its budget (no forced token follows)
-        ran = set()  # rows whose catch-up the drafter has fed
-        for i in cursors:  # the round starts on forced tokens: fed with the catch-up
-            unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seqs[i], self.vocab,
-                                         short, i)
-        active = [i for i in active if left[i][0] > 0 and not (i in cursors and cursors[i].done)]
+        r.left = {i: [num_draft[i], num_forced[i] if num_forced else 0] for i in active}
+        r.unfed = {i: 0 for i in active}
+        for i in r.cursors:  # the round starts on forced tokens: fed with the catch-up
+            r.unfed[i] += self._add_forced(r.cursors[i], r.blocks[i], r.probs[i], r.feeds[i], r.left[i], seqs[i],
+                                           self.vocab, r.short, i)
+        active = [i for i in active if r.left[i][0] > 0 and not (i in r.cursors and r.cursors[i].done)]
         # greedy rows with nothing to process (for the whole round: the rule reads the committed
         # history): q's argmax is the raw logits', process_logits is skipped
-        raw = not any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in active)
-        got = None
+        raw = not any(i in r.cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in active)
         if raw and self.fused_steps and active and all(seqs[i].params.is_greedy for i in active):
-            if len(active) == 1:
-                i = active[0]
-                one = self.runner.greedy_steps(seqs[i].seq_id, feeds[i], starts[i], left[i][0], self.confidence)
-                got = None if one is None else ([one[0]], None if one[1] is None else [one[1]])
-            else:
-                got = self.runner.greedy_steps_rows([seqs[i].seq_id for i in active], [feeds[i] for i in active],
-                                                    [starts[i] for i in active], [left[i][0] for i in active],
-                                                    self.confidence)
-        if got is not None:  # the loop below, run in the kernels: blocks, feeds and starts as it leaves them
-            for r, i in enumerate(active):
-                toks = got[0][r]
-                blocks[i].token_ids.extend(toks)
-                blocks[i].confidence.extend(got[1][r] if got[1] is not None else [None] * len(toks))
-                starts[i] += len(feeds[i]) + len(toks) - 1
-                feeds[i], unfed[i] = [toks[-1]], 1
-                ran.add(i)
-                left[i][0] = 0
-            active = []
+            if self._fused_greedy(seqs, active, r):
+                active = []
         while active:
-            logits = self.runner.run(
-                [seqs[i].seq_id for i in active], [feeds[i] for i in active], [starts[i] for i in active], [1] * len(active),
-                provisional=[True] * len(active),  # a hybrid drafter's state waits for postprocess (else ignored)
-            )  # [A, V]
-            if not raw:
-                q_logits = process_logits(
-                    logits,
-                    [seqs[i].params for i in active],
-                    [seqs[i].prompt_ids for i in active],
-                    [seqs[i].output_ids + blocks[i].token_ids for i in active],
-                    eos_ids=[self.eos_ids] * len(active),
-                    token_bitmask=self._bitmask(active, cursors, logits.shape[1]),
-                )
-            else:  # the same values process_logits would return
-                q_logits = logits if logits.dtype == torch.float32 else logits.float()
-            # greedy rows need only the argmax (their verification ignores q); others need q
-            sampled = [r for r, i in enumerate(active) if not seqs[i].params.is_greedy]
-            q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
-            if self.confidence:  # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn
-                argmax, conf = argmax_confidence(q_logits)  # [A], [A]
-            else:  # only greedy rows' argmax: numpy's (the first maximum, as torch.max's; ~6x faster a row)
-                argmax = q_logits.detach().cpu().numpy().argmax(axis=-1).tolist() if len(sampled) < len(active) else None
-                conf = [None] * len(active)
-            drawn = self._draw(q, [seqs[active[r]].generator for r in sampled]) if sampled else []
-            nxt = []
-            row = 0
-            for r, i in enumerate(active):
-                seq = seqs[i]
-                if seq.params.is_greedy:
-                    tok = argmax[r]
-                else:
-                    tok = drawn[row]
-                    probs[i].append(q[row])
-                    row += 1
-                blocks[i].token_ids.append(tok)
-                blocks[i].confidence.append(conf[r])
-                starts[i] += len(feeds[i])
-                feeds[i], unfed[i] = [tok], 1
-                ran.add(i)
-                left[i][0] -= 1
-                if i in cursors:
-                    cursors[i].accept(tok)
-                    unfed[i] += self._add_forced(cursors[i], blocks[i], probs[i], feeds[i], left[i], seq,
-                                                 self.vocab, short, i)
-                if left[i][0] > 0 and not (i in cursors and cursors[i].done):
-                    nxt.append(i)
-            active = nxt
-        for i, b in enumerate(blocks):
+            active = self._step(seqs, active, r, raw)
+        for i, b in enumerate(r.blocks):
             if b.token_ids:  # proposals fed to the draft cache: all but the unfed tail (None: no forward ran)
-                self._fed[seqs[i].seq_id] = len(b.token_ids) - unfed[i] if i in ran else None
-            if probs[i]:
-                b.probs = torch.stack(probs[i])  # [k_b, V]
-            b.forced_done = i in cursors and (cursors[i].done or short[i])  # the engine need not look again
-        return blocks
+                self._fed[seqs[i].seq_id] = len(b.token_ids) - r.unfed[i] if i in r.ran else None
+            if r.probs[i]:
+                b.probs = torch.stack(r.probs[i])  # [k_b, V]
+            b.forced_done = i in r.cursors and (r.cursors[i].done or r.short[i])  # the engine need not look again
+        return r.blocks
+
+    def _fused_greedy(self, seqs, active: list[int], r: "_Round") -> bool:
+        """All of the round's steps for the greedy rows `active` in one kernel call
+        (`ModelRunner.greedy_steps`, `greedy_steps_rows` for several rows), leaving blocks, feeds
+        and starts as `_step`'s loop would; False (nothing done) where the draft model cannot."""
+        feeds, starts, left = r.feeds, r.starts, r.left
+        if len(active) == 1:
+            i = active[0]
+            one = self.runner.greedy_steps(seqs[i].seq_id, feeds[i], starts[i], left[i][0], self.confidence)
+            got = None if one is None else ([one[0]], None if one[1] is None else [one[1]])
+        else:
+            got = self.runner.greedy_steps_rows([seqs[i].seq_id for i in active], [feeds[i] for i in active],
+                                                [starts[i] for i in active], [left[i][0] for i in active],
+                                                self.confidence)
+        if got is None:
+            return False
+        for row, i in enumerate(active):
+            toks = got[0][row]
+            r.blocks[i].token_ids.extend(toks)
+            r.blocks[i].confidence.extend(got[1][row] if got[1] is not None else [None] * len(toks))
+            starts[i] += len(feeds[i]) + len(toks) - 1
+            feeds[i], r.unfed[i] = [toks[-1]], 1
+            r.ran.add(i)
+            left[i][0] = 0
+        return True
+
+    def _q_logits(self, seqs, active: list[int], r: "_Round", raw: bool) -> torch.Tensor:  # [A, V] float32
+        """One draft forward of the rows `active` (each feeding feeds[i]) and q's logits at the next
+        position: `process_logits` of the draft's, with the proposals so far in the history."""
+        logits = self.runner.run(
+            [seqs[i].seq_id for i in active], [r.feeds[i] for i in active], [r.starts[i] for i in active],
+            [1] * len(active),
+            provisional=[True] * len(active),  # a hybrid drafter's state waits for postprocess (else ignored)
+        )  # [A, V]
+        if raw:  # the same values process_logits would return
+            return logits if logits.dtype == torch.float32 else logits.float()
+        return process_logits(
+            logits,
+            [seqs[i].params for i in active],
+            [seqs[i].prompt_ids for i in active],
+            [seqs[i].output_ids + r.blocks[i].token_ids for i in active],
+            eos_ids=[self.eos_ids] * len(active),
+            token_bitmask=self._bitmask(active, r.cursors, logits.shape[1]),
+        )
+
+    def _step(self, seqs, active: list[int], r: "_Round", raw: bool) -> list[int]:
+        """One proposal for each row of `active`: greedy rows take q's argmax, the others draw from q;
+        then forced tokens after it. Returns the rows that draft on."""
+        q_logits = self._q_logits(seqs, active, r, raw)
+        # greedy rows need only the argmax (their verification ignores q); others need q
+        sampled = [row for row, i in enumerate(active) if not seqs[i].params.is_greedy]
+        q = torch.softmax(q_logits[sampled], dim=-1) if sampled else None  # [S, V]
+        if self.confidence:  # confidence = max_x q_j(x): a function of q_j alone, known before x_j is drawn
+            argmax, conf = argmax_confidence(q_logits)  # [A], [A]
+        else:  # only greedy rows' argmax: numpy's (the first maximum, as torch.max's, and faster a row)
+            argmax = q_logits.detach().cpu().numpy().argmax(axis=-1).tolist() if len(sampled) < len(active) else None
+            conf = [None] * len(active)
+        drawn = self._draw(q, [seqs[active[row]].generator for row in sampled]) if sampled else []
+        nxt = []
+        n_sampled = 0
+        for row, i in enumerate(active):
+            seq = seqs[i]
+            if seq.params.is_greedy:
+                tok = argmax[row]
+            else:
+                tok = drawn[n_sampled]
+                r.probs[i].append(q[n_sampled])
+                n_sampled += 1
+            r.blocks[i].token_ids.append(tok)
+            r.blocks[i].confidence.append(conf[row])
+            r.starts[i] += len(r.feeds[i])
+            r.feeds[i], r.unfed[i] = [tok], 1
+            r.ran.add(i)
+            r.left[i][0] -= 1
+            if i in r.cursors:
+                r.cursors[i].accept(tok)
+                r.unfed[i] += self._add_forced(r.cursors[i], r.blocks[i], r.probs[i], r.feeds[i], r.left[i], seq,
+                                               self.vocab, r.short, i)
+            if r.left[i][0] > 0 and not (i in r.cursors and r.cursors[i].done):
+                nxt.append(i)
+        return nxt
 
     @staticmethod
     def _draw(q: torch.Tensor, generators) -> list[int]:
         """x_j ~ q_j for the sampled rows ([S, V]), each from one uniform of its own generator, by
-        the inverse CDF (`categorical_from_uniform`, as verification draws): batched, ~50 us a row
-        of 8192 where torch.multinomial took ~195 us a row, one call per row."""
+        the inverse CDF (`categorical_from_uniform`, as verification draws): batched, several times
+        faster than one torch.multinomial call per row."""
         u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g,
                                   device=g.device if g is not None else "cpu").cpu() for g in generators])
         return categorical_from_uniform(q, u.to(q.device)).tolist()
