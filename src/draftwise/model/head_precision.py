@@ -2,7 +2,7 @@
 
 A bfloat16 product accumulates in float32 but rounds its outputs to bfloat16: 8 significant bits,
 a step of 0.125 at logits of 16-32. Over a 49152-token vocabulary (SmolLM2) the top two logits
-then tie exactly at ~2% of greedy positions (benchmarks/bf16_head.py), and greedy decoding breaks
+then tie exactly at ~2% of greedy positions, and greedy decoding breaks
 the tie by index, not by the model. The ties come from the rounding of the outputs, not from the
 bfloat16 weights: the same weights and hidden states in a float32 product give no ties.
 

@@ -2,7 +2,7 @@
 
 A prepared projection runs in one of four ways, chosen when it is built:
 
-- packed for kernels.c's `dw_gemm_f32` / `dw_gemm_bf16` (`native`, layout `[ceil(O/16), N, 16]`)
+- packed for the kernels' `dw_gemm_f32` / `dw_gemm_bf16` (`native`, layout `[ceil(O/16), N, 16]`)
   where the kernels are built and, on CPUs without AVX-512, their products equal oneDNN's bitwise;
 - reordered once into oneDNN's blocked layout (`packed`) for the other large weights;
 - kept transposed for the kernels' small-weight loop (`dw_linear`, up to 16 rows);
@@ -25,7 +25,7 @@ PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (the bes
 # Weights of at least this many elements are packed for oneDNN: batch-1 products are bound by
 # reading them, and oneDNN reads them fastest. A oneDNN call has a fixed cost of tens of
 # microseconds however small the weight (a bfloat16 F.linear as much), so smaller weights take
-# kernels.c's loop for up to 16 rows, else F.linear. A lower boundary moved weights whose reading
+# the kernels' loop (`dw_linear`) for up to 16 rows, else F.linear. A lower boundary moved weights whose reading
 # dominates into the loop and cost throughput; a higher one lost speculative decoding's gain.
 PACK_MIN_NUMEL = 160_000
 KERNEL_LINEAR_MAX_NUMEL = PACK_MIN_NUMEL

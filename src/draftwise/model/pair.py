@@ -26,17 +26,16 @@ def draft_dtype_for(dtype: str, device: str, draft_dtype: str | None = None) -> 
     """The draft model's dtype: `draft_dtype` when given; on CPU bfloat16 (float32 without native
     bfloat16 products), elsewhere the target's.
 
-    On the 2-core CPU a draft step is bound by call overhead and by re-reading its weights after
-    each verification has evicted them from the caches; bfloat16 halves the bytes. Speculative
-    decoding with the shipped pair, side by side in one run (fused kernels on): float32 target
-    402.7 tok/s with a float32 draft against 421.4 with a bfloat16 one, bfloat16 target 524.4
-    against 598.7, the same mean accepted length. Any q keeps speculative decoding exact: the
-    draft's precision only moves acceptance.
+    On a CPU a draft step is bound by call overhead and by re-reading its weights after each
+    verification has evicted them from the caches; bfloat16 halves the bytes, and speculative
+    decoding with the shipped pair ran faster with a bfloat16 draft for either target dtype, at
+    the same mean accepted length. Any q keeps speculative decoding exact: the draft's precision
+    only moves acceptance.
 
     Only where the CPU multiplies bfloat16 natively (`cpu_kernels.bf16_native`): on an AVX2-only
     CPU the draft's products beyond the fused kernels' 16 rows (batched steps, catch-up, prefill)
-    run torch's generic bfloat16 matmul, 5-13x slower than float32 there (a draft weight of
-    640x160, 8 to 256 rows, 1 thread), so the draft runs in float32."""
+    run torch's generic bfloat16 matmul, several times slower than float32 there, so the draft
+    runs in float32."""
     if draft_dtype:
         return draft_dtype
     if not str(device).startswith("cpu"):

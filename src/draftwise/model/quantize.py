@@ -7,13 +7,12 @@ activations stay in the model's dtype (float32 or bfloat16); a product is `y = s
 accumulated in float32.
 
 Why: batch-1 decoding and verification on CPU are bound by reading the weights, and int8 reads
-one byte per weight (float32 four, bfloat16 two). torch's `_weight_int8pack_mm` was slower than
-the oneDNN-packed float product on this project's CPU (10-40x with float32 activations at 1-5
-rows), so a few rows (`KERNEL_MAX_ROWS`: decode steps, verification blocks) run `kernels.c`'s
-`dw_gemm_q8`: the int8 weight in dw_gemm's packed layout (for each input the weights of 16
-outputs side by side: one stream per 16 outputs), widened to float in registers, dw_gemm_f32's
-FMA chains, then the channel's scale (SmolLM2's 30 layers and head at 1 row: 8.4 ms against 11.5
-for the row-major kernel it replaced, 19.2 against 30.6 at 5 rows). More rows (prefill chunks, large batches)
+one byte per weight (float32 four, bfloat16 two). torch's `_weight_int8pack_mm` was many times
+slower than the oneDNN-packed float product at a few rows, so a few rows (`KERNEL_MAX_ROWS`: decode
+steps, verification blocks) run the kernels' `dw_gemm_q8` (kernels/gemm.c): the int8 weight in
+dw_gemm's packed layout (for each input the weights of 16 outputs side by side: one stream per 16
+outputs, which reads faster than a row-major int8 weight), widened to float in registers,
+dw_gemm_f32's FMA chains, then the channel's scale. More rows (prefill chunks, large batches)
 take the reference path: the weight dequantised to float32 for that call, then `F.linear`.
 
 Both paths compute in float32 (a bfloat16 activation is exact in float32; the result is rounded to
@@ -29,7 +28,7 @@ row per token. Norms, RoPE, attention and the K/V cache are untouched.
 
 int4 (`Int4Linear`): each output channel's weights in groups of 32 inputs, `w = d * q + m` with q in
 0..15 and the group's step d and minimum m in float16 (llama.cpp's Q4_1: 0.625 bytes a weight);
-`kernels.c`'s `dw_linear_q4` for a few rows, the dequantised float32 product for more. The LM head
+the kernels' `dw_linear_q4` (kernels/linear.c) for a few rows, the dequantised float32 product for more. The LM head
 stays int8 with `--quantization int4` (the logits' precision; llama.cpp's Q4 files keep the output
 matrix at a higher precision too). A weight whose inputs are not a multiple of 32 stays int8.
 
@@ -86,13 +85,14 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 class Int8Linear(nn.Module):
-    """Inference-only int8 linear layer, a drop-in for `PackedLinear` (llama.py) after
+    """Inference-only int8 linear layer, a drop-in for `PackedLinear` (packed_weights.py) after
     `fuse_projections(quantization="int8")`. Fused projections pass several layers,
     concatenated along the outputs (each output channel keeps its own scale).
 
     `float_out`: outputs in float32 whatever the activations' dtype (the LM head: logits).
-    `small = False` and `packed = None` tell llama.py that this is neither a small-weight loop's
-    weight nor a oneDNN one: `LlamaModel._layer_pointers` gives `dw_decoder` its dw_gemm_q8 kind."""
+    `small = False` and `packed = None` tell the fused path that this is neither a small-weight
+    loop's weight nor a oneDNN one: `NativeForward._layer_pointers` gives `dw_decoder` its
+    dw_gemm_q8 kind."""
 
     small = False
     packed = None

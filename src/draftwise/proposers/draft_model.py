@@ -204,10 +204,10 @@ class DraftModelProposer:
 
     def _catch_up_long(self, seqs, feeds, starts) -> None:
         """A row far behind (a new prompt, many steps without drafting) feeds its committed tokens
-        but the last before the round (rows up to 64 behind together, packed; longer ones each in
-        a forward of its own), so that the batch's first step is not padded (or packed) to its
-        length; its K/V (a hybrid drafter: its checkpoint) then reach the last committed token,
-        which the first step feeds as usual. Its time (`catch_up_seconds`: the
+        but the last before the round (rows up to FUSED_MAX_TOKENS behind together, packed; longer
+        ones each in a forward of its own), so that the batch's first step is not padded (or
+        packed) to its length; its K/V (a hybrid drafter: its checkpoint) then reach the last
+        committed token, which the first step feeds as usual. Its time (`catch_up_seconds`: the
         drafter's prefill, in effect) is left out of the decode-step cost model, as the target's
         prefill chunks are."""
         t0 = time.perf_counter()
