@@ -1,4 +1,4 @@
-"""The fused CPU kernels (model/kernels.c) against the PyTorch path they replace."""
+"""The fused CPU kernels (model/kernels/) against the PyTorch path they replace."""
 import shutil
 
 import pytest
