@@ -37,7 +37,7 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
-from ..policies import policy_class
+from ..policies import StepTiming, policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
 from ..sampling.processors import changes_logits
@@ -52,7 +52,7 @@ from .kv_sizing import num_kv_blocks
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprob
 from .stats import EngineStats
-from .step_output import StepOutput, Verification
+from .step_output import Committed, StepOutput, Verification
 
 log = logging.getLogger("draftwise.engine")
 _NO_DRAFT = DraftBlock([], None)
@@ -104,10 +104,9 @@ class LLMEngine:
             cost = self._cost_model(draft) if pcls.needs_cost_model else None
             self.policy = pcls(k=self.spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
             if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
-                self.proposer.confidence = getattr(self.policy, "needs_confidence", True)
-        # a policy whose steps read the confidences only now and then says so after each plan
-        self._reads_confidence = (getattr(self.policy, "reads_confidence", None)
-                                  if getattr(self.proposer, "confidence", False) else None)
+                self.proposer.confidence = self.policy.needs_confidence
+        # a policy that may read the confidences says after each plan whether this step does
+        self._confidence_per_step = bool(getattr(self.proposer, "confidence", False))
         draft_kv = self.proposer.kv if self.proposer is not None else None
         # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
         # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
@@ -126,8 +125,7 @@ class LLMEngine:
         )
         # a policy that knows the next step runs plain (a coasting lease) lets a lone greedy row
         # commit several tokens in one call there, as plain decoding does
-        self.scheduler.plain_next = getattr(self.policy, "plain_next", None)
-        self._expect_batch = getattr(self.policy, "expect_batch", None)
+        self.scheduler.plain_next = self.policy.plain_next if self.policy is not None else None
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
         self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
@@ -269,13 +267,12 @@ class LLMEngine:
         if self.proposer is None or not decoding:
             return {}, {}
         seqs = [s.seq for s in decoding]
-        if self._expect_batch is not None:  # the batch ahead: rows prefilling or waiting decode soon
-            sch = self.scheduler
-            self._expect_batch(min(sch.max_num_seqs, len(sch.running) + len(sch.waiting)))  # (running holds seqs)
+        sch = self.scheduler  # the batch ahead: rows prefilling or waiting decode soon (running holds seqs)
+        self.policy.expect_batch(min(sch.max_num_seqs, len(sch.running) + len(sch.waiting)))
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
         plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
-        if self._reads_confidence is not None:
-            self.proposer.confidence = self._reads_confidence()
+        if self._confidence_per_step:
+            self.proposer.confidence = self.policy.hints().reads_confidence
         forced = [s.num_forced for s in decoding]
         if not any(plan) and not any(forced):  # no row drafts nor verifies: no drafter, nothing to admit
             none = dict.fromkeys([s.seq_id for s in seqs], _NO_DRAFT)  # (a coasting plain step: ~1% of
@@ -311,10 +308,9 @@ class LLMEngine:
             untimed, seconds = seconds, None
         if self._mixed_step:  # its decode part was not timed apart from the prefill chunks
             seconds = None
-        predicted = self.policy.observe_step(b, tokens, ctx, lengths, seconds, catch_up_seconds=catch_up,
-                                             untimed_seconds=untimed)
+        predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed))
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
-            self.stats.record_prediction(*predicted, seconds - catch_up)
+            self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
@@ -426,9 +422,9 @@ class LLMEngine:
                 outputs.append(self.fail(seq, f"error while generating: {type(e).__name__}: {e}"))
         return outputs
 
-    def _postprocess_one(self, seq: Sequence, drafted: DraftBlock | None, blk: DraftBlock | None, committed,
-                         propose_s: float, verify_s: float) -> StepOutput:
-        toks, a, rows = committed
+    def _postprocess_one(self, seq: Sequence, drafted: DraftBlock | None, blk: DraftBlock | None,
+                         committed: Committed, propose_s: float, verify_s: float) -> StepOutput:
+        toks, a, rows = committed.tokens, committed.num_accepted, committed.logits
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
             n_blk = len(blk.token_ids) if blk else 0  # forced proposals can make it longer than the drafted block

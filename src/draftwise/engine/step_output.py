@@ -20,6 +20,15 @@ class StepOutput:
 
 
 @dataclass
+class Committed:
+    """What verification decided for one row: the tokens postprocess commits (stop checks aside)."""
+
+    tokens: list[int]  # accepted proposals, then the recovered or bonus token
+    num_accepted: int  # proposals accepted
+    logits: torch.Tensor | None  # [num_accepted + 1, V] p's logits rows at those positions (None: a multi-step row)
+
+
+@dataclass
 class Verification:
     """What verification decided for the sequences that commit tokens this step, as lists."""
 
@@ -39,8 +48,7 @@ class Verification:
         tokens = [c[: a + 1] if v else [] for c, a, v in zip(committed, accepted, valid)]
         return Verification(rows, tokens, accepted, valid, meta.cu_num_logits.tolist()[:-1], p_logits)
 
-    def committed(self, b: int) -> tuple[list[int], int, torch.Tensor | None]:
-        """Row b's committed tokens, number accepted, and p's logits rows at those positions (None:
-        a multi-step row, which keeps no logits)."""
+    def committed(self, b: int) -> Committed:
+        """Row b's committed tokens, number accepted, and p's logits rows at those positions."""
         a, start = self.accepted[b], self.starts[b]
-        return self.tokens[b], a, None if self.p_logits is None else self.p_logits[start : start + a + 1]
+        return Committed(self.tokens[b], a, None if self.p_logits is None else self.p_logits[start : start + a + 1])

@@ -5,11 +5,11 @@ drafted proposal is verified. Kept as the baseline the goodput policy must beat;
 drafting, so a useless drafter still costs a drafter step per round."""
 from __future__ import annotations
 
-from .base import _Stateless, register_policy
+from .base import StatelessPolicy, register_policy
 
 
 @register_policy("adaptive")
-class AdaptivePolicy(_Stateless):
+class AdaptivePolicy(StatelessPolicy):
     def __init__(self, k: int = 4, **_):
         self.k = k
         self.length: dict[int, int] = {}

@@ -17,31 +17,77 @@ target directly" emits A with probability 4/5 * 3/4 + 1/5 * 3/5 = 18/25, not 3/5
 use anything (their output is the target's argmax whatever is verified). `causal_lengths` below
 is the helper every built-in policy uses: it reads only confidences.
 
-3. `observe` (postprocess): what was verified and accepted, to calibrate; `forget` when a request
-   finishes.
+3. `observe` (postprocess): what was verified and accepted, to calibrate; `observe_step`: what
+   the step cost (`StepTiming`); `forget` when a request finishes.
+
+Around them, typed hints both ways: `expect_batch` (before `plan`: the batch the coming steps will
+decode in), `hints` (after `plan`: `StepHints`, e.g. whether the step reads the drafted blocks'
+confidences) and `plain_next` (the scheduler: the next step drafts nothing, for certain).
+`StatelessPolicy` gives every method a default; a policy overrides what it uses.
 
 A new policy is a new file that registers itself with `register_policy`; the package's
 `__init__` imports the built-ins.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from ..proposers.base import DraftBlock, History
 from ..registry import Registry
 from .cost import CostModel
 
 
+@dataclass(frozen=True)
+class StepHints:
+    """What a policy says of the step it has just planned (asked after `plan`)."""
+
+    reads_confidence: bool  # `admit` and `observe` read DraftBlock.confidence (the drafter computes max q_j only then)
+    arm: str | None = None  # how the step runs, for statistics and tests (goodput: "spec", "full" or "plain")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One decode step as the engine measured it, given to `observe_step` after every row's `observe`."""
+
+    num_seqs: int  # B: the decoding rows
+    num_tokens: int  # T: tokens fed to the target for them (B + the verified proposals)
+    context: float  # the rows' mean context
+    draft_lengths: Sequence[int]  # [B] tokens drafted per row
+    # the decode step's seconds, its prefill chunks' forward left out; None: not timed apart (decode
+    # rows and prefill chunks in one forward, a mixed step) or several target steps (multi-step)
+    seconds: float | None
+    catch_up_seconds: float = 0.0  # of `seconds`: the drafter's long catch-ups (new prompts' prefill in the drafter)
+    untimed_seconds: float | None = None  # a multi-step step's time (not the forward modelled)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """What a policy's cost model predicted for a timed step (the drafter's long catch-ups left out)."""
+
+    seconds: float  # the policy's cost model (the profile plus what it learned online)
+    profile_seconds: float  # the hardware profile alone
+
+
+@runtime_checkable
 class Policy(Protocol):
     """Constructed with keyword context: k (the configured maximum), cost (a CostModel or None),
     has_draft_model (drafting costs a forward)."""
 
     name: str
     needs_cost_model: bool
-    needs_confidence: bool  # reads DraftBlock.confidence (the drafter computes it only then)
+    needs_confidence: bool  # may read DraftBlock.confidence (else the drafter never computes it)
+
+    def expect_batch(self, num_seqs: int) -> None:
+        """Before `plan`: the sequences the coming steps will decode together, this step's
+        decoding rows plus those prefilling or waiting now (up to max_num_seqs), so that a step
+        whose batch is still filling can be decided for the batch its rows will run in."""
 
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         """Tokens to draft per sequence, each in [0, max_draft[i]]."""
+
+    def hints(self) -> StepHints:
+        """After `plan`: what this step reads (`StepHints`)."""
 
     def admit(self, seqs: Sequence[History], blocks: Sequence[DraftBlock], draft_seconds: float) -> list[int]:
         """Proposals to verify per sequence, each in [0, len(blocks[i].token_ids)] (causal for sampled rows).
@@ -51,35 +97,17 @@ class Policy(Protocol):
         """After verification of `block.token_ids[:num_verified]`, of which num_accepted were kept
         (the engine calls it for rows that drafted or verified something only)."""
 
-    def forget(self, seq_id: int) -> None:
-        """The request finished: drop its state."""
-
-    def observe_step(self, num_seqs: int, num_tokens: int, context: float, draft_lengths: list[int],
-                     seconds: float | None, catch_up_seconds: float = 0.0,
-                     untimed_seconds: float | None = None) -> tuple[float, float] | None:
-        """A decode step took `seconds` (its prefill chunks' forward left out; B rows, T tokens fed,
-        mean context, tokens drafted per row), of which `catch_up_seconds` went to the drafter's
-        long catch-ups (a new prompt: the drafter's prefill); `seconds` None: the step ran its decode
-        rows and prefill chunks in one forward (a mixed step), so its decode part was not timed, or
-        it ran several target steps for a lone plain row (multi-step: `untimed_seconds` its time).
-        Returns what the policy's cost model predicted for the step without those, and what the
-        hardware profile alone predicted (None: it has no cost model, or nothing was timed)."""
+    def observe_step(self, timing: StepTiming) -> StepPrediction | None:
+        """A decode step's cost; returns what the policy's cost model predicted for it (None: it
+        has no cost model, or the step was not timed)."""
 
     def plain_next(self, num_seqs: int) -> bool:
-        """Optional: the next step at this batch size drafts for no row, for certain (the scheduler
-        may then give a lone greedy row several target steps in one call, and reserves no K/V for
-        proposals). Absent: never."""
+        """The next step at this batch size drafts for no row, for certain (the scheduler may then
+        give a lone greedy row several target steps in one call, and reserves no K/V for
+        proposals)."""
 
-    def expect_batch(self, num_seqs: int) -> None:
-        """Optional, called before `plan`: the sequences the coming steps will decode together,
-        this step's decoding rows plus those prefilling or waiting now (up to max_num_seqs). A
-        step whose batch is still filling (requests arriving together) can then be decided for
-        the batch its rows will run in, not for the few rows already decoding."""
-
-    def reads_confidence(self) -> bool:
-        """Optional, asked after `plan`: this step's `admit` and `observe` read the drafted blocks'
-        confidences (the drafter computes them only then: ~3% of a batch-1 step with the draft
-        model). Absent: `needs_confidence` decides once for the whole run."""
+    def forget(self, seq_id: int) -> None:
+        """The request finished: drop its state."""
 
 
 POLICIES = Registry("policy")
@@ -102,21 +130,31 @@ def causal_lengths(blocks: Sequence[DraftBlock], keep: Callable[[int, int, float
     return out
 
 
-class _Stateless:
-    """Defaults for policies without per-request state."""
+class StatelessPolicy:
+    """Defaults for every `Policy` method but `plan` and `admit`: no per-request state, no cost
+    model, no hints."""
 
     needs_cost_model = False
     needs_confidence = False
 
+    def expect_batch(self, num_seqs: int) -> None:
+        pass
+
+    def hints(self) -> StepHints:
+        return StepHints(reads_confidence=self.needs_confidence)
+
     def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
         pass
+
+    def observe_step(self, timing: StepTiming) -> StepPrediction | None:
+        return None
+
+    def plain_next(self, num_seqs: int) -> bool:
+        return False
 
     def forget(self, seq_id: int) -> None:
         pass
 
-    def observe_step(self, num_seqs, num_tokens, context, draft_lengths, seconds,
-                     catch_up_seconds=0.0, untimed_seconds=None) -> tuple[float, float] | None:
-        return None
 
-
-__all__ = ["Policy", "CostModel", "register_policy", "available_policies", "policy_class", "causal_lengths"]
+__all__ = ["Policy", "StatelessPolicy", "StepHints", "StepPrediction", "StepTiming", "CostModel", "register_policy",
+           "available_policies", "policy_class", "causal_lengths"]

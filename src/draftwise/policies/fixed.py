@@ -2,11 +2,11 @@
 every proposal: the behaviour of plain speculative decoding."""
 from __future__ import annotations
 
-from .base import _Stateless, register_policy
+from .base import StatelessPolicy, register_policy
 
 
 @register_policy("fixed")
-class FixedPolicy(_Stateless):
+class FixedPolicy(StatelessPolicy):
     def __init__(self, **_):
         pass
 
