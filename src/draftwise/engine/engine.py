@@ -7,10 +7,11 @@
   sequence); K/V slots are reserved for them (target: last committed + num_draft + num_forced;
   drafter: its catch-up + num_draft + num_forced - 1; neither for drafted proposals when the
   policy is sure the step drafts nothing, `ScheduledSeq.plain`).
-- propose: the verification `Policy` plans how many tokens each decoding sequence drafts (0 = plain
-  decoding this step), the `Proposer` drafts them (a `DraftBlock` each), and the policy admits a
-  prefix of each block for verification (causally: never by looking at the proposal itself); a
-  constrained sequence's block is followed by the tokens its grammar forces next (free proposals).
+- propose (`Speculation`, speculation.py): the verification `Policy` plans how many tokens each
+  decoding sequence drafts (0 = plain decoding this step), the `Proposer` drafts them (a
+  `DraftBlock` each), and the policy admits a prefix of each block for verification (causally:
+  never by looking at the proposal itself); a constrained sequence's block is followed by the
+  tokens its grammar forces next (free proposals).
 - verify: target forward -> `process_logits` (p at every position) -> `sampling.verify` (the pure
   selection rule over the ragged batch) -> a typed `Verification`.
 - postprocess: the only place state changes: committed tokens are appended one at a time with
@@ -37,11 +38,10 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
-from ..policies import StepTiming, policy_class
 from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
 from ..sampling.processors import changes_logits
-from ..sampling.grammar import GrammarState, compile_constraint, forced_tail, grammar_bitmask
+from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
 from ..sampling.verify import VerifyMetadata, flat_draft_probs
 from ..sampling.verify import verify as verify_proposals
 from ..sampling.verify import verify_argmax
@@ -51,11 +51,11 @@ from .isolation import FailureIsolation
 from .kv_sizing import num_kv_blocks
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprob
+from .speculation import NO_DRAFT, Speculation
 from .stats import EngineStats
 from .step_output import Committed, StepOutput, Verification
 
 log = logging.getLogger("draftwise.engine")
-_NO_DRAFT = DraftBlock([], None)
 
 
 def _takes_argmax(seq: Sequence) -> bool:
@@ -91,22 +91,11 @@ class LLMEngine:
         num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
         self.runner = ModelRunner(target, num_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching,
                                   recurrent_rollback=cfg.recurrent_rollback)
-        self.proposer = None
-        if cls is not None:
-            self.proposer = cls(
-                target=target, draft=draft, num_blocks=num_blocks, block_size=cfg.block_size,
-                eos_ids=self.eos_ids, ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
-                prefix_caching=cfg.enable_prefix_caching,
-            )
-        self.policy = None
-        if cls is not None:
-            pcls = policy_class(self.spec.policy)
-            cost = self._cost_model(draft) if pcls.needs_cost_model else None
-            self.policy = pcls(k=self.spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
-            if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
-                self.proposer.confidence = self.policy.needs_confidence
-        # a policy that may read the confidences says after each plan whether this step does
-        self._confidence_per_step = bool(getattr(self.proposer, "confidence", False))
+        self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
+        # the proposer and the verification policy (None: plain decoding)
+        self.speculation = Speculation(self.spec, cfg, target, draft, num_blocks, self.stats) if cls else None
+        self.proposer = self.speculation.proposer if self.speculation else None
+        self.policy = self.speculation.policy if self.speculation else None
         draft_kv = self.proposer.kv if self.proposer is not None else None
         # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
         # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
@@ -128,31 +117,12 @@ class LLMEngine:
         self.scheduler.plain_next = self.policy.plain_next if self.policy is not None else None
         self.isolation = FailureIsolation(self.scheduler)
         self.detok = Detokenizer(self.tokenizer)
-        self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
         self.seqs: dict[str, Sequence] = {}
 
     def _num_blocks(self, max_len: int, draft: LoadedModel | None) -> int:
         """Blocks per K/V pool (target's, and the draft model's of the same size): see kv_sizing."""
         lookahead = self.spec.max_draft + 1  # forced proposals stay within the context (num_forced_for)
         return num_kv_blocks(self.config, max_len + lookahead, [self.target] + ([draft] if draft else []))
-
-    def _cost_model(self, draft: LoadedModel | None):
-        """The cost model a policy optimises against: given, from --profile, or the cached
-        hardware profile of this model pair (measured on first use)."""
-        if self.spec.cost_model is not None:
-            return self.spec.cost_model
-        import sys
-
-        from ..policies.profile import load_or_measure
-
-        cfg = self.config
-        draft_dtype = str(next(draft.model.parameters()).dtype).replace("torch.", "") if draft is not None else None
-        profile = load_or_measure(
-            self.target, draft, dtype=cfg.dtype, draft_dtype=draft_dtype, device=cfg.device,
-            threads=torch.get_num_threads(), max_num_seqs=cfg.max_num_seqs, k=self.spec.k, path=self.spec.profile,
-            log=lambda msg: print(msg, file=sys.stderr),
-        )
-        return profile.grid_cost()
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:
@@ -220,7 +190,7 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
-        self._prefill_seconds = self._catch_up_seconds = 0.0
+        self._prefill_seconds = 0.0
         self.isolation.before_step()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -244,7 +214,8 @@ class LLMEngine:
             st.decode_steps += 1
             st.speculative_steps += any(b.token_ids for b in blocks.values())
             # the step's decode part: its time without the prefill chunks' forward
-            self._observe_step(decoding, drafted, blocks, t4 - t0 - self._prefill_seconds)
+            self.speculation.observe_step(decoding, drafted, blocks, t4 - t0 - self._prefill_seconds,
+                                          timed=not self._mixed_step, several_steps=self._multi_stepped)
         st.steps += 1
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2
@@ -260,57 +231,11 @@ class LLMEngine:
         return outputs
 
     def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
-        """Plan -> draft -> admit -> forced tail. Returns the drafted blocks (what the drafter's
-        cache holds) and the verified ones (an admitted prefix, then, for a constrained sequence,
-        the tokens its grammar forces next: free proposals, up to the K/V the scheduler reserved),
-        by seq_id."""
-        if self.proposer is None or not decoding:
+        """The drafted and the verified blocks by seq_id (`Speculation.propose`)."""
+        if self.speculation is None or not decoding:
             return {}, {}
-        seqs = [s.seq for s in decoding]
         sch = self.scheduler  # the batch ahead: rows prefilling or waiting decode soon (running holds seqs)
-        self.policy.expect_batch(min(sch.max_num_seqs, len(sch.running) + len(sch.waiting)))
-        k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
-        plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
-        if self._confidence_per_step:
-            self.proposer.confidence = self.policy.hints().reads_confidence
-        forced = [s.num_forced for s in decoding]
-        if not any(plan) and not any(forced):  # no row drafts nor verifies: no drafter, nothing to admit
-            none = dict.fromkeys([s.seq_id for s in seqs], _NO_DRAFT)  # (a coasting plain step: ~1% of
-            return none, none  # a 4-row step went to this method's Python, cold after the forward)
-        t0 = time.perf_counter()
-        if any(plan):
-            drafted = self.proposer.propose(seqs, plan, forced)
-            self._catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
-        else:  # no row drafts: the drafter does not run
-            drafted = [_NO_DRAFT] * len(seqs)
-        admitted = self.policy.admit(seqs, drafted, time.perf_counter() - t0)
-        blocks = {}
-        for s, b, n, m in zip(decoding, drafted, admitted, plan):
-            b = b.truncated(n)
-            if s.num_forced and s.seq.grammar is not None:
-                if not b.forced_done:  # (the draft model has already appended what the grammar forces)
-                    tail = forced_tail(s.seq.grammar, b.token_ids, s.num_draft + s.num_forced - len(b.token_ids))
-                    b = b.extended(tail, self.vocab_size)
-                self.stats.forced_tokens += max(0, len(b.token_ids) - m)  # free: beyond the planned drafting
-            blocks[s.seq.seq_id] = b
-        return {s.seq_id: b for s, b in zip(seqs, drafted)}, blocks
-
-    def _observe_step(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
-                      blocks: dict[int, DraftBlock], seconds: float) -> None:
-        """Tell the policy what a decode step cost; record its prediction against the clock."""
-        b = len(scheduled)
-        ctx = sum(s.seq.num_tokens for s in scheduled) / b
-        tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
-        lengths = [len(blk.token_ids) for blk in drafted.values()]
-        catch_up = self._catch_up_seconds
-        untimed = None
-        if self._multi_stepped:  # several target steps, not the forward modelled: its time, for budgets
-            untimed, seconds = seconds, None
-        if self._mixed_step:  # its decode part was not timed apart from the prefill chunks
-            seconds = None
-        predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed))
-        if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
-            self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
+        return self.speculation.propose(decoding, min(sch.max_num_seqs, len(sch.running) + len(sch.waiting)))
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:
@@ -321,7 +246,7 @@ class LLMEngine:
         sampling, logits = self._forward(scheduled, blocks)
         if not sampling:
             return Verification({}, [], [], [], [], None)
-        drafts = [blocks.get(s.seq.seq_id, _NO_DRAFT) for s in sampling]
+        drafts = [blocks.get(s.seq.seq_id, NO_DRAFT) for s in sampling]
         rows = {s.seq.seq_id: b for b, s in enumerate(sampling)}
         ids = [b.token_ids for b in drafts]
         if all(_takes_argmax(s.seq) for s in sampling):  # greedy, nothing to process: p's argmax, on lists
@@ -359,7 +284,7 @@ class LLMEngine:
         s = scheduled[0]
         seq = s.seq
         if not s.num_draft or seq.is_prefilling or not s.samples or not _takes_argmax(seq) \
-                or blocks.get(seq.seq_id, _NO_DRAFT).token_ids:
+                or blocks.get(seq.seq_id, NO_DRAFT).token_ids:
             return None
         feed = seq.all_ids[seq.num_computed : seq.num_tokens]
         got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft)
@@ -383,7 +308,7 @@ class LLMEngine:
             feeds, starts, nlog, prov = [], [], [], []
             for s in group:
                 seq = s.seq
-                d = blocks.get(seq.seq_id, _NO_DRAFT).token_ids
+                d = blocks.get(seq.seq_id, NO_DRAFT).token_ids
                 feeds.append(seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
                 starts.append(seq.num_computed)
                 nlog.append(1 + len(d) if s.samples else 1)
@@ -428,17 +353,16 @@ class LLMEngine:
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
             n_blk = len(blk.token_ids) if blk else 0  # forced proposals can make it longer than the drafted block
-            self._count_round(seq, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s)
+            self.stats.count_round(seq.stats, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s)
         seq.stats.verify_seconds += verify_s
         new_ids, reason, stop_string = self._commit(seq, toks, rows)
         for _ in new_ids[1 + a :]:  # a multi-step row's further tokens: one plain round each
-            self._count_round(seq, 0, 0, 0, 0.0)
+            self.stats.count_round(seq.stats, 0, 0, 0, 0.0)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         self.stats.generation_tokens += len(new_ids)
         if drafted is not None and (drafted.token_ids or blk.token_ids):  # (nothing drafted nor verified: nothing to do)
-            self.proposer.postprocess(seq, drafted, a, n_before)
-            self.policy.observe(seq, drafted, len(blk.token_ids), a)
+            self.speculation.observe(seq, drafted, blk, a, n_before)
         if reason:
             self._finish(seq, reason, flush=not stop_string)
         else:
@@ -482,30 +406,6 @@ class LLMEngine:
         return StepOutput(seq, [], True)
 
     # ---------------------------------------------------------------- helpers
-    def _count_round(self, seq: Sequence, num_proposed: int, num_verified: int, a: int, propose_s: float) -> None:
-        """Statistics of one round that proposed num_proposed tokens, verified num_verified of them
-        and accepted a (committing a + 1)."""
-        st = self.stats
-        for per_pos in (seq.stats.accepted_per_position, st.accepted_per_position):
-            per_pos.extend([0] * (a - len(per_pos)))  # forced proposals reach past k
-        seq.stats.rounds += 1
-        seq.stats.proposed_tokens += num_proposed
-        seq.stats.verified_tokens += num_verified
-        seq.stats.accepted_tokens += a
-        seq.stats.committed_in_rounds += a + 1
-        seq.stats.committed_per_round.append(a + 1)
-        seq.stats.draft_seconds += propose_s if num_proposed else 0.0
-        for j in range(a):
-            seq.stats.accepted_per_position[j] += 1
-            st.accepted_per_position[j] += 1
-        st.rounds += 1
-        st.proposed_tokens += num_proposed
-        st.verified_tokens += num_verified
-        st.accepted_tokens += a
-        st.committed_tokens += a + 1
-        st.committed_per_round[a + 1] = st.committed_per_round.get(a + 1, 0) + 1
-        st.verified_per_round[num_verified] = st.verified_per_round.get(num_verified, 0) + 1
-
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         n = len(seq.output_ids)
@@ -532,8 +432,8 @@ class LLMEngine:
         if flush and reason != "abort":
             self.detok.flush(seq)
         seq.finish_reason = reason
-        if self.policy is not None:
-            self.policy.forget(seq.seq_id)
+        if self.speculation is not None:
+            self.speculation.forget(seq.seq_id)
         seq.finish_time = time.perf_counter()
         seq.stats.total_seconds = seq.finish_time - seq.arrival_time
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sequence import RequestStats
 
 
 @dataclass
@@ -73,6 +77,29 @@ class EngineStats:
             "draft_prefix_cache_queried_tokens": self.draft_prefix_cache_queried_tokens,
             "draft_prefix_cache_hit_tokens": self.draft_prefix_cache_hit_tokens,
         }
+
+    def count_round(self, req: "RequestStats", num_proposed: int, num_verified: int, a: int, propose_s: float) -> None:
+        """One request's round that proposed num_proposed tokens, verified num_verified of them
+        and accepted a (committing a + 1), counted in its statistics and the engine's."""
+        for per_pos in (req.accepted_per_position, self.accepted_per_position):
+            per_pos.extend([0] * (a - len(per_pos)))  # forced proposals reach past k
+        req.rounds += 1
+        req.proposed_tokens += num_proposed
+        req.verified_tokens += num_verified
+        req.accepted_tokens += a
+        req.committed_in_rounds += a + 1
+        req.committed_per_round.append(a + 1)
+        req.draft_seconds += propose_s if num_proposed else 0.0
+        for j in range(a):
+            req.accepted_per_position[j] += 1
+            self.accepted_per_position[j] += 1
+        self.rounds += 1
+        self.proposed_tokens += num_proposed
+        self.verified_tokens += num_verified
+        self.accepted_tokens += a
+        self.committed_tokens += a + 1
+        self.committed_per_round[a + 1] = self.committed_per_round.get(a + 1, 0) + 1
+        self.verified_per_round[num_verified] = self.verified_per_round.get(num_verified, 0) + 1
 
     def record_prediction(self, predicted: float, profile_only: float, measured: float) -> None:
         """A decode step's time: the policy's prediction (profile + online residual), the hardware

@@ -1,0 +1,130 @@
+"""The speculative half of an engine step, and what it learns afterwards.
+
+propose: the verification `Policy` plans how many tokens each decoding row drafts (0 = plain
+decoding this step), the `Proposer` drafts them (a `DraftBlock` each), and the policy admits a
+prefix of each block for verification (causally: never by looking at the proposal itself); a
+constrained row's block is followed by the tokens its grammar forces next (free proposals, up to
+the K/V the scheduler reserved). After verification, postprocess tells both what each row
+accepted (`observe`) and the policy what the step cost (`observe_step`).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from ..model.loader import LoadedModel
+from ..policies import CostModel, StepTiming, policy_class
+from ..proposers import DraftBlock, proposer_class
+from ..sampling.grammar import forced_tail
+from .config import EngineConfig, SpecConfig
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+from .stats import EngineStats
+
+NO_DRAFT = DraftBlock([], None)
+
+
+def cost_model(spec: SpecConfig, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None) -> CostModel:
+    """The cost model a policy optimises against: given, from --profile, or the cached hardware
+    profile of this model pair (measured on first use)."""
+    if spec.cost_model is not None:
+        return spec.cost_model
+    from ..policies.profile import load_or_measure
+
+    draft_dtype = str(next(draft.model.parameters()).dtype).replace("torch.", "") if draft is not None else None
+    profile = load_or_measure(
+        target, draft, dtype=config.dtype, draft_dtype=draft_dtype, device=config.device,
+        threads=torch.get_num_threads(), max_num_seqs=config.max_num_seqs, k=spec.k, path=spec.profile,
+        log=lambda msg: print(msg, file=sys.stderr),
+    )
+    return profile.grid_cost()
+
+
+class Speculation:
+    """The proposer and the verification policy of an engine with a speculative method."""
+
+    def __init__(self, spec: SpecConfig, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
+                 num_blocks: int, stats: EngineStats):
+        cls = proposer_class(spec.method)
+        self.spec, self.stats = spec, stats
+        self.vocab_size = target.config.vocab_size
+        self.proposer = cls(
+            target=target, draft=draft, num_blocks=num_blocks, block_size=config.block_size,
+            eos_ids=target.eos_token_ids, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
+            prefix_caching=config.enable_prefix_caching,
+        )
+        pcls = policy_class(spec.policy)
+        cost = cost_model(spec, config, target, draft) if pcls.needs_cost_model else None
+        self.policy = pcls(k=spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
+        if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
+            self.proposer.confidence = self.policy.needs_confidence
+        # a policy that may read the confidences says after each plan whether this step does
+        self._confidence_per_step = bool(getattr(self.proposer, "confidence", False))
+        self.catch_up_seconds = 0.0  # this step's drafter catch-ups fed on their own (the proposer times them)
+
+    def propose(self, decoding: list[ScheduledSeq], batch_ahead: int) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
+        """Plan -> draft -> admit -> forced tail. Returns the drafted blocks (what the drafter's
+        cache holds) and the verified ones (an admitted prefix, then, for a constrained sequence,
+        the tokens its grammar forces next), by seq_id. `batch_ahead`: the rows the coming steps
+        will decode (prefilling and waiting ones too), for `Policy.expect_batch`."""
+        self.catch_up_seconds = 0.0
+        if not decoding:
+            return {}, {}
+        seqs = [s.seq for s in decoding]
+        self.policy.expect_batch(batch_ahead)
+        k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
+        plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
+        if self._confidence_per_step:
+            self.proposer.confidence = self.policy.hints().reads_confidence
+        forced = [s.num_forced for s in decoding]
+        if not any(plan) and not any(forced):  # no row drafts nor verifies: no drafter, nothing to admit
+            none = dict.fromkeys([s.seq_id for s in seqs], NO_DRAFT)  # (a coasting plain step: cold
+            return none, none  # Python after the forward, kept short)
+        t0 = time.perf_counter()
+        if any(plan):
+            drafted = self.proposer.propose(seqs, plan, forced)
+            self.catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
+        else:  # no row drafts: the drafter does not run
+            drafted = [NO_DRAFT] * len(seqs)
+        admitted = self.policy.admit(seqs, drafted, time.perf_counter() - t0)
+        blocks = {}
+        for s, b, n, m in zip(decoding, drafted, admitted, plan):
+            b = b.truncated(n)
+            if s.num_forced and s.seq.grammar is not None:
+                if not b.forced_done:  # (the draft model has already appended what the grammar forces)
+                    tail = forced_tail(s.seq.grammar, b.token_ids, s.num_draft + s.num_forced - len(b.token_ids))
+                    b = b.extended(tail, self.vocab_size)
+                self.stats.forced_tokens += max(0, len(b.token_ids) - m)  # free: beyond the planned drafting
+            blocks[s.seq.seq_id] = b
+        return {s.seq_id: b for s, b in zip(seqs, drafted)}, blocks
+
+    def observe(self, seq: Sequence, drafted: DraftBlock, verified: DraftBlock, num_accepted: int,
+                num_tokens_before: int) -> None:
+        """A row's outcome (postprocess, after its tokens were committed): the proposer's cache
+        follows the committed path, the policy calibrates."""
+        self.proposer.postprocess(seq, drafted, num_accepted, num_tokens_before)
+        self.policy.observe(seq, drafted, len(verified.token_ids), num_accepted)
+
+    def observe_step(self, decoding: list[ScheduledSeq], drafted: dict[int, DraftBlock],
+                     blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: bool) -> None:
+        """Tell the policy what a decode step cost; record its prediction against the clock.
+        `timed`: its decode rows ran in a forward of their own (not a mixed step);
+        `several_steps`: a lone row ran several target steps (multi-step)."""
+        b = len(decoding)
+        ctx = sum(s.seq.num_tokens for s in decoding) / b
+        tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
+        lengths = [len(blk.token_ids) for blk in drafted.values()]
+        catch_up = self.catch_up_seconds
+        untimed = None
+        if several_steps:  # not the forward modelled: its time, for budgets
+            untimed, seconds = seconds, None
+        if not timed:  # its decode part was not timed apart from the prefill chunks
+            seconds = None
+        predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed))
+        if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
+            self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
+
+    def forget(self, seq_id: int) -> None:
+        self.policy.forget(seq_id)
