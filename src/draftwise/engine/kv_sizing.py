@@ -9,12 +9,11 @@ start: its size is chosen in bytes, as vLLM does (`VLLM_CPU_KVCACHE_SPACE` on CP
 - `kv_cache_memory` given ("2GiB", "512MB", or bytes): exactly that many bytes' worth of blocks,
   and a ValueError when one full context (`max_model_len` + lookahead) does not fit.
 - otherwise the default budget: `max(512 MiB, the models' weight bytes)`, at most half the
-  memory the machine has available now, and never more than the token rule the engine used
-  before (`max_num_seqs` full contexts, capped at `kv_cache_max_tokens`); at least one full
-  context. SmolLM2-135M in float32 (46 KB of K/V per token, 538 MB of weights): about 11.7K
-  tokens (730 per sequence at 16 in flight), where the token rule alone gave 131072 tokens
-  (5.6 GiB); `serve` peaked at 1.58 GB RSS with 16 chat requests in flight (6.9 GB before). The
-  embedded pair (8.4 KB per token with its draft) keeps ~62 full 1024-token contexts (was 64).
+  memory the machine has available now, and never more than the token rule (`max_num_seqs` full
+  contexts, capped at `kv_cache_max_tokens`); at least one full context. E.g. SmolLM2-135M in
+  float32 (46 KB of K/V per token, 538 MB of weights): about 11.7K tokens (730 per sequence at
+  16 in flight), where the token rule alone would give 131072 tokens (5.6 GiB). The embedded pair
+  (8.4 KB per token with its draft) keeps ~62 full 1024-token contexts.
 - `num_kv_blocks` given: that many blocks (tests, and callers that count tokens).
 """
 from __future__ import annotations
