@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install models bench clean smollm2
+.PHONY: demo test install models bench clean smollm2 benchmarks-page
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -x
+
+# BENCHMARKS.md from the committed result files in benchmarks/results/
+benchmarks-page: $(STAMP)
+	$(BIN)/python benchmarks/page.py
 
 models: $(STAMP)
 	$(BIN)/python -m draftwise.cli.main train all --out models --target-minutes 80 --draft-minutes 15 --draft-continue-minutes 100
