@@ -70,16 +70,6 @@ def source_bytes(source: Path = KERNEL_DIR) -> bytes:
     return b"".join(part.name.encode() + b"\0" + part.read_bytes() + b"\0" for part in _parts(source)[1])
 
 
-class _Sources:
-    """`SOURCE.read_bytes()`: the kernels' parts as one source (policies/profile.py keys its cache by
-    it; `source_bytes` is the same)."""
-
-    def read_bytes(self) -> bytes:
-        return source_bytes(KERNEL_DIR)
-
-
-SOURCE = _Sources()
-
 
 def _build(source: Path = KERNEL_DIR) -> Path:
     """Compile `source` once per machine: the folder `kernels/` (all its C files into one library),

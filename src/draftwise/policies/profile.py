@@ -46,7 +46,7 @@ def profile_cache_path(target_path: str | Path, draft_path: str | Path | None, d
         "device": str(device), "threads": int(threads), "cpu": machine_info()["cpu"],
     }
     if str(device) == "cpu":
-        key["kernels"] = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:16]
+        key["kernels"] = hashlib.sha256(cpu_kernels.source_bytes()).hexdigest()[:16]
     if quantization is not None:  # (absent for float weights: the caches written before stay valid)
         key["quantization"] = quantization
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
