@@ -23,6 +23,8 @@ import math
 import sys
 from pathlib import Path
 
+from draftwise.lab.policy_compare import strip_option, control_points, policy_points
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "BENCHMARKS.md"
@@ -102,13 +104,6 @@ def _table(columns: list[str], rows: list[list]) -> list[str]:
     return out
 
 
-def _fixed_config(config: str, configs: list[str]) -> str | None:
-    """The plain-speculation config a policy or A/A variant is compared with (draft:k=4 for
-    draft:k=4:policy=goodput and draft:k=4:copy=2)."""
-    base = ":".join(p for p in config.split(":") if not p.startswith(("policy=", "copy=")))
-    return base if base != config and base in configs else None
-
-
 def _lab_tables(lab: dict) -> list[str]:
     lines: list[str] = []
     for w in lab["workloads"]:
@@ -133,7 +128,7 @@ def _lab_tables(lab: dict) -> list[str]:
                     row.append(f"{c['tok_s']:.1f}")
             rows.append(row)
         lines += _table(["speedup vs none (tokens per round)"] + levels, rows)
-        lines += _over_best(cells, levels, configs)
+        lines += _over_best(w["name"], cells, levels, configs)
         mism = [(cfg, lv, c) for cfg in configs for lv, c in cells[cfg].items()
                 if cfg != "none" and c.get("mismatches")]
         compared = sum(c.get("compared") or 0 for cfg in configs for c in cells[cfg].values() if cfg != "none")
@@ -143,29 +138,24 @@ def _lab_tables(lab: dict) -> list[str]:
     return lines
 
 
-def _over_best(cells: dict, levels: list[str], configs: list[str]) -> list[str]:
-    """Each variant against max(none, its fixed config) at every level, with the geometric mean."""
-    none = cells.get("none", {})
+def _over_best(name: str, cells: dict, levels: list[str], configs: list[str]) -> list[str]:
+    """Each load-aware policy against max(none, its fixed config), each A/A copy against its
+    original, at every level, with the geometric mean (the lab's own comparisons, policy_compare)."""
+    results = {"workloads": [{"name": name, "runs": [
+        {"config": cfg, "level_label": lv, "output_tokens_per_s": c["tok_s"]}
+        for cfg in configs for lv, c in cells[cfg].items()]}]}
+    policies, controls = policy_points(results), control_points(results)
     rows = []
     for cfg in configs:
-        fixed = _fixed_config(cfg, configs)
-        if fixed is None or not none:
+        if cfg in controls:
+            label, pts = f"{cfg} / {strip_option(cfg, 'copy')} (A/A control)", controls[cfg]
+        elif cfg in policies:
+            label, pts = f"{cfg} / max(none, {strip_option(cfg, 'policy')})", policies[cfg]
+        else:
             continue
-        ratios = []
-        for lv in levels:
-            if lv in cells[cfg] and lv in cells[fixed] and lv in none:
-                # an A/A copy is compared with the run it copies; a policy with the better arm
-                best = cells[fixed][lv]["tok_s"] if "copy=" in cfg else max(none[lv]["tok_s"], cells[fixed][lv]["tok_s"])
-                ratios.append(cells[cfg][lv]["tok_s"] / best)
-            else:
-                ratios.append(None)
-        got = [r for r in ratios if r is not None]
-        label = f"{cfg} / max(none, {fixed})"
-        geo = math.exp(sum(math.log(r) for r in got) / len(got)) if got else float("nan")
-        if "copy=" in cfg:
-            label = f"{cfg} / {fixed} (A/A control)"
-        rows.append([label] + [f"{r:.2f}" if r is not None else "-" for r in ratios]
-                    + [f"{geo:.3f}"])
+        ratio = {lv: r for _, lv, r in pts}
+        geo = math.exp(sum(math.log(r) for r in ratio.values()) / len(ratio))
+        rows.append([label] + [f"{ratio[lv]:.2f}" if lv in ratio else "-" for lv in levels] + [f"{geo:.3f}"])
     if not rows:
         return []
     return [""] + _table(["ratio"] + levels + ["geomean"], rows)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -105,7 +104,7 @@ def run(args) -> int:
     console = Console(stderr=True)
     t0 = time.perf_counter()
     results = run_bench(plan, console)
-    command = ["draftwise", "bench"] + (sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    command = ["draftwise", *args.argv]
     results = build_results(results, _settings(args, plan, num_requests), command, time.perf_counter() - t0)
     _write(results, args, console)
     _print_failures(results, console)

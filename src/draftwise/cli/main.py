@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as given (bench records it in results.json)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -14,7 +14,8 @@ import statistics
 from .tables import fmt_cell
 
 
-def _strip(label: str, key: str) -> str:
+def strip_option(label: str, key: str) -> str:
+    """A config label without its `key=...` option ("draft:k=4:copy=2", "copy" -> "draft:k=4")."""
     return ":".join(x for x in label.split(":") if not x.startswith(key + "="))
 
 
@@ -22,11 +23,11 @@ def _fixed_counterpart(label: str) -> str | None:
     """"draft:k=4:policy=goodput" -> "draft:k=4" (the same config, every proposal verified); an A/A
     copy ("draft:k=4:copy=2", bench's `copy=N`) -> its original, judged as a load-aware policy is
     (what a policy no better than fixed speculation scores there); None for any other config."""
-    base = _strip(label, "copy")
+    base = strip_option(label, "copy")
     parts = base.split(":")
     policy = [x for x in parts if x.startswith("policy=")]
     if policy and policy[0] != "policy=fixed":
-        return _strip(base, "policy")
+        return strip_option(base, "policy")
     return base if base != label else None
 
 
@@ -60,7 +61,7 @@ def control_points(results: dict) -> dict[str, list[tuple[str, str, float]]]:
     for wl in results["workloads"]:
         rate = _rates(wl)
         for (c, lv), v in rate.items():
-            orig = _strip(c, "copy")
+            orig = strip_option(c, "copy")
             if orig != c and (orig, lv) in rate and rate[(orig, lv)] > 0:
                 out.setdefault(c, []).append((wl["name"], lv, v / rate[(orig, lv)]))
     return out
@@ -86,7 +87,7 @@ def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
         base = _fixed_counterpart(c)
         ok = sum(r >= 1.0 - tolerance for _, _, r in pts)
         low = min(pts, key=lambda x: x[2])
-        what = " (an A/A copy, judged as a policy: what one no better than it scores)" if base == _strip(c, "copy") else ""
+        what = " (an A/A copy, judged as a policy: what one no better than it scores)" if base == strip_option(c, "copy") else ""
         lines.append(f"`{c}` against the better of `none` and `{base}`{what}: within {tolerance:.0%} at {ok} of "
                      f"{len(pts)} points; geometric mean {_geomean(r for _, _, r in pts):.3f}; "
                      f"lowest {low[2]:.2f} ({low[0]} {low[1]}).")
@@ -95,7 +96,7 @@ def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
         sd = aa_noise(controls)
         floor = (1.0 - tolerance) * math.exp(-2 * sd)
         for c, pts in points.items():
-            if _strip(c, "copy") != c:
+            if strip_option(c, "copy") != c:
                 continue
             far = [f"{w} {lv} {r:.2f}" for w, lv, r in pts if r < floor]
             lines.append(f"`{c}` more than {tolerance:.0%} below max(none, fixed) by more than twice the A/A "
@@ -105,7 +106,7 @@ def policy_summary(results: dict, tolerance: float = 0.03) -> list[str]:
         ok = sum(abs(r - 1.0) <= tolerance for _, _, r in pts)
         below = sum(r < 1.0 - tolerance for _, _, r in pts)
         low, high = min(pts, key=lambda x: x[2]), max(pts, key=lambda x: x[2])
-        lines.append(f"A/A control `{c}` against `{_strip(c, 'copy')}` (the same config, its own engine): within "
+        lines.append(f"A/A control `{c}` against `{strip_option(c, 'copy')}` (the same config, its own engine): within "
                      f"{tolerance:.0%} either way at {ok} of {len(pts)} points, more than {tolerance:.0%} below at "
                      f"{below}; geometric mean {_geomean(r for _, _, r in pts):.3f}; from {low[2]:.2f} "
                      f"({low[0]} {low[1]}) to {high[2]:.2f} ({high[0]} {high[1]}).")
