@@ -213,6 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--order", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="exit 1 when BENCHMARKS.md differs from the result files")
     args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, KeyError) as e:  # a bad result file (json.JSONDecodeError is a ValueError)
+        what = f"a results file without the field {e}" if isinstance(e, KeyError) else e
+        print(f"page: error: {what}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "import-lab":
         print(import_lab(args.results, args.name, args.section, args.title, args.note, args.order))
         return 0
