@@ -1,7 +1,7 @@
 """Does a heuristic of the goodput policy pay its rent? The policy beside variants of its
 `GoodputConfig`, in one `draftwise bench` run (the same requests, configs time-sliced together).
 
-    .venv/bin/python benchmarks/policy_ab.py --variant lean:stale=1000000000,fill_plans=0 -- \\
+    .venv/bin/python benchmarks/policy_ab.py --variant lean:first_look=1024,look_much_later=2 -- \\
         --workload code-easy,code-hard,grounded \\
         --configs none,draft:k=4,draft:k=4:copy=2,draft:k=4:policy=goodput,draft:k=4:policy=goodput-lean \\
         --concurrency 1,2,4,8,16,32 --output-len 128 --num-requests 64 --threads 2 --repeats 3 --time-slice 50
@@ -32,7 +32,7 @@ def _value(field: dataclasses.Field, text: str):
 
 
 def variant_config(spec: str) -> tuple[str, GoodputConfig]:
-    """'lean:stale=1000,fill_plans=0' -> ('lean', GoodputConfig(stale=1000, fill_plans=0))."""
+    """'lean:first_look=1024,burst=1' -> ('lean', GoodputConfig(first_look=1024, burst=1))."""
     name, _, assignments = spec.partition(":")
     if not name or not assignments:
         raise ValueError(f"--variant looks like NAME:FIELD=VALUE,...; got {spec!r}")

@@ -9,7 +9,7 @@ token), is the control: the enumeration and `draftwise check`'s distribution tes
 its bias.
 
 The goodput policy is driven through its interface (`plan`, `admit`, `observe`, `observe_step`,
-`hints`, `plain_next`, `expect_batch`, a `GoodputConfig`) on synthetic clocks, its parts (the
+`hints`, `plain_next`, a `GoodputConfig`) on synthetic clocks, its parts (the
 core's `Planner`, one batch size's `Arms`) through their methods; no test touches a private field
 (the `Arms` unit tests set its public decision state directly, to pin one rule at a time).
 """
@@ -263,7 +263,6 @@ def test_every_registered_policy_has_the_whole_interface():
         cls = policy_class(name)
         policy = cls(k=3, cost=COST, has_draft_model=True)
         assert isinstance(policy, Policy), name
-        policy.expect_batch(2)
         assert policy.plan(rows(2), [3, 3]) is not None
         assert isinstance(policy.hints(), StepHints) and policy.plain_next(2) in (True, False)
 
@@ -1070,73 +1069,6 @@ def test_a_catch_up_is_spread_over_the_steps_a_row_has_left():
     assert lengths[0] == 0 and lengths[1] > 0, lengths  # equal gains: the row with less catch-up first
 
 
-def test_a_filling_batch_is_decided_for_the_batch_ahead():
-    """Requests arriving together decode a few rows first while the others prefill: those steps
-    follow the arms of the batch they fill up to (`expect_batch`), not their own batch size's
-    (where speculation may lead), and record nothing anywhere (another batch size's steps): here
-    they take 1 s each, which would have put any arm that recorded them far behind."""
-    policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True, config=FROZEN)
-
-    def seconds_for(b):  # verification nearly free at 2 rows, dear at 8
-        return lambda admitted: 0.002 * b + (0.0002 if b <= 2 else 0.010) * sum(admitted)
-
-    def drive(b, steps, ahead=None, seconds=None):
-        seqs, modes = rows(b), []
-        for _ in range(steps):
-            if ahead is not None:
-                policy.expect_batch(ahead)
-            lengths = policy.plan(seqs, [4] * b)
-            blocks = [DraftBlock([1] * n, None, [0.9] * n) for n in lengths]
-            admitted = policy.admit(seqs, blocks, 0.0)
-            for s, blk, n in zip(seqs, blocks, admitted):
-                policy.observe(s, blk, n, min(n, 2))
-            policy.observe_step(timing(b, b + sum(admitted), lengths, (seconds or seconds_for(b))(admitted)))
-            modes.append(policy.hints().arm)
-        return modes
-
-    assert drive(2, 300)[-50:].count("plain") <= 5  # speculation leads at 2 rows
-    assert drive(8, 300)[-50:].count("plain") >= 45  # plain decoding at 8
-    filling = drive(2, 10, ahead=8, seconds=lambda admitted: 1.0)
-    assert filling.count("plain") >= 9, filling
-    alone = drive(2, 10)  # the same rows with no batch ahead: their own batch size's arms
-    assert alone.count("plain") <= 3, alone
-    assert drive(8, 30)[-10:].count("plain") >= 9  # plain decoding at 8 rows: unaffected by the filling steps
-    stuck = drive(2, 80, ahead=8)  # a batch that never fills (K/V, admission): its own size after a while
-    assert stuck[:10].count("plain") >= 9 and stuck[-10:].count("plain") <= 3, stuck
-
-
-def test_a_rival_rated_from_old_steps_is_measured_again_before_it_takes_over():
-    """Plain steps rated 1000 tok/s long ago; fixed speculation, running, slows to 800 (the rows'
-    contexts grow, the machine drifts): the check does not switch on the old figure but runs a
-    burst of plain first, whose steps rate it beside the running arm's (the older ones at one
-    step's weight), and stays on speculation when plain is no faster now."""
-    arms = Arms(CFG)
-    pred = {"spec": (20.0, 0.04, 0.0), "full": (40.0, 0.04, 0.0), "plain": (10.0, 0.01, 0.0)}
-
-    def step(arm, rate):
-        arms.choose(pred, last=arm)
-        arms.record(arm, committed=pred[arm][0], expected=pred[arm][0], seconds=pred[arm][0] / rate,
-                    predicted=pred[arm][1], switched=False)
-
-    for _ in range(20):
-        step("plain", 1000.0)
-    arms.current = "full"
-    for _ in range(40):  # long after plain's steps: full runs at 1100 tok/s
-        step("full", 1100.0)
-    assert arms.rates["plain"] == pytest.approx(1000.0) and arms.exploring is None
-    arms.due = {a: 10 ** 9 for a in arms.arms}  # no exploration due: only the staleness check
-    for _ in range(30):  # full slows to 800
-        step("full", 800.0)
-        if arms.exploring is not None:
-            break
-    assert arms.exploring == "plain" and arms.current == "plain"  # a burst, not a switch
-    assert arms.figures["plain"][4] == pytest.approx(1.0)  # its old steps at one step's weight
-    for _ in range(CFG.burst):  # plain, measured now, is slower too (750)
-        arms.record("plain", committed=10.0, expected=10.0, seconds=10.0 / 750.0, predicted=0.01, switched=False)
-        mode = arms.choose(pred, last="plain")
-    assert mode == "full" and arms.rates["plain"] < 820.0
-
-
 def test_arms_compare_their_steps_at_the_contexts_of_now():
     """A step's time grows with the rows' contexts: two arms whose steps were taken at different
     times are compared as if both ran at today's contexts, each by the profile's seconds per
@@ -1162,9 +1094,9 @@ def test_a_coasting_arm_keeps_measuring_its_steps():
     """The leading arm coasts (no plan), and one coasting step in COAST_OBSERVE_EVERY is recorded
     in its figures: when its steps slow down (the machine, longer contexts), its rating follows
     them, not the steps planned before the coast. Plain decoding leads (2 tokens in 4 ms against
-    4 in ~11 ms drafting) and coasts; its steps slow to 8 ms: drafting takes over within a few
-    coasts (with the figures frozen at the coast's start, plain kept its lead until a decision's
-    own step or a look moved it, about twice as long)."""
+    4 in ~11 ms drafting) and coasts; its steps slow to 8 ms: drafting takes over within two long
+    coasts (`far_coast_steps`) and stays (with the figures frozen at the coast's start, plain kept
+    its lead of 500 tok/s against 360 for good)."""
     policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True, config=FROZEN)
     plain_seconds = [0.004]
     seqs = rows(2)
@@ -1187,5 +1119,5 @@ def test_a_coasting_arm_keeps_measuring_its_steps():
     assert modes[-200:] == ["plain"] * 200 and sure > 40  # plain decoding leads by far: it coasts
     plain_seconds[0] = 0.008
     modes, _ = drive(150)
-    switch = next(i for i in range(len(modes)) if "plain" not in modes[i : i + 10])
-    assert switch < 90, modes
+    switch = next(i for i in range(len(modes)) if "plain" not in modes[i:])
+    assert switch < 2 * CFG.far_coast_steps + CFG.burst, modes

@@ -234,8 +234,7 @@ class LLMEngine:
         """The drafted and the verified blocks by seq_id (`Speculation.propose`)."""
         if self.speculation is None or not decoding:
             return {}, {}
-        sch = self.scheduler  # the batch ahead: rows prefilling or waiting decode soon (running holds seqs)
-        return self.speculation.propose(decoding, min(sch.max_num_seqs, len(sch.running) + len(sch.waiting)))
+        return self.speculation.propose(decoding)
 
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification:

@@ -64,16 +64,14 @@ class Speculation:
         self._confidence_per_step = bool(getattr(self.proposer, "confidence", False))
         self.catch_up_seconds = 0.0  # this step's drafter catch-ups fed on their own (the proposer times them)
 
-    def propose(self, decoding: list[ScheduledSeq], batch_ahead: int) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
+    def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
         """Plan -> draft -> admit -> forced tail. Returns the drafted blocks (what the drafter's
         cache holds) and the verified ones (an admitted prefix, then, for a constrained sequence,
-        the tokens its grammar forces next), by seq_id. `batch_ahead`: the rows the coming steps
-        will decode (prefilling and waiting ones too), for `Policy.expect_batch`."""
+        the tokens its grammar forces next), by seq_id."""
         self.catch_up_seconds = 0.0
         if not decoding:
             return {}, {}
         seqs = [s.seq for s in decoding]
-        self.policy.expect_batch(batch_ahead)
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
         plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
         if self._confidence_per_step:

@@ -20,9 +20,8 @@ is the helper every built-in policy uses: it reads only confidences.
 3. `observe` (postprocess): what was verified and accepted, to calibrate; `observe_step`: what
    the step cost (`StepTiming`); `forget` when a request finishes.
 
-Around them, typed hints both ways: `expect_batch` (before `plan`: the batch the coming steps will
-decode in), `hints` (after `plan`: `StepHints`, e.g. whether the step reads the drafted blocks'
-confidences) and `plain_next` (the scheduler: the next step drafts nothing, for certain).
+Around them, typed hints: `hints` (after `plan`: `StepHints`, e.g. whether the step reads the
+drafted blocks' confidences) and `plain_next` (the scheduler: the next step drafts nothing, for certain).
 `StatelessPolicy` gives every method a default; a policy overrides what it uses.
 
 A new policy is a new file that registers itself with `register_policy`; the package's
@@ -78,11 +77,6 @@ class Policy(Protocol):
     needs_cost_model: bool
     needs_confidence: bool  # may read DraftBlock.confidence (else the drafter never computes it)
 
-    def expect_batch(self, num_seqs: int) -> None:
-        """Before `plan`: the sequences the coming steps will decode together, this step's
-        decoding rows plus those prefilling or waiting now (up to max_num_seqs), so that a step
-        whose batch is still filling can be decided for the batch its rows will run in."""
-
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         """Tokens to draft per sequence, each in [0, max_draft[i]]."""
 
@@ -136,9 +130,6 @@ class StatelessPolicy:
 
     needs_cost_model = False
     needs_confidence = False
-
-    def expect_batch(self, num_seqs: int) -> None:
-        pass
 
     def hints(self) -> StepHints:
         return StepHints(reads_confidence=self.needs_confidence)

@@ -82,7 +82,6 @@ class Arms:
         self.own: set[str] = set()  # arms with steps of their own here (the others: a neighbour's figures)
         self.lead_rate = 0.0  # the best arm's rating at the last decision (tokens/s)
         self.look_cost: dict[str, float] = {}  # arm -> seconds its last burst cost against the leader
-        self.seen: dict[str, int] = {}  # arm -> `steps` at its last recorded step (or its last confirming burst)
         self._spent: dict[str, float] = {}  # arm -> seconds the running burst has cost so far
         if seed is not None:  # a neighbour's figures at the weight of one step each, its intervals and costs
             for a, f in seed.figures.items():
@@ -211,13 +210,6 @@ class Arms:
         if last in rate and last != best and (last == "plain") != (best == "plain") \
                 and rate[last] * cfg.switch >= rate[best]:
             best = last  # between drafting and not, the step before's side unless the other is clearly ahead
-        if last in rate and best != last and best in self.own and self.steps - self.seen.get(best, 0) > cfg.stale:
-            # its lead is of steps taken a while ago: measured again, beside the running arm's
-            # recent steps, before it takes over (once per `stale` steps: a "spec" that plans
-            # nothing records as plain)
-            self.seen[best] = self.steps
-            self.rates, self.lead_rate = rate, rate[last]
-            return self._burst(best)
         self.rates = rate
         self.lead_rate = rate[best]
         for arm in self.arms:
@@ -262,7 +254,6 @@ class Arms:
         `switched`: it switched sides (its cost is the switch's, not the arm's: not recorded)."""
         if switched:
             return
-        self.seen[arm] = self.steps
         if arm not in self.own:  # its first step here replaces the neighbour's figures
             self.own.add(arm)
             self.figures[arm] = [0.0] * 5

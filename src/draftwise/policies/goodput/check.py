@@ -4,10 +4,7 @@ Per batch size (half octaves, `batch_bucket`) an `Arms` (arms.py) rates the thre
 measured committed tokens per second; this module picks the batch size a step belongs to, keeps
 the exploration budget, and records each timed step in its arm's figures.
 
-- The batch a step belongs to is the one its rows will decode in (`expect_batch`: this step's rows
-  plus those prefilling or waiting): a batch filling up is decided as the full one and its steps
-  are recorded nowhere (another batch size's), for `fill_plans` plans at most (a batch that does
-  not fill is then decided at its own size).
+- A step belongs to the batch size of the rows it decodes.
 - Looking away from the leading arm (a burst of another, an engine-wide probe) has a budget: every
   step adds `explore_budget` of its seconds to a credit (up to `credit_cap`); a look takes off
   what it cost against the leader's rate (its seconds less the leader's time for its tokens), and
@@ -48,19 +45,12 @@ class MeasuredCheck:
         self.thin = False
         self.bucket = 0
         self.plan_b = 0  # the batch size `bucket` is of (the rows decoding)
-        self.ahead = 0  # `expect_batch`'s figure for the next plan (0: not told)
-        self.plan_ahead = 0  # the batch ahead `bucket` is of
-        self.own_bucket = self.ahead_bucket = 0  # batch_bucket of plan_b and of plan_ahead
-        self.filling = False  # this step's rows are fewer than the batch ahead's bucket
-        self.fill_plans = 0  # consecutive plans whose batch ahead was in another bucket
+        self.own_bucket = 0  # batch_bucket(plan_b)
         self.committed = [0, 0]  # this step: tokens committed and rows seen by `count_row`
         self.credit = 0.0  # seconds of exploration the budget allows now (negative: overspent)
         self.looking: str | None = None  # this step explores: the arm of a burst, or "probe"
         self.lead_rate = 0.0  # the leading arm's rating when this step was decided (tokens/s)
         self.probe_cost = 0.0  # seconds an engine-wide probe cost last time (its catch-up mostly)
-
-    def expect_batch(self, num_seqs: int) -> None:
-        self.ahead = num_seqs
 
     def arms_at(self, bucket: int) -> Arms:
         """The bucket's arms; a new bucket starts from its nearest measured neighbour's (the best
@@ -72,20 +62,11 @@ class MeasuredCheck:
         return arms
 
     def enter(self, num_seqs: int) -> Arms:
-        """The arms this step of `num_seqs` rows is decided by: those of the batch ahead while it
-        fills (for `fill_plans` plans at most), else its own size's."""
-        ahead = max(num_seqs, self.ahead)
-        self.ahead = 0
-        if (num_seqs, ahead) != (self.plan_b, self.plan_ahead):  # (batch_bucket's log2 only when they change)
-            self.plan_b, self.plan_ahead = num_seqs, ahead
-            self.own_bucket, self.ahead_bucket = batch_bucket(num_seqs), batch_bucket(ahead)
-        filling = self.ahead_bucket != self.own_bucket
-        self.fill_plans = self.fill_plans + 1 if filling else 0
-        if self.fill_plans > self.config.fill_plans:  # a batch that does not fill: its own size
-            filling = False
-        bucket = self.ahead_bucket if filling else self.own_bucket
+        """The arms this step of `num_seqs` rows is decided by: its batch size's."""
+        if num_seqs != self.plan_b:  # (batch_bucket's log2 only when the size changes)
+            self.plan_b, self.own_bucket = num_seqs, batch_bucket(num_seqs)
+        bucket = self.own_bucket
         moved, self.bucket = bucket != self.bucket, bucket
-        self.filling = filling  # its steps are the bucket's decision, not its figures
         arms = self.arms_at(bucket)
         if moved:  # back from another bucket, whose plans may have changed what `coast` reads (`idle`)
             arms.lease = 0
@@ -183,7 +164,7 @@ class MeasuredCheck:
         if self.pred is not None and not (mode == "plain" and probing):
             arm_seconds = seconds - (self.plan_seconds if mode != "spec" else 0.0)
             self.arms_at(self.bucket).record(mode, committed, self.pred[0], arm_seconds, self.pred[1],
-                                             switched=catch_up or switched or self.filling,
+                                             switched=catch_up or switched,
                                              context=self.pred[3:5])
         if self.pred is None and last == mode and mode in ("plain", "full"):
             # a sampled coasting step: no plan, so no estimate of its tokens; what it committed,
@@ -192,5 +173,5 @@ class MeasuredCheck:
             got, meant = arms.tokens[mode]
             expected = committed * (meant / got if got > 0 and meant > 0 else 1.0)
             arms.record(mode, committed, expected, seconds - self.plan_seconds, profile,
-                        switched=self.filling, context=(timing.context, slope))
+                        switched=False, context=(timing.context, slope))
         self.last_mode = mode

@@ -25,7 +25,6 @@ class GoodputConfig:
     learn_step_cost: bool = True  # learn online what the profile misses of a whole step (False: the profile alone, for an A/B)
 
     # ---- the measured check across batch sizes (check.py)
-    fill_plans: int = 64  # plans a filling batch is decided as the batch ahead; then as its own size (it may never fill)
     coast_observe_every: int = 4  # of coasting steps, one in this many feeds the cost model, the leader's figures, the calibration
     explore_budget: float = 0.02  # share of the run's step time that looks away from the leading arm may cost
     credit_cap: float = 0.25  # seconds: the budget banks no more (no cluster of looks after a long run)
@@ -44,7 +43,6 @@ class GoodputConfig:
     far: float = 0.8  # an arm rated below far x the best is far behind
     plan_edge: float = 1.03  # "spec" runs instead of "full" only when rated this much ahead: two noisy estimates
     switch: float = 1.05  # drafting <-> plain steps only when the other side is rated this much ahead: each switch pays
-    stale: int = 16  # decisions: a rival whose last step is older is measured again (a burst) before it takes over
     coast: float = 1.1  # a leader this much ahead of every rival runs without the plan (coasts)
     coast_steps: int = 16  # steps a coast lasts before the check decides again
     far_coast_steps: int = 64  # ... while the leader leads by more than 1 / far

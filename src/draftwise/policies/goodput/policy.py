@@ -34,9 +34,6 @@ class GoodputPolicy:
         self.core = Planner(self.config, cost, has_draft_model)
         self.check = MeasuredCheck(self.config)
 
-    def expect_batch(self, num_seqs: int) -> None:
-        self.check.expect_batch(num_seqs)
-
     def plain_next(self, num_seqs: int) -> bool:
         return self.check.plain_next(num_seqs)
 
