@@ -173,6 +173,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list | None = None  # an assistant turn's calls; checked by tools.history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_dict(self) -> dict:
         c = self.content
@@ -181,6 +183,10 @@ class ChatMessage(BaseModel):
         d = {"role": self.role, "content": c or ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_calls is not None:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
 
 
@@ -191,3 +197,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # extra: render the assistant turn's opening
+    # tool calling (tools.py); the legacy fields are declared to be rejected, not ignored
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    functions: list | None = None
+    function_call: str | dict | None = None

@@ -41,6 +41,7 @@ from .errors import APIError, from_value_error
 from .limits import ServerLimits, queue_full
 from .metrics import Outcomes, request_outcome
 from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text
+from .tools import ChatTools, history
 
 TOKENIZER_THREADS = 2
 
@@ -345,12 +346,13 @@ class OpenAIServing:
         self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_value")
-        messages = [m.as_dict() for m in req.messages]
+        messages = history([m.as_dict() for m in req.messages])
+        tools = ChatTools.from_request(req, self.chat_template, messages)
         self.limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         self.limits.check_request(1, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or [], None)
 
         def render() -> str:
-            text = self.chat_template.render(messages, req.add_generation_prompt)
+            text = self.chat_template.render(messages, req.add_generation_prompt, tools.rendered)
             self.limits.check_prompt_chars(len(text), "messages")  # the template's own text too
             return text
 
@@ -369,6 +371,7 @@ class OpenAIServing:
         except ValueError as e:
             raise from_value_error(e, "messages") from None
         self.limits.check_request(1, params.n, params.stop, self.capacity)
+        params = await asyncio.get_running_loop().run_in_executor(self._pool, tools.constrain, params)
 
         def lp_entries(out: RequestOutput) -> list[dict]:
             def entry(tok, v):
@@ -383,9 +386,9 @@ class OpenAIServing:
                 c.logprobs.extend(lp_entries(out))
 
         def fmt_final(c: _Choice) -> dict:
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": {"content": c.logprobs} if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "draftwise": c.stats}
+            message, reason = tools.message(c.text, c.finish_reason)
+            return {"index": c.index, "message": message, "logprobs": {"content": c.logprobs} if req.logprobs else None,
+                    "finish_reason": reason, "draftwise": c.stats}
 
         def fmt_chunk(c: _Choice, out: RequestOutput):
             chunks = []
@@ -393,13 +396,16 @@ class OpenAIServing:
                 c.started = True
                 chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None})
-            if out.text or out.token_ids:
-                chunks.append({"index": c.index, "delta": {"content": out.text},
-                               "logprobs": {"content": lp_entries(out)} if req.logprobs else None,
-                               "finish_reason": None})
+            if out.text or out.token_ids:  # text held back by the tool-call parser still carries its logprobs
+                lp = {"content": lp_entries(out)} if req.logprobs else None
+                for delta in tools.stream(c.index, out.text) or [{"content": ""}]:
+                    chunks.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None})
+                    lp = None
             if out.finished:
+                deltas, reason = tools.finish_stream(c.index, out.finish_reason)
+                chunks.extend({"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas)
                 chunks.append({"index": c.index, "delta": {}, "logprobs": None,
-                               "finish_reason": out.finish_reason, "draftwise": out.stats})
+                               "finish_reason": reason, "draftwise": out.stats})
             return chunks
 
         fmt = (fmt_chunk, fmt_add, fmt_final)

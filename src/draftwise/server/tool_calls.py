@@ -1,0 +1,150 @@
+"""Hermes-style tool calls in generated text: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+The format of Qwen2.5 (and other templates that follow NousResearch's Hermes prompt): each call is
+one JSON object between `<tool_call>` and `</tool_call>`, several calls one after another.
+
+`ToolCallParser` splits text into plain text and `ToolCall`s, incrementally: `feed` takes the next
+piece of generated text and returns what is decided so far, `finish` the rest. A non-streamed
+response runs the same parser over the whole text, so streamed and non-streamed answers agree.
+
+The rules (what a client sees):
+- A block counts as a call when its body is a JSON object with a string `"name"` that is one of
+  the request's tools and `"arguments"` that is an object (or a string holding one; absent = `{}`).
+  Anything else (malformed JSON, an unknown function, a block cut off by `max_tokens`) stays in the
+  text verbatim, tags included, so nothing the model wrote is lost.
+- A block the model left unclosed at the very end still counts when its body is a complete call
+  (models sometimes end the turn right after the JSON).
+- Whitespace next to a call (the newlines around and between blocks) is dropped; other text is
+  kept as written. Without any call the text comes out exactly as generated.
+- Streaming holds back text that may be the start of `<tool_call>` (e.g. a trailing `<tool`) and
+  trailing whitespace until the next piece decides it; a call is sent whole once `</tool_call>`
+  arrives.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (the OpenAI field is a string)
+    id: str
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_call(body: str, names: set[str]) -> ToolCall | None:
+    """The call in a block's body, or None when it is not a well-formed call of a known function."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `<tool_call>`."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Incremental text -> [str | ToolCall]; one per choice."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.buf = ""  # undecided text: a partial `<tool_call>`, or a block's body so far
+        self.in_call = False  # buf is the body of an open block
+        self.pending_ws = ""  # trailing whitespace, kept only if more text follows
+        self.after_call = False  # the last thing out was a call: drop the whitespace that follows
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        self.buf += text
+        while True:
+            if self.in_call:
+                end = self.buf.find(CLOSE)
+                if end < 0:
+                    return out
+                body, self.buf = self.buf[:end], self.buf[end + len(CLOSE):]
+                self.in_call = False
+                self._block(body, OPEN + body + CLOSE, out)
+                continue
+            start = self.buf.find(OPEN)
+            if start < 0:
+                keep = _partial_open(self.buf)
+                self._text(self.buf[:len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep:]
+                return out
+            self._text(self.buf[:start], out)
+            self.buf = self.buf[start + len(OPEN):]
+            self.in_call = True
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the end of generation."""
+        out: list[str | ToolCall] = []
+        if self.in_call:
+            self._block(self.buf, OPEN + self.buf, out)
+        else:
+            self._text(self.buf, out)
+        self.buf, self.in_call = "", False
+        if self.pending_ws and not self.num_calls:
+            out.append(self.pending_ws)
+        self.pending_ws = ""
+        return out
+
+    def _block(self, body: str, raw: str, out: list) -> None:
+        call = parse_call(body, self.names)
+        if call is None:
+            self._text(raw, out)
+            return
+        self.pending_ws = ""
+        self.after_call = True
+        self.num_calls += 1
+        out.append(call)
+
+    def _text(self, text: str, out: list) -> None:
+        if self.after_call:
+            text = text.lstrip()
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:  # whitespace only: decided by what follows
+            self.pending_ws += text
+            return
+        out.append(self.pending_ws + body)
+        self.pending_ws = text[len(body):]
+        self.after_call = False
+
+
+def split_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished text; content None when there are calls and no other text."""
+    p = ToolCallParser(names)
+    items = p.feed(text) + p.finish()
+    calls = [x for x in items if isinstance(x, ToolCall)]
+    content = "".join(x for x in items if isinstance(x, str))
+    return (content or None) if calls else content, calls
