@@ -26,6 +26,8 @@ TABLE = [
     ("Let me check.\n" + CALL_W, "Let me check.", [("get_weather", '{"city": "Paris"}')]),
     (CALL_W + "\n" + CALL_A, None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]),
     (CALL_W + "\nDone.", "Done.", [("get_weather", '{"city": "Paris"}')]),
+    ("A.\n" + CALL_W + "\nB.\n", "A.\n\nB.", [("get_weather", '{"city": "Paris"}')]),
+    ("\n A " + CALL_W, "\n A", [("get_weather", '{"city": "Paris"}')]),  # decided before the call arrives
     ('<tool_call>{"name":"add","arguments":"{\\"a\\": 3}"}</tool_call>', None, [("add", '{"a": 3}')]),
     ('<tool_call>{"name": "add"}</tool_call>', None, [("add", "{}")]),
     ('<tool_call>{"name": "add", "arguments": {"a": 1}}', None, [("add", '{"a": 1}')]),  # unclosed at the end

@@ -14,8 +14,9 @@ The rules (what a client sees):
   text verbatim, tags included, so nothing the model wrote is lost.
 - A block the model left unclosed at the very end still counts when its body is a complete call
   (models sometimes end the turn right after the JSON).
-- Whitespace next to a call (the newlines around and between blocks) is dropped; other text is
-  kept as written. Without any call the text comes out exactly as generated.
+- The content is the text with the calls taken out; when there are calls, the whitespace at its
+  start and end (the newlines before, between and after the blocks) is dropped, the whitespace
+  between two pieces of text is kept. Without any call the text comes out exactly as generated.
 - Streaming holds back text that may be the start of `<tool_call>` (e.g. a trailing `<tool`) and
   trailing whitespace until the next piece decides it; a call is sent whole once `</tool_call>`
   arrives.
@@ -78,8 +79,8 @@ class ToolCallParser:
         self.names = names
         self.buf = ""  # undecided text: a partial `<tool_call>`, or a block's body so far
         self.in_call = False  # buf is the body of an open block
-        self.pending_ws = ""  # trailing whitespace, kept only if more text follows
-        self.after_call = False  # the last thing out was a call: drop the whitespace that follows
+        self.pending_ws = ""  # whitespace after the last text, kept only if more text follows
+        self.has_text = False  # some text went out: whitespace after it is a gap, not a start
         self.num_calls = 0
 
     def feed(self, text: str) -> list[str | ToolCall]:
@@ -122,13 +123,13 @@ class ToolCallParser:
         if call is None:
             self._text(raw, out)
             return
-        self.pending_ws = ""
-        self.after_call = True
+        if not self.has_text:  # whitespace before the content's start
+            self.pending_ws = ""
         self.num_calls += 1
         out.append(call)
 
     def _text(self, text: str, out: list) -> None:
-        if self.after_call:
+        if self.num_calls and not self.has_text:  # the content starts after a call
             text = text.lstrip()
         if not text:
             return
@@ -138,7 +139,7 @@ class ToolCallParser:
             return
         out.append(self.pending_ws + body)
         self.pending_ws = text[len(body):]
-        self.after_call = False
+        self.has_text = True
 
 
 def split_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
