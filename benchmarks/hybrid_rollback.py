@@ -55,6 +55,9 @@ class OracleProposer:
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass
 
+    def finish(self, seq):
+        pass
+
 
 def run(llm: LLM, prompts: list[str], sp: SamplingParams) -> dict:
     eng = llm.engine

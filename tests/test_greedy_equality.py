@@ -2,8 +2,9 @@
 
 Configurations cover every acceptance regime: the target drafting for itself (every proposal
 accepted), an unrelated random draft and a drafter that is always wrong (none accepted), and
-n-gram lookup (some). A mismatch is tolerated only at a near-tie of the target (top-2 logit gap
-< 1e-5), where a one-token and a multi-token forward may round differently; the count is reported.
+n-gram lookup and suffix decoding (some). A mismatch is tolerated only at a near-tie of the
+target (top-2 logit gap < 1e-5), where a one-token and a multi-token forward may round
+differently; the count is reported.
 """
 import random
 
@@ -59,7 +60,7 @@ def plain(target_dir):
     return ps, sp, llm.generate(ps, sp)
 
 
-CONFIGS = [("draft", "target"), ("draft", "draft"), ("test-always-wrong", "target"), ("ngram", None)]
+CONFIGS = [("draft", "target"), ("draft", "draft"), ("test-always-wrong", "target"), ("ngram", None), ("suffix", None)]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

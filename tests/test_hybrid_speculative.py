@@ -43,6 +43,9 @@ class OracleProposer:
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass
 
+    def finish(self, seq):
+        pass
+
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory, tokenizer):

@@ -218,6 +218,9 @@ class ForbiddenProposer:
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass
 
+    def finish(self, seq):
+        pass
+
 
 def same_state(a, b, vocab_size) -> bool:
     if a.is_terminated or b.is_terminated:

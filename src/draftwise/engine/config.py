@@ -9,7 +9,7 @@ from ..policies import CostModel, policy_class
 
 @dataclass
 class SpecConfig:
-    """`method`: a registered proposer name ("draft", "ngram") or None for plain decoding.
+    """`method`: a registered proposer name ("draft", "ngram", "suffix") or None for plain decoding.
     `policy`: a registered verification policy ("fixed", "adaptive", "goodput"); `profile`: the
     hardware profile JSON the goodput policy optimises against (None: the cached one for this
     model pair, measured on first use); `cost_model`: a `CostModel` given directly instead.
@@ -21,6 +21,10 @@ class SpecConfig:
     k: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    suffix_depth: int = 24  # suffix decoding (proposers/suffix.py: what each parameter is for)
+    suffix_spec_factor: float = 1.0
+    suffix_min_prob: float = 0.1
+    suffix_cache_tokens: int = 8192
     policy: str = "fixed"
     profile: str | None = None
     cost_model: CostModel | None = None

@@ -432,7 +432,7 @@ class LLMEngine:
             self.detok.flush(seq)
         seq.finish_reason = reason
         if self.speculation is not None:
-            self.speculation.forget(seq.seq_id)
+            self.speculation.forget(seq)
         seq.finish_time = time.perf_counter()
         seq.stats.total_seconds = seq.finish_time - seq.arrival_time
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

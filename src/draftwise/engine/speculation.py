@@ -53,6 +53,8 @@ class Speculation:
         self.proposer = cls(
             target=target, draft=draft, num_blocks=num_blocks, block_size=config.block_size,
             eos_ids=target.eos_token_ids, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
+            suffix_depth=spec.suffix_depth, suffix_spec_factor=spec.suffix_spec_factor,
+            suffix_min_prob=spec.suffix_min_prob, suffix_cache_tokens=spec.suffix_cache_tokens,
             prefix_caching=config.enable_prefix_caching,
         )
         pcls = policy_class(spec.policy)
@@ -124,5 +126,7 @@ class Speculation:
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
 
-    def forget(self, seq_id: int) -> None:
-        self.policy.forget(seq_id)
+    def forget(self, seq: Sequence) -> None:
+        """A sequence ended: the proposer and the policy drop what they keep for it."""
+        self.proposer.finish(seq)
+        self.policy.forget(seq.seq_id)

@@ -3,6 +3,6 @@
 The built-in methods register themselves when imported here (the registry in base.py never
 imports them, so there is no import circle)."""
 from .base import DraftBlock, History, Proposer, available_methods, proposer_class, register_proposer
-from . import draft_model, ngram  # noqa: F401  (registration)
+from . import draft_model, ngram, suffix  # noqa: F401  (registration)
 
 __all__ = ["DraftBlock", "History", "Proposer", "available_methods", "proposer_class", "register_proposer"]

@@ -83,6 +83,10 @@ class Proposer(Protocol):
     def postprocess(self, seq: History, block: DraftBlock, num_accepted: int, num_tokens_before: int) -> None:
         """After verification: roll the drafter's own state back to the committed path."""
 
+    def finish(self, seq: History) -> None:
+        """The sequence ended (finished, aborted or failed): drop what the drafter keeps for it (a
+        drafter that learns across requests may keep its committed output)."""
+
 
 METHODS = Registry("speculative method", " or none")
 register_proposer = METHODS.register

@@ -239,6 +239,9 @@ class DraftModelProposer:
         # the drafter's K/V of committed tokens only (accepted proposals are committed tokens)
         self.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.draft_computed)
 
+    def finish(self, seq):
+        self._fed.pop(seq.seq_id, None)  # (the scheduler frees the drafter's blocks)
+
     @staticmethod
     def _bitmask(active, cursors, vocab: int) -> torch.Tensor | None:  # [A, W] int32 or None
         if not any(i in cursors for i in active):

@@ -109,3 +109,6 @@ class NgramProposer:
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass
+
+    def finish(self, seq):
+        pass

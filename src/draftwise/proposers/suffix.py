@@ -1,0 +1,157 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975; vLLM's `suffix` method): no model, no q.
+
+Two `SuffixTrie`s (suffix_tree.py) answer "what followed this context before, and how often":
+- the request's own, over its prompt and committed output, extended as tokens commit (the
+  proposer catches up on the committed history when it next drafts for the row: it reads only
+  committed tokens, so a rejected proposal never enters it and rollback needs nothing);
+- a global one over earlier requests' outputs (`OutputCache`): an output enters when its request
+  finishes, and the least recently used outputs leave once the cache holds more than
+  `suffix_cache_tokens` tokens (used = drafted from, or added).
+
+Each trie drafts from the longest suffix of the history it has seen followed by something (m
+tokens, m < `suffix_depth`), following the most frequent continuation, for at most
+min(num_draft, `suffix_spec_factor` x m) tokens and while the running product of the frequencies
+stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum of those running
+products) is higher wins, the request's own on a tie. The parameters:
+- `suffix_depth` (24): the longest context that conditions the frequencies. Matches run out well
+  before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the trie
+  re-anchors on the last depth - 1 tokens); the cost is depth dictionary steps per committed token.
+- `suffix_spec_factor` (1.0): draft length per matched token. A match of 1-2 tokens is a weak
+  guess (n-gram lookup measured 17-24% acceptance after one), a match of 12 or more is nearly
+  always a copy (97%): long matches draft long (up to k, at most 16), short ones barely.
+- `suffix_min_prob` (0.1): stop where earlier occurrences disagree so much that the estimated
+  probability of reaching the next token falls below 1 in 10.
+- `suffix_cache_tokens` (8192): the global trie's budget (its nodes are at most depth x tokens).
+
+The proposal is a function of committed history and earlier requests' outputs only, and q is a
+point mass (`probs=None`): the rejection sampler accepts x with probability p(x), so sampled
+outputs keep the target's distribution exactly (sampling/verify.py, rejection.py).
+
+Confidence (for a policy that reads it): proposal j's is f_j (1 - 1/(m + j)), f_j its frequency
+among the continuations seen: n-gram lookup's measured rule (proposers/ngram.py) where the
+continuation was unique, discounted where earlier occurrences disagreed.
+
+A structured-output row's block ends before the first token its grammar forbids (verification
+would reject it); the engine appends the grammar's forced tail itself.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .base import DraftBlock, register_proposer
+from .suffix_tree import Draft, SuffixTrie
+
+
+class OutputCache:
+    """Earlier requests' outputs in one trie, at most `max_tokens` tokens, least recently used out first."""
+
+    def __init__(self, depth: int, max_tokens: int):
+        self.trie = SuffixTrie(depth)
+        self.max_tokens = max_tokens
+        self.docs: OrderedDict[object, list[int]] = OrderedDict()
+        self.tokens = 0
+
+    def add(self, key, tokens: list[int]) -> None:
+        if not tokens or self.max_tokens == 0:
+            return
+        tokens = list(tokens[-self.max_tokens :])  # an output longer than the cache keeps its end
+        self.trie.append(key, tokens)
+        self.trie.close(key)
+        self.docs[key] = tokens
+        self.tokens += len(tokens)
+        while self.tokens > self.max_tokens:
+            old_key, old = self.docs.popitem(last=False)
+            self.trie.remove(old_key, old)
+            self.tokens -= len(old)
+
+    def touch(self, key) -> None:
+        if key in self.docs:
+            self.docs.move_to_end(key)
+
+
+class _Local:
+    __slots__ = ("trie", "indexed")
+
+    def __init__(self, depth: int):
+        self.trie = SuffixTrie(depth)
+        self.indexed = 0  # committed tokens (prompt, then output) appended to the trie
+
+
+def tail(seq, n: int) -> list[int]:
+    """The last n committed tokens of a sequence, without copying its whole history."""
+    out, prompt = seq.output_ids, seq.prompt_ids
+    if len(out) >= n:
+        return out[len(out) - n :]
+    return prompt[max(0, len(prompt) - (n - len(out))) :] + out
+
+
+@register_proposer("suffix")
+class SuffixProposer:
+    kv = None
+    needs_draft_model = False
+    confidence = True  # the engine turns it off when the policy never reads it
+
+    def __init__(self, suffix_depth: int = 24, suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,
+                 suffix_cache_tokens: int = 8192, **_):
+        if suffix_depth < 2 or suffix_spec_factor <= 0 or not 0 <= suffix_min_prob <= 1 or suffix_cache_tokens < 0:
+            raise ValueError("suffix decoding needs depth >= 2, spec_factor > 0, 0 <= min_prob <= 1, cache_tokens >= 0;"
+                             f" got {suffix_depth}, {suffix_spec_factor}, {suffix_min_prob}, {suffix_cache_tokens}")
+        self.depth, self.spec_factor, self.min_prob = suffix_depth, suffix_spec_factor, suffix_min_prob
+        self.local: dict[int, _Local] = {}  # seq_id -> the request's own trie
+        self.cache = OutputCache(suffix_depth, suffix_cache_tokens)
+
+    def propose(self, seqs, num_draft, num_forced=None):
+        return [self._propose(s, n) if n > 0 else DraftBlock([], None) for s, n in zip(seqs, num_draft)]
+
+    def _propose(self, seq, n: int) -> DraftBlock:
+        context = tail(seq, self.depth - 1)
+        own = self._catch_up(seq).draft(context, n, self.min_prob, self.spec_factor)
+        best = own
+        if self.cache.docs:
+            other = self.cache.trie.draft(context, n, self.min_prob, self.spec_factor)
+            if (other.score, other.match_length) > (own.score, own.match_length):
+                best = other
+                self.cache.touch(other.doc)
+        tokens, probs = best.token_ids, best.probs
+        grammar = getattr(seq, "grammar", None)
+        if grammar is not None and tokens:
+            tokens = _allowed_prefix(grammar, tokens)
+            probs = probs[: len(tokens)]
+        conf = None
+        if self.confidence:
+            m = best.match_length
+            conf = [f * (1.0 - 1.0 / (m + j)) for j, f in enumerate(probs, 1)]
+        return DraftBlock(tokens, None, conf)
+
+    def _catch_up(self, seq) -> SuffixTrie:
+        """The request's trie, extended by the tokens committed since it last drafted."""
+        st = self.local.get(seq.seq_id)
+        prompt, out = seq.prompt_ids, seq.output_ids
+        total = len(prompt) + len(out)
+        if st is None or st.indexed > total:  # (committed history only grows; a new id starts afresh)
+            st = self.local[seq.seq_id] = _Local(self.depth)
+        if st.indexed < len(prompt):
+            st.trie.append(0, prompt[st.indexed :])
+            st.indexed = len(prompt)
+        if st.indexed < total:
+            st.trie.append(0, out[st.indexed - len(prompt) :])
+            st.indexed = total
+        return st.trie
+
+    def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        pass  # the request's trie catches up on committed tokens when it next drafts
+
+    def finish(self, seq) -> None:
+        self.local.pop(seq.seq_id, None)
+        self.cache.add(seq.seq_id, seq.output_ids)
+
+
+def _allowed_prefix(grammar, tokens: list[int]) -> list[int]:
+    cursor = grammar.cursor()
+    for i, t in enumerate(tokens):
+        if not cursor.accept(t):
+            return tokens[:i]
+    return tokens
+
+
+__all__ = ["Draft", "OutputCache", "SuffixProposer", "SuffixTrie", "tail"]
