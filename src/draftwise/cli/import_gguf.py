@@ -12,9 +12,9 @@ def add_parser(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the dequantised weights (default float32)")
     p.add_argument("--keep-quantized", action="store_true",
-                   help="write the decoder projections stored as Q4_0/Q4_1/Q8_0 as they are (draftwise's int4 "
-                        "/ int8 in groups: the model then runs on the file's own values); other tensors are "
-                        "dequantised")
+                   help="write the quantized projections, embeddings and LM head as blocks, not floats "
+                        "(Q4_0/Q4_1/Q4_K as draftwise's int4, Q8_0/Q5_0 as int8 in groups, other types as int8 "
+                        "groups from their values: see model/gguf_blocks.py); float tensors stay float")
     return p
 
 
@@ -29,8 +29,8 @@ def run(args) -> int:
 
         qc = json.loads((out / "config.json").read_text()).get("quantization_config", {})
         n4, n8 = qc.get("int4_tensors", 0), qc.get("int8_tensors", 0)
-        kept = (f", projections kept: {n4} Q4 as int4, {n8} Q8_0 as int8" if n4 + n8 else
-                ", no Q4_0/Q4_1/Q8_0 projections to keep: every tensor dequantised")
+        kept = (f", projections kept: {n4} as int4, {n8} as int8 groups" if n4 + n8 else
+                ", no quantized projections to keep")
     print(f"draftwise import-gguf: {args.file} -> {out} ({args.dtype}{kept}, {time.perf_counter() - t0:.1f} s)",
           file=sys.stderr)
     return 0

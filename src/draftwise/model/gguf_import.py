@@ -13,14 +13,16 @@ llama.cpp's converter permutes the rows of Q and K for llama and mistral (it int
 halves that Hugging Face's rotate-half RoPE pairs); `unpermute` undoes it. Qwen files are stored
 unpermuted. The runtime loader stays on safetensors: the import runs once.
 
-`keep_quantized=True` (`--keep-quantized`): the decoder projections stored as Q4_0, Q4_1 or Q8_0
-are written as they are, under `<name>.qweight` / `<name>.qscale` with `quantization_config` in
-config.json: Q4 as draftwise's int4 (quantize.py: groups of 32 inputs, a float16 step and minimum
-per group, the same nibble order; Q4_0's x = d * (q - 8) is d * q + m with m = -8d, exact in
-float16), Q8_0 as int8 with a float16 scale per group of 32 (run by `dw_gemm_q8g`). The model then
-runs on the file's own values, not on values re-quantised from their dequantised floats
-(`load_model` dequantises them too, for the float paths: `fuse=False`, training). Other tensor
-types (F32/F16/BF16, K-quants, the embeddings and LM head) are dequantised as without the option.
+`keep_quantized=True` (`--keep-quantized`): the decoder projections, the embeddings and the LM
+head stored in any quantized type are written as blocks (gguf_blocks.py), under `<name>.qweight` /
+`<name>.qscale` with `quantization_config` in config.json, never as floats: Q4_0, Q4_1 and Q4_K as
+draftwise's int4 (quantize.py: groups of 32 inputs, a float16 step and minimum per group, the same
+nibble order; Q4_0's x = d * (q - 8) is d * q + m with m = -8d, exact in float16; Q4_K's sub-blocks
+of 32 have the same form), Q8_0 and Q5_0 as int8 with a float16 scale per group of 32 (run by
+`dw_gemm_q8g`; both exactly), the other types (Q6_K, Q5_K, ...) as int8 groups re-quantised from
+their dequantised values, one tensor at a time. The model then runs on the file's own values, not
+on values re-quantised from a float import (`load_model` dequantises them only for the float
+paths: `fuse=False`, training). F32/F16/BF16 tensors are written as without the option.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_blocks import blocks_of, int4_blocks, q8_blocks
 from .gguf_tokenizer import build_tokenizer, tokenizer_config
 
 # GGUF general.architecture -> (HF architectures[0], model_type, Q/K permuted by llama.cpp)
@@ -50,6 +53,9 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# written as blocks with keep_quantized besides the decoder projections: a 151,936 x 1536 embedding
+# is 0.9 GB in float32 (the Qwen2.5 files), more than the int4 decoder it feeds
+KEPT_TOP = ("model.embed_tokens.weight", "lm_head.weight")
 # metadata arrays read in full (the others, e.g. scores of a byte-level vocabulary, are skipped)
 _ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
            "general.languages"}
@@ -179,50 +185,18 @@ def dequantize(t, source: str) -> np.ndarray:
     return np.array(arr, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
 
 
-def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4_0 or Q4_1 reader tensor -> draftwise's int4 (q [O, N/2] uint8, sm [O, N/32, 2] float16),
-    the blocks' own values: per block of 32 inputs Q4_1 holds d, m (float16) and 16 bytes whose low
-    nibbles are inputs 0..15 and high nibbles 16..31 (Q4_0: d and the bytes, m = -8d)."""
-    import gguf
-
-    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-    raw = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(rows, -1)
-    size = 20 if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else 18
-    blocks = raw.reshape(rows, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)  # [O, G, 1]
-    if size == 20:
-        m, qs = blocks[..., 2:4].copy().view(np.float16), blocks[..., 4:]
-    else:
-        m, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
-    q = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1))
-    sm = torch.from_numpy(np.concatenate([d, m], axis=-1))
-    return q.contiguous(), sm.contiguous()
-
-
-def q8_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 reader tensor -> (q [O, N] int8, d [O, N/32] float16), the blocks' own values: per
-    block of 32 inputs a float16 scale d and 32 int8 values, w = d * q."""
-    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-    blocks = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(rows, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [O, G]
-    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-    return torch.from_numpy(q).contiguous(), torch.from_numpy(d).contiguous()
-
-
 def keeps(t, name: str, keep_quantized: bool) -> bool:
-    """Whether this tensor is written as stored blocks: a decoder projection's weight in Q4_0, Q4_1
-    or Q8_0."""
+    """Whether this tensor is written as blocks (gguf_blocks.py): with `keep_quantized`, a quantized
+    decoder projection, the input embeddings or the LM head."""
     import gguf
 
-    kinds = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
-    return (keep_quantized and t.tensor_type in kinds and name.startswith("model.layers.")
-            and name.endswith("_proj.weight"))
+    floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    kept = (name.startswith("model.layers.") and name.endswith("_proj.weight")) or name in KEPT_TOP
+    return keep_quantized and t.tensor_type not in floats and kept
 
 
 def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: str,
                     keep_quantized: bool = False) -> dict[str, torch.Tensor]:
-    import gguf
-
     permuted = ARCHITECTURES[arch][2]
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -232,9 +206,9 @@ def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: st
         name = hf_name(t.name)
         if name is None:
             raise GGUFImportError(f"{source}: tensor {t.name!r} has no counterpart in a {cfg['architectures'][0]}")
-        if keeps(t, name, keep_quantized):
-            q8 = t.tensor_type == gguf.GGMLQuantizationType.Q8_0
-            q, sm = q8_blocks(t) if q8 else int4_blocks(t)
+        blocks = blocks_of(t) if keeps(t, name, keep_quantized) else None
+        if blocks is not None:
+            _, q, sm = blocks
             heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}.get(name.split(".")[-2])
             if permuted and heads:  # a row permutation: each output's blocks move with it
                 q, sm = unpermute(q, heads), unpermute(sm, heads)
@@ -288,7 +262,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32", keep_
         raise GGUFImportError(f"{source}: {e}") from None
     weights = convert_weights(reader, cfg, arch, resolve_dtype(dtype), source, keep_quantized)
     cfg["torch_dtype"] = dtype
-    kept = [w for n, w in weights.items() if n.endswith(".qweight")]
+    kept = [w for n, w in weights.items() if n.endswith("_proj.qweight")]  # (the embeddings and head aside)
     if kept:
         from .quantize import GROUP
 

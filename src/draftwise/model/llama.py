@@ -31,7 +31,7 @@ from .head_precision import refine_top_logits
 from .native_forward import NativeForward
 from .packed_weights import PACK_MIN_NUMEL, PackedEmbedding, PackedLinear
 from .packed_weights import native_gemm_wanted  # noqa: F401  (imported from here by benchmarks/native_gemm.py)
-from .quantize import GROUP, Int4Linear, Int8Linear, check_method
+from .quantize import GROUP, Int4Linear, Int8Linear, check_method, common_blocks, float_weight
 
 
 class RMSNorm(nn.Module):
@@ -283,12 +283,13 @@ class LlamaModel(NativeForward, nn.Module):
         if quantization is not None:
             def make(*lins):  # smaller weights stay float: see QUANT_MIN_NUMEL
                 big = sum(lin.weight.numel() for lin in lins) >= QUANT_MIN_NUMEL
+                biases = [lin.bias.detach() for lin in lins] if lins[0].bias is not None else None
                 if not big:
-                    return PackedLinear.of(*lins)
-                if all(hasattr(lin, "int8_blocks") for lin in lins):  # a GGUF's Q8_0 blocks, kept (loader.py)
-                    return Int8Linear.of(*lins)
-                if all(hasattr(lin, "int4_blocks") for lin in lins):  # its Q4 blocks, kept
-                    return Int4Linear.of(*lins)
+                    return PackedLinear([float_weight(lin) for lin in lins], biases)
+                stored = common_blocks(lins)  # a GGUF's blocks, kept (loader.py)
+                if stored is not None:
+                    kind, blocks = stored
+                    return (Int4Linear if kind == "int4" else Int8Linear)([], biases, blocks=blocks)
                 if quantization == "int4" and lins[0].weight.shape[1] % GROUP == 0:
                     return Int4Linear.of(*lins)
                 return Int8Linear.of(*lins)  # (int4: inputs not in whole groups stay int8)
@@ -305,7 +306,7 @@ class LlamaModel(NativeForward, nn.Module):
         # the head's rows for refine_top_logits (the embeddings when tied: no copy); none for an
         # int8 head, whose logits are float32 already
         self.head_rows = self.lm_head.weight.detach() if quantization is None else None
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        tied = self.lm_head.weight is getattr(self.model.embed_tokens, "weight", None)
         self.lm_head = head(self.lm_head)  # a copy when tied to the embeddings
         if tied and getattr(self.lm_head, "native", None) is not None and self.lm_head.native.dtype == torch.float32:
             # float32 (the only dtype dw_gemm_f32 packs): no refine_top_logits, and the input

@@ -8,11 +8,13 @@ shards, `tokenizer.json` (loaded with `tokenizers`), optionally `tokenizer_confi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -21,9 +23,9 @@ from ..paths import models_dir, resolve_model
 from . import cpu_kernels
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
-from .llama import LlamaModel
-from .packed_weights import native_gemm_wanted
-from .quantize import GROUP, check_method, dequantize_int4, dequantize_q8_groups
+from .llama import LlamaModel, rope_inv_freq
+from .packed_weights import QuantizedEmbedding, native_gemm_wanted
+from .quantize import GROUP, check_method, dequantize_int4, dequantize_q8_groups, int8_groups
 
 
 log = logging.getLogger(__name__)
@@ -113,33 +115,101 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
 
 def _build_model(path: Path, cfg: ModelConfig, dt: torch.dtype, device: str, fuse: bool, quantization: str | None):
     """The model of `cfg` holding the directory's weights in `dt` on `device`, prepared for
-    inference when `fuse` (quantized as `load_model` describes)."""
-    with torch.device("meta"):
+    inference when `fuse` (quantized as `load_model` describes).
+
+    Stored blocks that the prepared model runs as they are (`_kept_blocks`) are never dequantised:
+    their weights stay unmaterialised (meta) until `fuse_projections` replaces them, and the float
+    tensors are adopted as read, not copied into a freshly initialised model; the peak memory is
+    then about the prepared model's, not a float32 copy of it (6 GB for a 1.5B model)."""
+    with torch.device("meta"), _no_init():
         model = model_class(cfg)(cfg)
     expected = dict(model.state_dict())
     loaded, stored = _read_weights(path, cfg, expected, dt)
     blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
-    for name, (kind, q, sc) in blocks.items():  # the float paths (fuse=False, training) read their values
-        loaded[name] = (dequantize_int4(q, sc) if kind == "int4" else dequantize_q8_groups(q, sc)).to(dt)
+    projections = {kind for name, (kind, _, _) in blocks.items() if name.endswith("_proj.weight")}
     as_stored = quantization is None
-    if blocks and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
-        quantization = "int4" if any(kind == "int4" for kind, _, _ in blocks.values()) else "int8"
+    if projections and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
+        quantization = "int4" if "int4" in projections else "int8"
+    kept = _kept_blocks(blocks, fuse and torch.device(device).type == "cpu" and cfg.hybrid is None,
+                        as_stored, quantization)
+    for name, (kind, q, sc) in blocks.items():  # the float paths (fuse=False, training) read their values
+        if name not in kept:
+            loaded[name] = (dequantize_int4(q, sc) if kind == "int4" else dequantize_q8_groups(q, sc)).to(dt)
     if cfg.tie_word_embeddings:
         loaded.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
-    missing = [n for n in expected if n not in loaded]
+    missing = [n for n in expected if n not in loaded and n not in kept]
     if missing:
         raise ModelLoadError(f"{path}: weights missing from the safetensors files: {', '.join(missing[:5])}")
-    model = model_class(cfg)(cfg).to(dtype=dt)
-    model.load_state_dict(loaded, strict=False)
+    if cfg.hybrid is not None:  # (its buffers are computed in __init__: built for real)
+        model = model_class(cfg)(cfg).to(dtype=dt)
+        model.load_state_dict(loaded, strict=False)
+    else:
+        model.load_state_dict(loaded, strict=False, assign=True)
+        if cfg.tie_word_embeddings:  # assign replaced the embedding's parameter: tie the head to it again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(cfg)
     model.inv_freq = model.inv_freq.float()
-    model.to(device).eval().requires_grad_(False)
-    for name, (kind, q, sc) in blocks.items():  # Int4Linear.of / Int8Linear.of take these instead of
-        if as_stored or kind == quantization:  # quantising the floats (another method asked: re-quantised)
-            setattr(model.get_submodule(name[: -len(".weight")]), f"{kind}_blocks", (q, sc))
+    if torch.device(device).type != "cpu":
+        model.to(device)
+    model.eval().requires_grad_(False)
+    _attach_blocks(model, kept, dt)
+    del loaded, stored, blocks, kept  # the modules hold them now: fuse_projections frees each as it packs it
     if fuse:
         model.fuse_projections(quantization) if quantization else model.fuse_projections()
     return model
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's initialisers as no-ops: every weight of a model built to be loaded is replaced,
+    and initialising meta tensors imports torch's reference ops (seconds) for nothing."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+def _kept_blocks(blocks: dict, runs_blocks: bool, as_stored: bool, quantization: str | None) -> dict:
+    """The stored blocks the prepared model runs as they are: none unless `runs_blocks` (prepared for
+    the CPU kernels); the embeddings' and the head's when the model is quantized (a lookup
+    dequantises its rows; the head is int8 then), a projection's when its kind is the one asked for (or
+    none was asked: another method re-quantises the dequantised values)."""
+    if not runs_blocks:
+        return {}
+    kept = {}
+    for name, (kind, q, sc) in blocks.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and quantization is not None:
+            kept[name] = (kind, q, sc)
+        elif name.endswith("_proj.weight") and (as_stored or kind == quantization):
+            kept[name] = (kind, q, sc)
+    return kept
+
+
+def _attach_blocks(model, kept: dict, dt: torch.dtype) -> None:
+    """Kept blocks onto their modules: `int4_blocks` / `int8_blocks` on a linear (read by
+    fuse_projections; an int8 head from int4 blocks re-quantised into int8 groups), a
+    `QuantizedEmbedding` in place of the embedding (a tied head takes its blocks)."""
+    for name, (kind, q, sc) in kept.items():
+        module = name[: -len(".weight")]
+        if module == "model.embed_tokens":
+            if model.lm_head.weight is model.model.embed_tokens.weight and "lm_head.weight" not in kept:
+                _attach_head(model.lm_head, kind, q, sc)
+            model.model.embed_tokens = QuantizedEmbedding(kind, q, sc, dt)
+        elif module == "lm_head":
+            _attach_head(model.lm_head, kind, q, sc)
+        else:
+            setattr(model.get_submodule(module), f"{kind}_blocks", (q, sc))
+
+
+def _attach_head(head, kind: str, q: torch.Tensor, sc: torch.Tensor) -> None:
+    """The LM head runs int8 (float32 logits): int4 blocks become int8 groups from their values."""
+    head.int8_blocks = (q, sc) if kind == "int8" else int8_groups(dequantize_int4(q, sc))
 
 
 def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor], dt: torch.dtype):
@@ -156,16 +226,17 @@ def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor
             raise ModelLoadError(f"{f}: not a readable safetensors file ({size} bytes; {e}): "
                                  "truncated or corrupt? re-copy or re-export it") from None
         with sf:
+            read = _tensor_reader(f)
             for name in sf.keys():
                 stem, _, part = name.rpartition(".")
                 if part in ("qweight", "qscale") and f"{stem}.weight" in expected:  # stored quantized (gguf_import)
-                    stored.setdefault(f"{stem}.weight", {})[part] = sf.get_tensor(name)
+                    stored.setdefault(f"{stem}.weight", {})[part] = read(name)
                     continue
                 if name not in expected:
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
                     raise ModelLoadError(f"{f}: unexpected tensor '{name}' for architecture {cfg.arch}")
-                t = sf.get_tensor(name)
+                t = read(name)
                 want = tuple(expected[name].shape)
                 if tuple(t.shape) != want:
                     raise ModelLoadError(
@@ -173,6 +244,29 @@ def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor
                     )
                 loaded[name] = t.to(dt)
     return loaded, stored
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+                       "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+def _tensor_reader(f: Path):
+    """name -> the tensor read from `f` into memory of its own (safetensors' format: a little-endian
+    u64 header size, a JSON header of dtypes, shapes and byte ranges, then the data). Why not
+    `get_tensor`: it copies out of a memory map whose touched pages count in the resident set
+    until the file is closed, so a model's load peaked at twice its size."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    base = 8 + n
+
+    def read(name: str) -> torch.Tensor:
+        info = header[name]
+        begin, end = info["data_offsets"]
+        raw = np.fromfile(f, dtype=np.uint8, count=end - begin, offset=base + begin)
+        return torch.from_numpy(raw).view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    return read
 
 
 def _load_tokenizer(path: Path):

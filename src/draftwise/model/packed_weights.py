@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .quantize import dequantize_int4, dequantize_q8_groups
 
 PACK_BATCH_HINT = 16  # oneDNN's expected rows per product when packing (the best of 1-64)
 # Weights of at least this many elements are packed for oneDNN: batch-1 products are bound by
@@ -232,3 +233,24 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.packed[input_ids // 16, :, input_ids % 16]
+
+
+class QuantizedEmbedding(nn.Module):
+    """An input embedding kept as a GGUF's blocks (loader.py): int4 (q [V, N/2], step and minimum
+    [V, N/32, 2]) or int8 in groups (q [V, N], scales [V, N/32]); a lookup dequantises only the rows
+    it reads. Why: Qwen2.5's 151,936 x 1536 table is 0.9 GB in float32, 0.15-0.23 GB as blocks, and a
+    step reads one row per token."""
+
+    def __init__(self, kind: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.kind, self.dtype = kind, dtype
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.num_embeddings = q.shape[0]
+        self.embedding_dim = q.shape[1] * (2 if kind == "int4" else 1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., N], a new tensor
+        flat = input_ids.reshape(-1)
+        deq = dequantize_int4 if self.kind == "int4" else dequantize_q8_groups
+        rows = deq(self.qweight[flat], self.scale[flat])  # [T, N] float32
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)

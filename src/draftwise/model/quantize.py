@@ -111,8 +111,9 @@ class Int8Linear(nn.Module):
         # dw_gemm's layout [ceil(O/16), N, 16] (the missing outputs of the last block zero): for each
         # input the weights of 16 outputs side by side, one stream per 16 outputs
         o, n = q.shape
-        pad = torch.zeros((-o) % 16, n, dtype=torch.int8)
-        self.register_buffer("qpacked", torch.cat([q, pad]).reshape(-1, 16, n).permute(0, 2, 1).contiguous())
+        if o % 16:  # (no copy for the padding where there is none: the head is 0.2 GB)
+            q = torch.cat([q, torch.zeros((-o) % 16, n, dtype=torch.int8)])
+        self.register_buffer("qpacked", q.reshape(-1, 16, n).permute(0, 2, 1).contiguous())
         if self.group:  # the group scales in the same layout: [ceil(O/16), N/GROUP, 16] float16
             gpad = torch.zeros((-o) % 16, n // GROUP, dtype=torch.float16)
             scale = torch.cat([gs.half(), gpad]).reshape(-1, 16, n // GROUP).permute(0, 2, 1).contiguous()
@@ -239,6 +240,49 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP}"
+
+
+def int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [O, N] (N a multiple of GROUP) -> (q [O, N] int8, d [O, N/GROUP] float16), the layout of
+    Q8_0 blocks: symmetric per group, d = max|w| / 127 rounded to float16, q = round(w / d)."""
+    w = torch.as_tensor(w).float()
+    o, n = w.shape
+    g = w.reshape(o, n // GROUP, GROUP)
+    d = (g.abs().amax(dim=-1) / 127.0).half()  # [O, G]
+    df = d.float()
+    df = torch.where(df > 0, df, torch.ones_like(df))  # an all-zero group: q = 0
+    q = torch.round(g / df[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(o, n).contiguous(), d.contiguous()
+
+
+def float_weight(lin: nn.Module) -> torch.Tensor:
+    """A linear's float weight [O, N] in its dtype: its stored blocks dequantised where the loader
+    left the weight unmaterialised (on the meta device), else the weight itself."""
+    w = lin.weight
+    if not w.is_meta:
+        return w.detach()
+    if hasattr(lin, "int4_blocks"):
+        return dequantize_int4(*lin.int4_blocks).to(w.dtype)
+    return dequantize_q8_groups(*lin.int8_blocks).to(w.dtype)
+
+
+def common_blocks(lins) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The stored blocks of linears fused along their outputs, all of one kind, or None where none
+    has any. Where kinds differ (a GGUF's Q4_K q/k beside a Q6_K v) all become int8 in groups: the
+    int4 ones re-quantised from their values (a finer grid than theirs: near their values), rather
+    than the int8 ones coarsened to 4 bits."""
+    kinds = {k for lin in lins for k in ("int4", "int8") if hasattr(lin, f"{k}_blocks")}
+    if not kinds:
+        return None
+    kind = "int4" if kinds == {"int4"} else "int8"
+    out = []
+    for lin in lins:
+        b = getattr(lin, f"{kind}_blocks", None)
+        if b is None:
+            w = float_weight(lin)
+            b = int8_groups(w) if kind == "int8" else quantize_int4(w)
+        out.append(b)
+    return kind, out
 
 
 def quantization_of(model: nn.Module) -> str | None:
