@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from .common import add_quantization_arg, positive_int, warn_tokenizer_mismatch
+from .common import add_progress_arg, add_quantization_arg, positive_int, warn_tokenizer_mismatch
 
 
 def _option(name: str, fn, *args):
@@ -26,20 +26,28 @@ def add_parser(sub):
                         "chat-open; comma-separated) or a JSONL path "
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, with an optional "
-                                                    ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput) "
-                                                    "and :copy=2 (the same config again in its own engine: an A/A "
-                                                    "control of the machine's noise; default: "
-                                                    "none,draft:k=2,draft:k=4,ngram:k=4)")
+                                                    ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput), "
+                                                    ":forced=N, :rollback=snapshot|replay and :copy=2 (the same config "
+                                                    "again in its own engine: an A/A control of the machine's noise); "
+                                                    "none is added when missing, as the reference (default: "
+                                                    "none,draft:k=2,draft:k=4,ngram:k=4; --quick: "
+                                                    "none,draft:k=4,ngram:k=4; not used with --url)")
     p.add_argument("--profile", default=None, help="hardware profile JSON for goodput configs (default: the cached "
                                                    "one for the model pair, measured on first use)")
-    p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32")
-    p.add_argument("--request-rate", default=None, help="open-loop levels in requests/s, e.g. 0.5,1")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of open-loop gaps (1 = Poisson)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: the whole workload)")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens")
+    p.add_argument("--concurrency", default=None,
+                   help="closed-loop levels, e.g. 1,4,16 (default: 1,2,4,8,16,32 when neither --request-rate nor "
+                        "--find-capacity is given, else none; --quick: 1,4)")
+    p.add_argument("--request-rate", default=None, help="open-loop levels in requests/s, e.g. 0.5,1 (default: none)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of open-loop gaps (default 1 = Poisson; below 1 burstier)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per run: the workload's first N (default: the whole workload; --quick: 8)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cap every request's max_tokens (default: each request's own; --quick: 32)")
     p.add_argument("--output-len", type=int, default=None,
                    help="every request generates exactly this many tokens (e.g. 128-256: long outputs, where "
-                        "decoding rather than prefill dominates; prompts keep their tails to fit the context)")
+                        "decoding rather than prefill dominates; prompts keep their tails to fit the context; "
+                        "default: each request's own max_tokens, capped by --max-tokens)")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every config per level, the config order rotated each round; each config's "
                         "figures are its median round by output tokens/s, the faster of two (noisy machines; default 1); "
@@ -50,32 +58,48 @@ def add_parser(sub):
                         "configs then meet the same machine and their ratios are far less noisy (e.g. 50; "
                         "default: configs one after another)")
     p.add_argument("--slo", default=None, help="latency limits in ms for goodput, e.g. ttft=1000,tpot=50 "
-                                               "(keys: ttft, tpot, itl, e2e)")
+                                               "(keys: ttft, tpot, itl, e2e; default: none, every completed "
+                                               "request counts toward goodput)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="engines do not share cached prompt blocks (each config's engine has its own cache; "
                         "replaying a workload hits it from the second level on)")
     p.add_argument("--find-capacity", action="store_true",
                    help="search, per config, the highest Poisson request rate at which --slo holds at p90 "
                         "(doubling then bisection; reported as requests/s at the latency limit)")
-    p.add_argument("--capacity-start-rate", type=float, default=1.0, help="first rate of the capacity search (req/s)")
-    p.add_argument("--dollars-per-hour", type=float, default=None, help="machine price, for cost per million tokens")
+    p.add_argument("--capacity-start-rate", type=float, default=1.0,
+                   help="first rate of the capacity search (req/s; default 1)")
+    p.add_argument("--dollars-per-hour", type=float, default=None,
+                   help="machine price, for cost per million tokens (default: none, no cost column)")
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 8 requests, 32 tokens, concurrency 1,4, configs none,draft:k=4,ngram:k=4")
-    p.add_argument("--model", help="target model directory (default: the embedded target)")
-    p.add_argument("--draft", help="draft model directory (default: the embedded draft when --model is not given)")
-    p.add_argument("--url", default=None, help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000)")
+                   help="smoke run: workloads grounded,code-hard, 8 requests each, 32 tokens, concurrency 1,4, configs "
+                        "none,draft:k=4,ngram:k=4, a distribution test of 2 prompts x 100 samples x 3 tokens (options "
+                        "given explicitly win)")
+    add_progress_arg(p, "requests done / planned per workload")
+    p.add_argument("--model", help="target model directory (default: the embedded target; not used with --url)")
+    p.add_argument("--draft", help="draft model directory (default: the embedded draft when --model is not given; "
+                                   "with --model, draft configs need it)")
+    p.add_argument("--url", default=None,
+                   help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000); the settings record "
+                        "what it says about itself (/v1/models; a draftwise server's /health and /metrics), and the "
+                        "model options here are not used")
     p.add_argument("--served-model", default=None, help="model name for --url (default: the first of /v1/models)")
     p.add_argument("--reference-url", default=None,
-                   help="with --url: a plain server of the same model; both are benchmarked level by level and "
-                        "the greedy outputs of --url are compared token by token with the reference's")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+                   help="with --url: a plain server of the same model; both are benchmarked level by level, the "
+                        "speedup of --url is against the reference's run at the same level, and its greedy outputs "
+                        "are compared token by token with the reference's")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the target's dtype (default float32)")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
                    help="draft model dtype (default: bfloat16 on a CPU with native bfloat16 products, float32 on other CPUs, else --dtype)")
     add_quantization_arg(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (>= 1; default: torch's own, one per core unless OMP_NUM_THREADS "
+                        "says otherwise)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds of the sampled requests (request i: seed + i) and of open-loop arrival times "
+                        "(default 0)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="also write the report to PATH (e.g. BENCHMARKS.md)")
     return p
 
@@ -91,8 +115,8 @@ def _quantization(args) -> str:
 
 def run(args) -> int:
     import torch
-    from rich.console import Console
 
+    from ..lab.progress import stderr_console
     from ..lab.results import build_results
     from ..lab.runner import run_bench
 
@@ -101,11 +125,12 @@ def run(args) -> int:
     plan, num_requests = _plan(args)
     if not args.url:
         warn_tokenizer_mismatch(args, "bench", [c.method for c in plan.configs])
-    console = Console(stderr=True)
+    console = stderr_console(args.progress)
+    settings = _settings(args, plan, num_requests)  # before the run: a server's own counters still untouched
     t0 = time.perf_counter()
     results = run_bench(plan, console)
     command = ["draftwise", *args.argv]
-    results = build_results(results, _settings(args, plan, num_requests), command, time.perf_counter() - t0)
+    results = build_results(results, settings, command, time.perf_counter() - t0)
     _write(results, args, console)
     _print_failures(results, console)
     return 0
@@ -147,7 +172,7 @@ def _plan(args):
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
-        repeats=args.repeats, time_slice=args.time_slice / 1000 if args.time_slice else None,
+        repeats=args.repeats, time_slice=args.time_slice / 1000 if args.time_slice else None, progress=args.progress,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
     if plan.find_capacity and not plan.slo:
@@ -187,8 +212,9 @@ def _check_options(args, max_tokens: int | None) -> None:
 
 
 def _settings(args, plan, num_requests: int | None) -> dict:
-    """What results.json records of the run's settings."""
-    return {
+    """What results.json records of the run's settings; for --url, the model and speculation as the
+    server describes itself (lab/server_info.py), never this command's local defaults."""
+    out = {
         "workloads": [w.name for w in plan.workloads], "configs": [c.label for c in plan.configs] or ["server"],
         "levels": [lv.to_dict() for lv in plan.levels], "num_requests": num_requests, "max_tokens": plan.max_tokens,
         "output_len": args.output_len, "repeats": args.repeats, "time_slice_ms": args.time_slice,
@@ -198,6 +224,12 @@ def _settings(args, plan, num_requests: int | None) -> dict:
         "dtype": args.dtype, "draft_dtype": args.draft_dtype, "quantization": _quantization(args),
         "device": args.device, "seed": args.seed, "quick": args.quick,
     }
+    if args.url:
+        from ..lab.server_info import describe_server, server_settings
+
+        reference = describe_server(args.reference_url) if args.reference_url else None
+        out.update(server_settings(describe_server(args.url, args.served_model), reference))
+    return out
 
 
 def _write(results: dict, args, console) -> None:

@@ -56,24 +56,52 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                         "each (Q4_1's layout; the LM head int8); activations in --dtype (default none)")
 
 
-def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+# --method's default depends on --model and --draft (spec_from_args); each command says what follows
+METHOD_HELP = ("speculative method: {methods} or none (default: draft, with the embedded draft when --model is "
+               "not given or with --draft; none when --model is given without --draft)")
+METHOD_HELP_CHECK = ("speculative method: {methods} (default: draft, with the embedded draft when --model is not "
+                     "given or with --draft; --model without --draft needs a --method such as ngram, or a --draft)")
+METHOD_HELP_PROFILE = ("speculative method: {methods} or none (default: draft when --model is not given or with "
+                       "--draft, else none); a method without a draft model times no draft")
+
+
+def _method_names() -> str:
+    from ..proposers import available_methods
+
+    return ", ".join(available_methods())
+
+
+def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """--progress / --no-progress: lab/progress.py's mode (None: a bar when stderr is a terminal)."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"a progress bar on stderr ({what}, elapsed time, ETA); default: only when stderr is a "
+                        "terminal; stdout never carries it")
+
+
+def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help: str = METHOD_HELP) -> None:
     """engine=False: a command that loads the models but runs no engine (profile): no
     --kv-cache-memory, --policy, --profile."""
-    p.add_argument("--model", help="target model directory (Hugging Face format); default: the embedded target")
-    p.add_argument("--draft", help="draft model directory; default: the embedded draft when --model is not given")
-    p.add_argument("--method", default=None, help="speculative method: draft, ngram or none (default: draft)")
+    p.add_argument("--model", help="target model directory (Hugging Face format, or a name under models/); "
+                                   "default: the embedded target")
+    p.add_argument("--draft", help="draft model directory; default: the embedded draft when --model is not given, "
+                                   "else none")
+    p.add_argument("--method", default=None, help=method_help.format(methods=_method_names()))
     p.add_argument("--k", type=int, default=4, help="proposals per round (default 4)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the target's dtype (default float32)")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
                    help="draft model dtype (default: bfloat16 on a CPU with native bfloat16 products, float32 on other CPUs, else --dtype)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (>= 1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (>= 1; default: torch's own, one per core unless OMP_NUM_THREADS "
+                        "says otherwise)")
     if not engine:
         return
     add_quantization_arg(p)
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: max(512 MiB, the weights' "
-                        "size), at most half the free memory)")
+                   help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: room for every running "
+                        "sequence's full context, at most 131072 tokens, within max(512 MiB, the weights' size) "
+                        "and half the free memory)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share cached blocks of committed prompt tokens between requests")
     p.add_argument("--recurrent-rollback", default="snapshot", choices=["snapshot", "replay"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .common import add_model_args, spec_from_args
+from .common import METHOD_HELP_PROFILE, add_model_args, add_progress_arg, spec_from_args
 
 
 def add_parser(sub):
@@ -18,13 +18,17 @@ def add_parser(sub):
                                    "--max-num-seqs; T = 1 .. k+1) at a few context lengths, and the drafter's "
                                    "step per B; fit the cost model; write the versioned JSON. With --method ngram or none "
                                    "(or --model without --draft) no draft model is timed: draft cost 0.")
-    add_model_args(p, engine=False)
+    add_model_args(p, engine=False, method_help=METHOD_HELP_PROFILE)
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest batch measured (default 64)")
     p.add_argument("--contexts", default="64,256", help="context lengths, comma-separated (default 64,256)")
     p.add_argument("--budget", type=float, default=30.0, help="seconds of measurement at most (default 30)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is kept (default 5)")
-    p.add_argument("--out", default=None, help="JSON file to write (default: the cache file the engine reads)")
-    p.add_argument("--plot", default=None, metavar="PNG", help="also plot step time against tokens per sequence")
+    p.add_argument("--out", default=None,
+                   help="JSON file to write (default: the cache file the engine reads for these models, dtypes, "
+                        "device and threads, under $DRAFTWISE_CACHE/profiles, by default ~/.cache/draftwise/profiles)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also plot step time against tokens per sequence (default: no plot)")
+    add_progress_arg(p, "grid points measured / planned")
     return p
 
 
@@ -65,8 +69,9 @@ def run(args) -> int:
 
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
+
+    from ..lab.progress import make_progress, stderr_console
 
     from ..model.pair import load_pair
     from ..policies.profile import measure_profile, profile_cache_path
@@ -78,15 +83,14 @@ def run(args) -> int:
     needs_draft = spec.method is not None and proposer_class(spec.method).needs_draft_model
     target, draft = load_pair(args.model, args.draft, needs_draft=needs_draft, dtype=args.dtype,
                               draft_dtype=args.draft_dtype, device=args.device, method=spec.method or "draft")
-    console = Console(stderr=True)
+    console = stderr_console(args.progress)
     console.print(f"draftwise profile: target {target.path}" + (f", draft {draft.path}" if draft else ", no draft")
                   + f", threads {torch.get_num_threads()}, budget {args.budget:g} s")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > (os.cpu_count() or 1) - 0.5:
         console.print(f"[yellow]warning: load average {load:.1f} on {os.cpu_count()} CPUs: other processes compete, "
                       "the times will be noisy[/yellow]")
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+    with make_progress(console, args.progress, transient=True) as bar:
         task = bar.add_task("measuring", total=1)
         prof = measure_profile(target, draft, max_num_seqs=args.max_num_seqs, k=args.k, contexts=contexts,
                                budget_seconds=args.budget, repeats=args.repeats,

@@ -55,13 +55,15 @@ def add_parser(sub):
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description=__doc__.splitlines()[0])
     add_model_args(p)
     add_multi_step_arg(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=8000, help="port to bind (default 8000)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences running at once (default 64)")
     p.add_argument("--max-queue", type=_queue, default=256,
                    help="requests waiting beyond the running ones before answering 429 (default 256)")
-    p.add_argument("--max-model-len", type=positive_int, default=None, help="cap the context length")
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV cache blocks per model (default: sized)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="cap the context length (default: the target's, or the draft model's if shorter)")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                   help="KV cache blocks per model (default: sized from --kv-cache-memory)")
     p.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DRAFTWISE_API_KEY; "
                         "/health and /metrics stay open)")
@@ -70,8 +72,11 @@ def add_parser(sub):
     # request limits (server/limits.py: ServerLimits holds the defaults; None = its default)
     for flag, doc in LIMIT_FLAGS:
         p.add_argument(flag, type=positive_int, default=None, help=doc)
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: directory name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the --model directory's name; without --model, the "
+                        "embedded target's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
     return p
 
 

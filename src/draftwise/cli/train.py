@@ -12,51 +12,77 @@ Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` contin
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
-from .common import positive_int
+from .common import add_progress_arg, positive_int
 from .main import UserError
 
 
 def add_parser(subparsers):
+    from ..train.fit import DRAFT_DEFAULTS as D, TARGET_DEFAULTS as T
+
+    def preset(key: str) -> str:
+        return f"default: target {T[key]}, draft {D[key]}"
+
     p = subparsers.add_parser("train", help="train the tokenizer / target / draft on the stdlib corpus",
                               description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["tokenizer", "target", "draft", "all", "random-draft"])
     p.add_argument("--out", required=True, help="output directory (HF format)")
-    p.add_argument("--tokenizer", help="tokenizer directory (target; default: train one into --out)")
-    p.add_argument("--target", help="target model directory (draft)")
-    p.add_argument("--minutes", type=float, help="training-time budget in minutes")
-    p.add_argument("--tokens", type=int, help="training budget in tokens")
+    p.add_argument("--tokenizer", help="tokenizer directory (target; default: the one in --out, trained there first "
+                                       "when missing)")
+    p.add_argument("--target", help="target model directory (draft, random-draft; a name under models/ counts)")
+    p.add_argument("--minutes", type=float, help="training-time budget in minutes (target, draft: this or --tokens "
+                                                 "is needed; all uses --target-minutes and --draft-minutes)")
+    p.add_argument("--tokens", type=int, help="training budget in tokens (target, draft)")
     p.add_argument("--shape", choices=["target", "draft", "draft-wide", "tiny"],
-                   help="model shape preset (draft default: draft; draft-wide with --data self)")
+                   help="model shape preset (default: target for target, draft for draft and random-draft, "
+                        "draft-wide for draft --data self; not used with --arch hybrid)")
     p.add_argument("--arch", choices=["attention", "hybrid"], default="attention",
-                   help="target: attention (Llama) or hybrid (Qwen3-Next style gated delta rule + attention)")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+                   help="target: attention (Llama) or hybrid (Qwen3-Next style gated delta rule + attention; "
+                        "default attention)")
+    p.add_argument("--batch-size", type=int, help=f"sequences per optimizer step ({preset('batch_size')})")
+    p.add_argument("--seq-len", type=int, help=f"tokens per training sequence ({preset('seq_len')})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate ({preset('lr')})")
+    p.add_argument("--warmup", type=int, default=None, help=f"warm-up steps of the schedule ({preset('warmup_steps')})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order (default 0)")
     p.add_argument("--ce-only", action="store_true", help="draft: cross-entropy only, no distillation")
-    p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term (rest is CE)")
+    p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term, the rest CE (default 0.9)")
     p.add_argument("--data", choices=["corpus", "self"], default="corpus",
                    help="draft: train on the corpus (distilling the target's distributions), or on the target's "
-                        "own replies to chat prompts made from the corpus (self: generated first, resumable)")
+                        "own replies to chat prompts made from the corpus (self: generated first, resumable; "
+                        "default corpus)")
     p.add_argument("--data-dir", help="draft --data self: where the generated shards go (default <ckpt-dir>/self_data)")
     p.add_argument("--gen-tokens", type=int, default=1_000_000,
-                   help="draft --data self: generate until the shards hold this many tokens (0: use what is there)")
-    p.add_argument("--gen-max-tokens", type=positive_int, default=192, help="draft --data self: reply length")
-    p.add_argument("--gen-minutes", type=float, help="draft --data self: stop generating after this many minutes")
-    p.add_argument("--device", default="cpu", help="draft --data self: cpu or cuda (generation and training)")
-    p.add_argument("--ckpt-dir", help="checkpoint directory (default checkpoints/<what>)")
+                   help="draft --data self: generate until the shards hold this many tokens (0: use what is there; "
+                        "default 1000000)")
+    p.add_argument("--gen-max-tokens", type=positive_int, default=192,
+                   help="draft --data self: reply length (default 192)")
+    p.add_argument("--gen-minutes", type=float,
+                   help="draft --data self: stop generating after this many minutes (default: no limit)")
+    p.add_argument("--device", default="cpu",
+                   help="draft --data self: cpu or cuda (generation and training; default cpu)")
+    p.add_argument("--ckpt-dir", help="checkpoint directory (default: checkpoints/target, checkpoints/target_hybrid "
+                                      "with --arch hybrid, checkpoints/draft, checkpoints/draft_ce with --ce-only; "
+                                      "all uses fixed directories under checkpoints/)")
     p.add_argument("--init", help="draft: start from this model directory's weights (fresh optimizer and schedule)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (>= 1; default: all cores)")
-    p.add_argument("--target-minutes", type=float, default=80.0, help="all: target budget")
-    p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (>= 1; default: torch's own, one per core unless OMP_NUM_THREADS says "
+                        "otherwise)")
+    p.add_argument("--target-minutes", type=float, default=80.0, help="all: target budget (default 80)")
+    p.add_argument("--draft-minutes", type=float, default=15.0, help="all: distilled draft budget (default 15)")
     p.add_argument("--draft-continue-minutes", type=float, default=0.0,
-                   help="all: then continue both drafts from their weights for this budget (distilled) / as many tokens (CE)")
+                   help="all: then continue both drafts from their weights for this budget (distilled) / as many "
+                        "tokens (CE) (default 0: no continuation)")
+    add_progress_arg(p, "optimizer steps done / planned, loss, tokens/s")
     return p
+
+
+def _log(msg: str) -> None:
+    """Training's log lines go to stderr: stdout carries the command's one JSON result."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def run(args) -> int:
@@ -86,7 +112,8 @@ def run(args) -> int:
         pipeline.train_target(args.out, tokenizer_dir=args.tokenizer, minutes=args.minutes, tokens=args.tokens,
                               ckpt_dir=args.ckpt_dir or ("checkpoints/target_hybrid" if args.arch == "hybrid"
                                                           else "checkpoints/target"),
-                              resume=args.resume, overrides=_overrides(args), arch=args.arch)
+                              resume=args.resume, overrides=_overrides(args), arch=args.arch, log=_log,
+                              progress=args.progress)
     elif args.what == "random-draft":
         if not args.target or not Path(args.target, "config.json").is_file():
             raise UserError("train random-draft needs --target DIR (a model directory: its tokenizer and vocabulary)")
@@ -101,10 +128,11 @@ def run(args) -> int:
                              resume=args.resume, ce_only=args.ce_only, alpha=args.alpha,
                              overrides=_overrides(args), init=args.init, data=args.data, data_dir=args.data_dir,
                              gen_tokens=args.gen_tokens if args.data == "self" else 0, gen_minutes=args.gen_minutes,
-                             gen_max_tokens=args.gen_max_tokens, device=args.device)
+                             gen_max_tokens=args.gen_max_tokens, device=args.device, log=_log, progress=args.progress)
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
-                           resume=args.resume, draft_continue_minutes=args.draft_continue_minutes)
+                           resume=args.resume, draft_continue_minutes=args.draft_continue_minutes, log=_log,
+                           progress=args.progress)
     print(json.dumps({"done": args.what, "out": args.out, "wall_seconds": round(time.time() - t0, 1)}))
     return 0
 

@@ -28,6 +28,7 @@ class CheckResult:
     passed: bool
     figures: dict = field(default_factory=dict)
     detail: str = ""
+    kind: str = ""  # greedy | distribution | rollback | stops: what check_explain says about it
 
 
 @dataclass
@@ -45,6 +46,8 @@ class CheckSetup:
     alpha: float = 0.01
     seed: int = 0
     recurrent_rollback: str = "snapshot"  # hybrid targets (EngineConfig.recurrent_rollback)
+    prefix_caching: bool = True  # EngineConfig.enable_prefix_caching (check --no-prefix-caching)
+    kv_cache_memory: str | None = None  # EngineConfig.kv_cache_memory (check --kv-cache-memory)
 
 
 def make_engine(s: CheckSetup, spec: SpecConfig | None = None) -> LLMEngine:
@@ -57,22 +60,27 @@ def _engine_config(s: CheckSetup, max_seqs: int) -> EngineConfig:
     p = next(s.target.model.parameters())
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(p.dtype, "float32")
     return EngineConfig(dtype=dtype, device=str(p.device), max_num_seqs=max_seqs, kv_cache_max_tokens=max_seqs * 1024,
-                        recurrent_rollback=s.recurrent_rollback)
+                        recurrent_rollback=s.recurrent_rollback, enable_prefix_caching=s.prefix_caching,
+                        kv_cache_memory=s.kv_cache_memory)
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], tag: str) -> list:
+def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], tag: str,
+             on_done=None) -> list:
+    """Run the requests to the end; `on_done()` after each one finishes (a progress bar)."""
     seqs = [engine.add_request(f"{tag}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     while engine.has_unfinished():
-        engine.step()
+        finished = sum(o.finished for o in engine.step())
+        for _ in range(finished if on_done else 0):
+            on_done()
     for q in seqs:
         engine.release(q.request_id)
     return seqs
 
 
-def check_greedy(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+def check_greedy(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None) -> CheckResult:
     sp = SamplingParams(temperature=0, max_tokens=s.max_tokens, ignore_eos=True)
-    base = generate(plain, s.prompts, [sp] * len(s.prompts), "greedy-plain")
-    got = generate(spec, s.prompts, [sp] * len(s.prompts), "greedy-spec")
+    base = generate(plain, s.prompts, [sp] * len(s.prompts), "greedy-plain", on_done)
+    got = generate(spec, s.prompts, [sp] * len(s.prompts), "greedy-spec", on_done)
     mismatches, ties = [], 0
     for p, b, g in zip(s.prompts, base, got):
         j = correctness.first_difference(b.output_ids, g.output_ids)
@@ -86,15 +94,15 @@ def check_greedy(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResul
     figs = {"prompts": len(s.prompts), "tokens": sum(len(q.output_ids) for q in got), "mismatches": len(mismatches),
             "near_tie_divergences": ties, "first_mismatch": min(mismatches, default=None),
             "mean_accepted_length": round(sum(q.stats.committed_in_rounds for q in got) / rounds, 3) if rounds else None}
-    return CheckResult("greedy equality", not mismatches, figs)
+    return CheckResult("greedy equality", not mismatches, figs, kind="greedy")
 
 
-def check_distribution(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+def check_distribution(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None) -> CheckResult:
     ids = [p[-s.dist_prompt_tokens:] for p in s.prompts[: s.dist_prompts]]
     args = (ids, s.temperature, s.horizon, s.samples)
-    ref = correctness.sample_counts(plain, *args, seed=s.seed + 1_000_000, tag="dist-plain-a")
-    floor = correctness.sample_counts(plain, *args, seed=s.seed + 2_000_000, tag="dist-plain-b")
-    got = correctness.sample_counts(spec, *args, seed=s.seed + 3_000_000, tag="dist-spec")
+    ref = correctness.sample_counts(plain, *args, seed=s.seed + 1_000_000, tag="dist-plain-a", on_done=on_done)
+    floor = correctness.sample_counts(plain, *args, seed=s.seed + 2_000_000, tag="dist-plain-b", on_done=on_done)
+    got = correctness.sample_counts(spec, *args, seed=s.seed + 3_000_000, tag="dist-spec", on_done=on_done)
     cmp = correctness.compare_distributions(ref, got)
     noise = correctness.compare_distributions(ref, floor)
     figs = {"temperature": s.temperature, "prompts": len(ids), "horizon": s.horizon, "samples": s.samples,
@@ -103,7 +111,7 @@ def check_distribution(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> Chec
             "tv_plain_vs_plain": round(noise["mean_tv"], 4)}
     ok = cmp["p_value"] >= s.alpha and cmp["informative_tests"] > 0
     detail = "" if cmp["informative_tests"] else "no test had two cells after pooling: raise --samples"
-    return CheckResult(f"distribution (T={s.temperature:g})", ok, figs, detail)
+    return CheckResult(f"distribution (T={s.temperature:g})", ok, figs, detail, kind="distribution")
 
 
 def _cached_next_logits(runner, seq_id: int, ids: list[int], computed: int) -> torch.Tensor:
@@ -111,7 +119,7 @@ def _cached_next_logits(runner, seq_id: int, ids: list[int], computed: int) -> t
     return runner.run([seq_id], [ids[computed:]], [computed], [1])[0]
 
 
-def check_rollback(s: CheckSetup, spec: LLMEngine) -> CheckResult:
+def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
     n = min(3, len(s.prompts))
     temps = [0.0, s.temperature or 1.0, 0.0][:n]
     params = [SamplingParams(temperature=t, seed=s.seed + i, max_tokens=s.max_tokens * 4, ignore_eos=True)
@@ -142,19 +150,22 @@ def check_rollback(s: CheckSetup, spec: LLMEngine) -> CheckResult:
                 worst_q = max(worst_q, float((got_q - fresh_q).abs().max() / max(1.0, float(fresh_q.abs().max()))))
     for seq in seqs:
         spec.abort(seq.request_id)
+        if on_done:
+            on_done()
     figs = {"sequences": checked, "rejected_proposals": rejections, "max_rel_err_target": f"{worst_p:.2e}",
             "max_rel_err_drafter": f"{worst_q:.2e}" if drafter is not None else None,
             "tolerance_target": tol_p, "tolerance_drafter": tol_q}
     ok = checked > 0 and worst_p <= tol_p and (drafter is None or worst_q <= tol_q)
     detail = "" if rejections else "no proposal was rejected, so no rollback was exercised"
-    return CheckResult("KV rollback", ok, figs, detail)
+    return CheckResult("KV rollback", ok, figs, detail, kind="rollback")
 
 
-def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult:
+def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None) -> CheckResult:
     """Stops with the user's config, and with the target drafting for itself (every proposal
     accepted), so that stops surely land inside multi-token blocks."""
     prompt = s.prompts[0]
-    base_seq = generate(plain, [prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)], "stop-base")[0]
+    base_seq = generate(plain, [prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)], "stop-base",
+                        on_done)[0]
     base = base_seq.output_ids
     cases: list[tuple[str, SamplingParams, list[int], str]] = []
     for n in (1, 3, 7, 13):
@@ -177,7 +188,7 @@ def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult
     engines = [("config", spec), ("self-draft", self_draft)]
     failures, inside = [], {}
     for label, eng in engines:
-        got = generate(eng, [prompt] * len(params), params, f"stops-{label}")
+        got = generate(eng, [prompt] * len(params), params, f"stops-{label}", on_done)
         inside[label] = sum(1 + sum(q.stats.committed_per_round) > len(q.output_ids) for q in got)
         for (name, _, want, reason), q in zip(cases, got):
             if q.output_ids != want or q.finish_reason != reason:
@@ -187,16 +198,28 @@ def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine) -> CheckResult
                 failures.append(f"{label}:stop={stop!r}")
     figs = {"cases": len(engines) * len(params), "cut_inside_a_block": f"{inside['config']} (config) + "
             f"{inside['self-draft']} (target as its own drafter)", "failures": failures or None}
-    return CheckResult("stops inside accepted blocks", not failures, figs)
+    return CheckResult("stops inside accepted blocks", not failures, figs, kind="stops")
 
 
-def run_checks(s: CheckSetup, on_start=None) -> list[CheckResult]:
+STOP_CASES = 10  # at most: 4 max_tokens, 3 stop_token_ids and 3 stop strings (check_stops)
+
+
+def planned_requests(s: CheckSetup) -> dict[str, int]:
+    """Requests each check runs (the stops check's at most), for a progress bar's total."""
+    return {"greedy equality": 2 * len(s.prompts),
+            "distribution": 3 * min(s.dist_prompts, len(s.prompts)) * s.samples,
+            "KV rollback": min(3, len(s.prompts)),
+            "stops": 1 + 2 * STOP_CASES}
+
+
+def run_checks(s: CheckSetup, on_start=None, on_done=None) -> list[CheckResult]:
+    """Every check in turn: `on_start(name)` before each, `on_done()` after each finished request."""
     plain = make_engine(s, SpecConfig())
     spec = make_engine(s)
-    steps = [("greedy equality", lambda: check_greedy(s, plain, spec)),
-             ("distribution", lambda: check_distribution(s, plain, spec)),
-             ("KV rollback", lambda: check_rollback(s, spec)),
-             ("stops", lambda: check_stops(s, plain, spec))]
+    steps = [("greedy equality", lambda: check_greedy(s, plain, spec, on_done)),
+             ("distribution", lambda: check_distribution(s, plain, spec, on_done)),
+             ("KV rollback", lambda: check_rollback(s, spec, on_done)),
+             ("stops", lambda: check_stops(s, plain, spec, on_done))]
     results = []
     for name, fn in steps:
         if on_start:

@@ -13,7 +13,10 @@
 """
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
+from statistics import NormalDist
 
 import torch
 
@@ -86,15 +89,18 @@ def total_variation(a: Counter, b: Counter) -> float:
 
 
 def sample_counts(engine, prompts: list[list[int]], temperature: float, horizon: int, samples: int,
-                  seed: int = 0, tag: str = "dist") -> list[list[Counter]]:
-    """Token counts [prompt][position] over `samples` seeded samples of `horizon` tokens."""
+                  seed: int = 0, tag: str = "dist", on_done=None) -> list[list[Counter]]:
+    """Token counts [prompt][position] over `samples` seeded samples of `horizon` tokens;
+    `on_done()` after each sample finishes (a progress bar)."""
     seqs = []
     for i, ids in enumerate(prompts):
         for s in range(samples):
             p = SamplingParams(temperature=temperature, max_tokens=horizon, ignore_eos=True, seed=seed + i * samples + s)
             seqs.append((i, engine.add_request(f"{tag}-{seed}-{i}-{s}", ids, p)))
     while engine.has_unfinished():
-        engine.step()
+        finished = sum(o.finished for o in engine.step())
+        for _ in range(finished if on_done else 0):
+            on_done()
     counts = [[Counter() for _ in range(horizon)] for _ in prompts]
     for i, seq in seqs:
         for j, tok in enumerate(seq.output_ids[:horizon]):
@@ -122,6 +128,32 @@ def compare_distributions(ref: list[list[Counter]], got: list[list[Counter]]) ->
         "max_tv": max(tvs, default=0.0),
         "mean_tv": sum(tvs) / m if m else 0.0,
     }
+
+
+def resampled_tv(ref: list[list[Counter]], got: list[list[Counter]], rounds: int = 20, seed: int = 0) -> float:
+    """The mean TV that sampling noise alone gives at these sample sizes: per (prompt, position),
+    both samples pooled and dealt at random into two sets of the same sizes (what one
+    distribution would give), their TV averaged over `rounds` deals and over the positions."""
+    rng = random.Random(seed)
+    tvs = []
+    for ra, ga in zip(ref, got):
+        for a, b in zip(ra, ga):
+            pool = list((a + b).elements())
+            na = sum(a.values())
+            total = 0.0
+            for _ in range(rounds):
+                rng.shuffle(pool)
+                total += total_variation(Counter(pool[:na]), Counter(pool[na:]))
+            tvs.append(total / rounds)
+    return sum(tvs) / len(tvs) if tvs else 0.0
+
+
+def detectable_shift(samples: int, tests: int, alpha: float, power: float = 0.8) -> float:
+    """About how much probability must move from one token to another at one position before the
+    Bonferroni-combined test rejects with probability `power`: the two-sample test of one
+    proportion at level alpha / tests (normal approximation, worst case p = 1/2)."""
+    z = NormalDist().inv_cdf
+    return (z(1 - alpha / (2 * max(1, tests))) + z(power)) * math.sqrt(2 * 0.25 / max(1, samples))
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:

@@ -50,7 +50,8 @@ COLUMNS = ("Columns: ITL = time between deliveries (a speculative round delivers
            "drafting + verification + scheduling/state; grammar ms/step = structured output's mask and matcher "
            "work per engine step (part of drafting + verification), and its share of `none`'s engine time per "
            "step (prefill steps included) at the same level; speedup and goodput ratio are against `none` at the same "
-           "level; greedy mismatches count requests whose token ids differ from `none`'s.")
+           "level (with --url and --reference-url: against the reference server's run at that level); greedy "
+           "mismatches count requests whose token ids differ from `none`'s (or the reference's).")
 
 
 def markdown(results: dict, title: str = "draftwise bench", image_prefix: str = "") -> str:

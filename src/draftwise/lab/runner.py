@@ -10,19 +10,19 @@ it is the reference for speedups and for exactness.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..engine import EngineConfig, LLMEngine, SpecConfig
 from ..model.chat_template import ChatTemplate
 from . import correctness, memory, steal
 from .arrivals import LoadLevel
-from .backends import EngineBackend, HTTPBackend, sampling_params
+from .backends import EngineBackend, sampling_params
 from .capacity import find_capacities
+from .http_bench import run_http
 from .metrics import speculation_figures, summarize
+from .progress import make_progress
 from .timeslice import SliceClock, run_sliced
 from .workload import Workload
 
@@ -123,6 +123,7 @@ class BenchPlan:
     capacity_start_rate: float = 1.0
     burstiness: float = 1.0
     time_slice: float | None = None  # seconds: a round's configs run together, sliced (timeslice.py); None: one after another
+    progress: bool | None = None  # the bar on stderr: forced, off, or None (when stderr is a terminal)
 
     def tokens_for(self, req) -> int:
         """The request's output length in this run."""
@@ -131,16 +132,11 @@ class BenchPlan:
         return min(req.max_tokens, self.max_tokens or req.max_tokens)
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
-
-
 def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
     """Run everything; returns one entry per workload: {"name", "runs": [...], ...}."""
     console = console or Console(stderr=True)
     if plan.url:
-        return [_run_http(plan, w, console) for w in plan.workloads]
+        return [run_http(plan, w, console) for w in plan.workloads]
     from ..model.pair import load_pair
 
     uses_draft = [c.label for c in plan.configs if _uses_draft(c)]
@@ -219,7 +215,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     temp = max((r.temperature for r in reqs), default=0.0)
     runs, outputs, dist, capacity = [], {}, {}, {}
     total = len(plan.configs) * len(plan.levels) * len(reqs) * plan.repeats
-    with _progress(console) as progress:
+    with make_progress(console, plan.progress) as progress:
         task = progress.add_task(f"{wl.name}", total=total)
         backends = _warm_backends(plan, wl, w, target, draft, max_seqs, progress, task)
         for level in plan.levels:
@@ -396,42 +392,3 @@ def _compare_to_none(runs: list[dict], outputs: dict, reqs, prompts=None, target
                                  and correctness.near_tie(target.model, ids, len(prompts[i]) + m["position"]))
             cmp["near_ties"] = sum(bool(m.get("near_tie")) for m in cmp["mismatches"])
         run["correctness"] = cmp
-
-
-def _run_http(plan: BenchPlan, wl: Workload, console: Console) -> dict:
-    servers = [("server", HTTPBackend(plan.url, plan.served_model))]
-    if plan.reference_url:
-        servers.append(("reference", HTTPBackend(plan.reference_url)))
-    reqs = wl.requests
-    params = [sampling_params(r, plan.seed + i, plan.tokens_for(r)) for i, r in enumerate(reqs)]
-    runs, outputs = [], {}
-    with _progress(console) as progress:
-        task = progress.add_task(wl.name, total=len(plan.levels) * len(reqs) * len(servers))
-        n_w = min(plan.warmup_requests, len(reqs))
-        progress.update(task, description=f"{wl.name} warm-up")
-        for _, backend in servers:
-            backend.run(reqs[:n_w], [[]] * n_w, [sampling_params(r, 0, 8) for r in reqs[:n_w]],
-                        LoadLevel("concurrency", max(1, n_w)))
-        for level in plan.levels:
-            for role, backend in servers:
-                progress.update(task, description=f"{wl.name} {role} {level.label}")
-                t0 = time.perf_counter()
-                out = backend.run(reqs, [[]] * len(reqs), params, level, seed=plan.seed,
-                                  on_done=lambda: progress.advance(task))
-                summary = summarize(out.records, out.wall or time.perf_counter() - t0, plan.slo, plan.dollars_per_hour)
-                runs.append({"config": f"{role}:{backend.model}", "method": role, "k": 0, "level": level.to_dict(),
-                             "level_label": level.label, **summary,
-                             "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]) if out.engine_stats else None,
-                             "memory": None, "correctness": None})
-                outputs[(role, level.label)] = out.records
-    if plan.reference_url:  # greedy token equality of the server against the reference, level by level
-        greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
-        for run in runs:
-            mine, ref = outputs[(run["method"], run["level_label"])], outputs[("reference", run["level_label"])]
-            if run["method"] == "server" and greedy:
-                run["correctness"] = correctness.greedy_comparison(
-                    [reqs[i].id for i in greedy], [ref[i].token_texts for i in greedy],
-                    [mine[i].token_texts for i in greedy])
-    return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "truncated_prompts": 0,
-            "runs": runs, "distribution": {}, "distribution_settings": None, "backend": plan.url,
-            "reference": plan.reference_url}

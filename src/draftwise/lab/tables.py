@@ -137,15 +137,20 @@ def structured_output_table(wl: dict) -> str:
 
 
 def speedup_matrix(wl: dict) -> str:
-    """Rows = speculative configs, columns = levels: output tok/s speedup over `none`."""
+    """Rows = speculative configs, columns = levels: output tok/s speedup over `none` (with
+    `bench --url --reference-url`: over the reference server, which plays `none`'s part)."""
+    def is_base(r: dict) -> bool:
+        return r["config"] == "none" or r.get("method") == "reference"
+
     levels = list(dict.fromkeys(r["level_label"] for r in wl["runs"]))
-    configs = [c for c in dict.fromkeys(r["config"] for r in wl["runs"]) if c != "none"]
+    configs = [c for c in dict.fromkeys(r["config"] for r in wl["runs"] if not is_base(r))]
     if not configs:
         return ""
     cell = {(r["config"], r["level_label"]): (r.get("vs_none") or {}).get("speedup") for r in wl["runs"]}
-    base = {r["level_label"]: r["output_tokens_per_s"] for r in wl["runs"] if r["config"] == "none"}
-    rows = ["| speedup vs none | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels),
-            "| none (out tok/s) | " + " | ".join(fmt_cell(base.get(lv)) for lv in levels) + " |"]
+    base = {r["level_label"]: r["output_tokens_per_s"] for r in wl["runs"] if is_base(r)}
+    name = next((r["config"] for r in wl["runs"] if is_base(r)), "none")
+    rows = [f"| speedup vs {name} | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels),
+            f"| {name} (out tok/s) | " + " | ".join(fmt_cell(base.get(lv)) for lv in levels) + " |"]
     for c in configs:
         rows.append(f"| {c} | " + " | ".join(
             ("**" + fmt_cell(cell.get((c, lv)), "{:.2f}x") + "**") if (cell.get((c, lv)) or 0) >= 1.05

@@ -46,7 +46,7 @@ def kd_loss_fn(teacher, alpha: float = 0.9):
 
 def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/draft", resume=False,
                 ce_only=False, alpha=0.9, overrides=None, log=None, init=None, data="corpus", data_dir=None,
-                gen_tokens=0, gen_minutes=None, gen_max_tokens=192, device="cpu") -> dict:
+                gen_tokens=0, gen_minutes=None, gen_max_tokens=192, device="cpu", progress: bool | None = None) -> dict:
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
     hp = dict(DRAFT_DEFAULTS, **(overrides or {}))
     split = corpus.split()
@@ -77,7 +77,7 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
             previous = {k: v for k, v in json.loads(prev_file.read_text()).items() if k != "history"}
     loss_fn = ce_loss if ce_only else kd_loss_fn(teacher.model, alpha)
     summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, loss_fn=loss_fn, log=log,
-                          device=device)
+                          device=device, progress=progress)
     model.cpu()
     if init is not None:
         summary["init"] = str(init)

@@ -24,7 +24,8 @@ def corpus_stats(split, streams) -> dict:
             "held_out": list(corpus.HELD_OUT)}
 
 
-def train_model(model, streams, ckpt_dir, hp: dict, minutes, tokens, resume, loss_fn=None, log=None, device="cpu"):
+def train_model(model, streams, ckpt_dir, hp: dict, minutes, tokens, resume, loss_fn=None, log=None, device="cpu",
+                progress: bool | None = None):
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
     cfg = TrainConfig(ckpt_dir=str(ckpt_dir), batch_size=hp["batch_size"], seq_len=hp["seq_len"], lr=hp["lr"],
@@ -32,7 +33,7 @@ def train_model(model, streams, ckpt_dir, hp: dict, minutes, tokens, resume, los
                       device=str(device))
     seq = hp["seq_len"]
     trainer = Trainer(model, Batches(streams["train"], cfg.batch_size, seq, seed=cfg.seed), cfg,
-                      eval_fn=lambda m: val_loss(m, streams["val"], seq, VAL_WINDOWS), log=log,
+                      eval_fn=lambda m: val_loss(m, streams["val"], seq, VAL_WINDOWS), log=log, progress=progress,
                       **({"loss_fn": loss_fn} if loss_fn else {}))
     if resume:
         trainer.resume()

@@ -31,7 +31,7 @@ def _setup(tokenizer_dir: Path, ckpt_dir: Path):
 
 
 def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="checkpoints/target",
-                 resume=False, overrides=None, log=None, arch: str = "attention") -> dict:
+                 resume=False, overrides=None, log=None, arch: str = "attention", progress: bool | None = None) -> dict:
     """arch: "attention" (Llama, the shipped target) or "hybrid" (Qwen3-Next style, shapes.HYBRID)."""
     out, ckpt_dir = Path(out), Path(ckpt_dir)
     if tokenizer_dir is None:
@@ -46,13 +46,14 @@ def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="c
     else:
         cfg_dict = llama_config(PRESETS[hp["shape"]], tok.get_vocab_size(), eos)
     model = build_model(cfg_dict, seed=hp.get("seed", 0))
-    summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, log=log)
+    summary = train_model(model, streams, ckpt_dir, hp, minutes, tokens, resume, log=log, progress=progress)
     summary.update(role="target", arch=arch, parameters=count_params(model), corpus=corpus_stats(split, streams))
     export_model(model, out, tokenizer_dir, summary)
     return summary
 
 
-def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_continue_minutes=0.0) -> dict:
+def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_continue_minutes=0.0,
+              log=None, progress: bool | None = None) -> dict:
     """Tokenizer, target, distilled draft, then the CE-only comparison draft (same shape, same
     number of training tokens as the distilled one; kept in checkpoints/, not shipped), then
     the evaluation and the model card. With `draft_continue_minutes`, both drafts then continue
@@ -64,18 +65,19 @@ def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_
     t0 = time.time()
     tok_dir = Path("checkpoints/tokenizer")
     train_tokenizer_dir(tok_dir)
-    train_target(out / "target", tokenizer_dir=tok_dir, minutes=target_minutes, resume=resume)
+    shown = {"log": log, "progress": progress}
+    train_target(out / "target", tokenizer_dir=tok_dir, minutes=target_minutes, resume=resume, **shown)
     hp = {"warmup_steps": 50}
-    kd = train_draft(out / "draft", out / "target", minutes=draft_minutes, resume=resume, overrides=hp)
+    kd = train_draft(out / "draft", out / "target", minutes=draft_minutes, resume=resume, overrides=hp, **shown)
     ce_dir = Path("checkpoints/draft_ce_model")
     train_draft(ce_dir, out / "target", tokens=kd["tokens"], resume=resume, ce_only=True,
-                ckpt_dir="checkpoints/draft_ce", overrides=hp)
+                ckpt_dir="checkpoints/draft_ce", overrides=hp, **shown)
     if draft_continue_minutes:
         hp2 = {"lr": 1.5e-3, "warmup_steps": 20, "seed": 1}
         kd2 = train_draft(out / "draft", out / "target", minutes=draft_continue_minutes, resume=resume,
-                          ckpt_dir="checkpoints/draft_long", overrides=hp2, init=out / "draft")
+                          ckpt_dir="checkpoints/draft_long", overrides=hp2, init=out / "draft", **shown)
         train_draft(ce_dir, out / "target", tokens=kd2["tokens"], resume=resume, ce_only=True,
-                    ckpt_dir="checkpoints/draft_ce_long", overrides=hp2, init=ce_dir)
+                    ckpt_dir="checkpoints/draft_ce_long", overrides=hp2, init=ce_dir, **shown)
     write_model_card(out, ce_draft_dir=ce_dir, total_wall_s=time.time() - t0)
     return {"wall_seconds": round(time.time() - t0, 1)}
 

@@ -11,8 +11,8 @@ processes share the CPU. Warm-up is counted in steps in both cases.
 Checkpoints (`ckpt.pt` in the checkpoint dir, written atomically every `ckpt_every_s` seconds
 and at the end) hold model, optimizer, RNG states, the step (= data position, see `data.Batches`),
 the fixed step count and the elapsed training time, so a resumed run continues exactly where
-the interrupted one stopped. Progress: a rich bar (loss, tokens/s, ETA) on a terminal, plain
-log lines otherwise. Peak RSS comes from `resource.getrusage`.
+the interrupted one stopped. Progress: a rich bar (steps, loss, tokens/s, ETA) on stderr where
+stderr is a terminal or `progress` forces it, plain log lines otherwise. Peak RSS comes from `resource.getrusage`.
 """
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ def _set_rng_state(s: dict) -> None:
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, batches: Batches, cfg: TrainConfig,
-                 loss_fn: Callable = ce_loss, eval_fn: Callable | None = None, log=None):
+                 loss_fn: Callable = ce_loss, eval_fn: Callable | None = None, log=None,
+                 progress: bool | None = None):
         self.model, self.batches, self.cfg, self.loss_fn, self.eval_fn = model, batches, cfg, loss_fn, eval_fn
         self.opt = make_optimizer(model, cfg)
         self.step = 0
@@ -107,6 +108,7 @@ class Trainer:
         self.history: list[dict] = []
         self.ckpt_path = Path(cfg.ckpt_dir) / "ckpt.pt"
         self.log = log or (lambda msg: print(msg, flush=True))
+        self.progress = progress  # the bar: True forced, False off, None where stderr is a terminal
         self.device = torch.device(cfg.device)
         model.to(self.device)
         self.autocast = cfg.autocast and (self.device.type == "cuda" or bf16_native())
@@ -181,7 +183,8 @@ class Trainer:
         if cfg.max_tokens is None and cfg.minutes is None:
             raise ValueError("give a budget: max_tokens or minutes")
         self.model.train()
-        bar = _Bar(self.log) if sys.stdout.isatty() else None
+        show = self.progress if self.progress is not None else sys.stderr.isatty()
+        bar = _Bar(forced=bool(self.progress)) if show else None
         last_ckpt = last_log = time.time()
         ema, step_time, run_steps = None, None, 0
         try:
@@ -247,12 +250,15 @@ class Trainer:
 class _Bar:
     """A rich progress bar showing loss, tokens/s and ETA."""
 
-    def __init__(self, log):
+    def __init__(self, forced: bool = False):
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        # stderr: stdout carries the command's result; forced: drawn even into a file or a pipe
+        console = Console(stderr=True, force_terminal=True if forced else None)
         self.p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                           TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
-                          TextColumn("ETA {task.fields[eta]}"), TimeRemainingColumn())
+                          TextColumn("ETA {task.fields[eta]}"), TimeRemainingColumn(), console=console)
         self.p.start()
         self.task = self.p.add_task("train", total=None, loss=0.0, tps=0.0, eta="?")
 
