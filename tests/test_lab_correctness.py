@@ -41,14 +41,16 @@ def test_total_variation():
 
 
 def test_shipped_workloads_valid():
-    assert shipped_workloads() == ["chat-grounded", "chat-open", "code-easy", "code-hard", "grounded", "json",
-                                   "shared-prefix"]
+    assert shipped_workloads() == ["chat-grounded", "chat-open", "code-easy", "code-hard", "file-edit", "grounded",
+                                   "json", "json-edit", "shared-prefix"]
     for name in shipped_workloads():
         wl = load_workload(name)
         assert 16 <= len(wl.requests) <= 32
         low = 32 if name == "shared-prefix" else 64
-        assert all(low <= r.max_tokens <= 128 and len(r.prompt) < 3000 for r in wl.requests)
-        assert all(bool(r.messages) == name.startswith("chat-") for r in wl.requests)  # chat: messages
+        high = 256 if name.endswith("-edit") else 128  # (edits re-emit a whole excerpt)
+        assert all(low <= r.max_tokens <= high and len(r.prompt) < 3000 for r in wl.requests)
+        chat = name.startswith("chat-") or name.endswith("-edit")
+        assert all(bool(r.messages) == chat for r in wl.requests)  # chat: messages
         assert wl.sampled == (name == "code-hard")
     shared = [r.prompt for r in load_workload("shared-prefix").requests]
     common = len(os.path.commonprefix(shared))

@@ -18,6 +18,9 @@
   the passage, where n-gram lookup shines (greedy, 128 tokens).
 - `chat-open`: chat requests without a passage: write a function from a docstring's first
   sentence, explain what a held-out function or module is for (greedy, 128 tokens).
+- `file-edit`, `json-edit`: multi-turn chat edits that re-emit a file excerpt or a JSON record
+  the conversation shows (lab/edit_workloads.py): repetitive replies, where suffix decoding
+  shines (greedy).
 
 Deterministic: candidates are collected in path/line order and picked evenly spaced. Prompts
 stay short (a few hundred tokens) so that prompt + max_tokens fits a 1024-token context.
@@ -32,6 +35,7 @@ from pathlib import Path
 from ..chat_prompts import chat_candidates, chat_messages, functions as _functions
 from ..chat_prompts import parsed_sources as _parsed
 from ..corpus import split
+from .edit_workloads import file_edit_candidates, json_edit_candidates
 from .workload import WORKLOADS_DIR, Request, write_jsonl
 
 MAX_CONTEXT_CHARS = 900  # preceding file text kept before the function
@@ -140,6 +144,13 @@ def build(out: Path = WORKLOADS_DIR, n: int = 24, only: set[str] | None = None) 
     cands = candidates(files)
     cands["shared-prefix"] = shared_prefix(files, pick(cands["code-easy"], n))
     chats = chat_candidates(files)
+    edits = {"file-edit": file_edit_candidates(files), "json-edit": json_edit_candidates(files)}
+    for name, groups in edits.items():  # whole groups of turns, in order
+        if not only or name in only:
+            turns = [t for group in pick(groups, max(1, n // 3)) for t in group]
+            write_jsonl(out / f"{name}.jsonl", [Request(f"{name}-{i:02d}:{fid}", "", mt, 0.0, name, messages=msgs)
+                                                for i, (fid, msgs, mt) in enumerate(turns)])
+            counts[name] = len(turns)
     for name, items in {**cands, **chats}.items():
         if only and name not in only:
             continue
