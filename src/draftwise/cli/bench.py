@@ -23,9 +23,9 @@ def add_parser(sub):
                                    "report.md and plots to --out.")
     p.add_argument("--workload", default=None,
                    help="shipped workload name(s) (code-easy, code-hard, grounded, json, shared-prefix, chat-grounded, "
-                        "chat-open; comma-separated) or a JSONL path "
+                        "chat-open, file-edit, json-edit; comma-separated) or a JSONL path "
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
-    p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, with an optional "
+    p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, suffix:k=N, with an optional "
                                                     ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput), "
                                                     ":forced=N, :rollback=snapshot|replay and :copy=2 (the same config "
                                                     "again in its own engine: an A/A control of the machine's noise); "
