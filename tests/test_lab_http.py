@@ -39,6 +39,12 @@ def test_bench_url_against_draftwise_serve(target_dir, tmp_path):
                    "--concurrency", "1,2", "--out", str(tmp_path / "out")])
     assert rc == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
+    # the settings say what the server said about itself, not this command's local defaults
+    st = res["settings"]
+    assert st["model"] == "tiny" and st["method"] == "draft" and st["k"] == 3
+    assert st["dtype"] == st["quantization"] == st["draft"] == "unknown"
+    assert st["server"]["owned_by"] == "draftwise" and st["server"]["speculation"]["policy"] == "fixed"
+    assert st["server"]["metrics"]["exporter"] == "draftwise" and st["reference_server"] is None
     runs = res["workloads"][0]["runs"]
     assert [r["level_label"] for r in runs] == ["c=1", "c=2"]
     for r in runs:
@@ -63,6 +69,8 @@ def test_check_certifies_a_server_against_a_reference(target_dir, draft_dir, tmp
         assert main(args + ["--url", srv.url, "--reference-url", ref.url]) == 0
         out = capsys.readouterr().out
         assert "PASS greedy equality (servers)" in out and "PASS distribution (servers" in out
+        flat = " ".join(out.split())  # the TV beside the TV of the two servers' samples dealt at random
+        assert "sampling noise alone: " in flat and "pooled and dealt at random into two sets" in flat
         real = engine_mod.verify_proposals
 
         def accept_everything(p_logits, meta, q, generators=None, draws=None):
@@ -89,7 +97,59 @@ def test_bench_url_with_a_reference_server(target_dir, draft_dir, tmp_path):
         rc = main(["bench", "--url", srv.url, "--reference-url", ref.url, "--workload", str(wl),
                    "--concurrency", "2", "--out", str(tmp_path / "out")])
     assert rc == 0
-    runs = json.loads((tmp_path / "out" / "results.json").read_text())["workloads"][0]["runs"]
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = res["workloads"][0]["runs"]
     assert [r["config"] for r in runs] == ["server:tiny", "reference:tiny"]
     assert runs[0]["correctness"]["compared"] == 3 and runs[0]["correctness"]["mismatching_requests"] == 0
+    # the speedup of --url is against the reference's run at the same level, and the report shows it
+    speedup = runs[0]["vs_none"]["speedup"]
+    assert speedup == runs[0]["output_tokens_per_s"] / runs[1]["output_tokens_per_s"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| speedup vs reference:tiny | c=2 |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| server:tiny |") and line.count("|") == 3)
+    assert f"{speedup:.2f}x" in row  # the matrix's cell (bold at >= 1.05x), not "-"
+    assert res["settings"]["method"] == "draft" and res["settings"]["reference_server"]["speculation"]["method"] == "none"
     assert main(["bench", "--reference-url", ref.url, "--workload", str(wl)]) == 2  # needs --url
+
+
+def test_a_foreign_server_describes_itself_through_v1_models():
+    """A vLLM-like server: the model id, owned_by, root and max_model_len from /v1/models, its
+    spec-decode counters from /metrics; what it does not say is "unknown"."""
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from draftwise.lab.server_info import describe_server, server_settings
+    from server_harness import free_port
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models():
+        return {"data": [{"id": "HuggingFaceTB/SmolLM2-360M-Instruct", "owned_by": "vllm", "root": "/m/smol",
+                          "max_model_len": 8192}]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics():
+        return VLLM_BEFORE
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        info = describe_server(f"http://127.0.0.1:{port}/v1")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert info["model"] == "HuggingFaceTB/SmolLM2-360M-Instruct" and info["owned_by"] == "vllm"
+    assert info["root"] == "/m/smol" and info["max_model_len"] == 8192
+    assert info["speculation"] == "unknown"  # /health's speculation is a draftwise field
+    assert info["metrics"] == {"exporter": "vllm", "proposed_tokens": 30}
+    st = server_settings(info, None)
+    assert st["model"] == info["model"] and st["method"] == st["dtype"] == st["draft"] == "unknown"

@@ -90,7 +90,7 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from ..lab.check import CheckSetup, planned_requests, run_checks
+    from ..lab.check import STOPS_MAX_TOKENS, CheckSetup, planned_requests, run_checks
     from ..model.pair import load_pair
     from ..proposers import proposer_class
 
@@ -110,7 +110,8 @@ def run(args) -> int:
     max_len = target.config.max_position_embeddings
     if draft is not None:
         max_len = min(max_len, draft.config.max_position_embeddings)
-    budget = max(1, min(256, max_len - 4 * args.max_tokens - spec.k - 2))  # rollback runs 4x max_tokens
+    # room after each prompt for the longest output a check asks for: rollback runs 4x max_tokens
+    budget = max(1, min(256, max_len - max(4 * args.max_tokens, STOPS_MAX_TOKENS) - spec.k - 2))
     texts = load_prompts(args.prompts, (QUICK if args.quick else DEFAULTS)["prompts"])
     prompts = [p for p in (target.tokenizer.encode(t).ids[-budget:] for t in texts) if p]
     if not prompts:

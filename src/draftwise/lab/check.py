@@ -160,19 +160,23 @@ def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
     return CheckResult("KV rollback", ok, figs, detail, kind="rollback")
 
 
+STOPS_MAX_TOKENS = 40  # the stops check's longest output (prompts must leave room for it)
+
+
 def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None) -> CheckResult:
     """Stops with the user's config, and with the target drafting for itself (every proposal
     accepted), so that stops surely land inside multi-token blocks."""
     prompt = s.prompts[0]
-    base_seq = generate(plain, [prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)], "stop-base",
-                        on_done)[0]
+    longest = STOPS_MAX_TOKENS
+    base_seq = generate(plain, [prompt], [SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True)],
+                        "stop-base", on_done)[0]
     base = base_seq.output_ids
     cases: list[tuple[str, SamplingParams, list[int], str]] = []
     for n in (1, 3, 7, 13):
         cases.append((f"max_tokens={n}", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), base[:n], "length"))
     for j in (5, 11, 23):
         first = base.index(base[j])
-        cases.append((f"stop_token_ids@{j}", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+        cases.append((f"stop_token_ids@{j}", SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True,
                                                             stop_token_ids=[base[j]]), base[: first + 1], "stop"))
     text_cases = []
     if spec.tokenizer is not None:
@@ -181,7 +185,7 @@ def check_stops(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None) 
             stop = text[start: start + length]
             if stop.strip():
                 text_cases.append((stop, text[: text.find(stop)]))
-    params = [c[1] for c in cases] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[st])
+    params = [c[1] for c in cases] + [SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True, stop=[st])
                                       for st, _ in text_cases]
     self_draft = LLMEngine(s.target, s.target, SpecConfig(method="draft", k=max(s.spec.k, 4)),
                            _engine_config(s, 16))

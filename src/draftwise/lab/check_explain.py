@@ -54,8 +54,13 @@ def _distribution(r: CheckResult, f: dict) -> tuple[str, list[str]]:
     n, tests, alpha, p = f["samples"], f["tests"], f["alpha"], f["p_value"]
     noise = f.get("tv_plain_vs_plain", f.get("tv_resampled"))
     tv = f.get("tv_spec_vs_plain", f.get("tv"))
-    head = (f"p={p:g} {'>=' if p >= alpha else '<'} alpha={alpha:g} over {tests} chi-square tests; "
-            f"TV {tv:.3f} (sampling noise alone: {noise:.3f})")
+    informative = f.get("informative_tests", tests)
+    if informative:
+        head = (f"p={p:g} {'>=' if p >= alpha else '<'} alpha={alpha:g} over {tests} chi-square tests"
+                + (f" ({informative} informative)" if informative < tests else "")
+                + f"; TV {tv:.3f} (sampling noise alone: {noise:.3f})")
+    else:
+        head = f"none of the {tests} chi-square tests had two cells after pooling; TV {tv:.3f}"
     noise_how = ("two plain runs with different seeds" if "tv_plain_vs_plain" in f
                  else "the two servers' samples pooled and dealt at random into two sets of the same sizes")
     lines = [

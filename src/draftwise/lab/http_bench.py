@@ -41,10 +41,10 @@ def run_http(plan, wl: Workload, console: Console) -> dict:
                 out = backend.run(reqs, [[]] * len(reqs), params, level, seed=plan.seed,
                                   on_done=lambda: progress.advance(task))
                 summary = summarize(out.records, out.wall or time.perf_counter() - t0, plan.slo, plan.dollars_per_hour)
+                spec = speculation_figures(out.engine_stats, summary["output_tokens"]) if out.engine_stats else None
                 runs.append({"config": f"{role}:{backend.model}", "method": role, "k": 0, "level": level.to_dict(),
-                             "level_label": level.label, **summary,
-                             "speculation": speculation_figures(out.engine_stats, summary["output_tokens"]) if out.engine_stats else None,
-                             "memory": None, "correctness": None})
+                             "level_label": level.label, **summary, "speculation": spec, "memory": None,
+                             "correctness": None})
                 outputs[(role, level.label)] = out.records
     if plan.reference_url:
         compare_to_reference(runs, outputs, reqs)
