@@ -5,7 +5,10 @@ positions `start .. start+T-1` (K/V capacity must already be reserved), runs one
 padded batch `[B, Tmax]` (or, on the fused CPU path, packed: one row per real token, when the
 sequences feed different numbers of tokens: `_run_packed`), and returns logits only for the last
 `num_logits[b]` positions of each sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
-chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`.
+chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`. With
+`trees`, a sequence's rows may form a tree (model/tree_attention.py): such a step runs padded on
+the PyTorch path (the fused kernels mask causally only), and `move_kv` then gathers an accepted
+path's K/V onto consecutive positions.
 
 A hybrid model (model/hybrid.py) has K/V for its attention layers only and a recurrent state per
 sequence (`self.state`, model/recurrent_state.py): rows passed as `provisional` (verification
@@ -21,6 +24,7 @@ from ..kv import KVManager
 from .attention import AttentionMetadata, PagedMetadata
 from .loader import LoadedModel
 from .recurrent_state import RecurrentStatePool
+from .tree_attention import TreeSpec, tree_metadata
 
 
 # a ragged batch whose longest sequence feeds at least this many tokens runs one forward per
@@ -63,9 +67,12 @@ class ModelRunner:
         num_logits: list[int],
         return_hidden: bool = False,
         provisional: list[bool] | None = None,  # hybrid models: rows whose state waits for commit_state
+        trees: list[TreeSpec | None] | None = None,  # [B] rows that form a tree (None: causal)
     ):
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
+        if trees is not None and any(t is not None for t in trees):
+            return self._run_tree(seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden)
         T = max(lens)
         ragged = B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu"
         if ragged and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
@@ -184,6 +191,43 @@ class ModelRunner:
         if return_hidden:
             return logits, sel
         return logits
+
+    def _run_tree(self, seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden):
+        """`run` for a batch in which some sequences' rows form a tree: one padded forward on the
+        PyTorch path with a per-row mask (`tree_metadata`). Not for a hybrid model (its recurrent
+        state follows one path)."""
+        if self.state is not None:
+            raise ValueError("tree attention needs an attention-only model (a hybrid's recurrent state is a chain)")
+        B, T = len(seq_ids), max(lens)
+        ends = [s + n for s, n in zip(starts, lens)]
+        gather = self.kv.slots(seq_ids, ends)  # [B, L]
+        pos_rows, meta = tree_metadata(starts, lens, gather, list(trees), self.cfg.sliding_window)
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)
+        pos = torch.tensor(pos_rows, dtype=torch.long)
+        dev = self.device
+        if dev.type != "cpu":
+            ids, pos = ids.to(dev), pos.to(dev)
+            meta = AttentionMetadata(meta.write_index.to(dev), meta.write_slots.to(dev), meta.gather_slots.to(dev),
+                                     meta.mask.to(dev))
+        hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [B, T, hidden]
+        rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
+        sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
+        logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
+        return (logits, sel) if return_hidden else logits
+
+    @torch.inference_mode()
+    def move_kv(self, seq_id: int, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of positions `src` to positions `dst` of one sequence, every layer: a tree's
+        accepted path onto the consecutive positions after the committed context (dst[j] <= src[j],
+        both ascending; the gather reads every source before any write). The destinations lie past
+        the sequence's committed positions, so never in a block the prefix cache shares."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not pairs:
+            return
+        row = self.kv.slots([seq_id], [max(s for s, _ in pairs) + 1])[0]  # [L]
+        s_idx = row[torch.tensor([s for s, _ in pairs], dtype=torch.long)].to(self.cache.device)
+        d_idx = row[torch.tensor([d for _, d in pairs], dtype=torch.long)].to(self.cache.device)
+        self.cache[:, :, d_idx] = self.cache[:, :, s_idx]
 
     def commit_state(self, seq_id: int, num_computed: int) -> None:
         """Postprocess of a hybrid model's provisional row: its recurrent checkpoint advances to

@@ -3,7 +3,10 @@
 A proposer looks only at a sequence's committed history (prompt + accepted output) and proposes
 up to `num_draft` tokens for it. `probs` is q, the drafter's processed distribution at each
 proposed position (`[num_draft, vocab]`), or None for drafters without one (a point mass, e.g.
-n-gram lookup). A new method is a new file that registers itself with `register_proposer`; the
+n-gram lookup). A drafter that branches returns a tree instead (`parents`, as
+sampling/tree.py's `DraftTree`: node i proposes token_ids[i] after node parents[i], -1 = after the
+committed context); then `probs` is q per slot (`[num_draft + 1, vocab]`: slot 0 the root, slot
+i + 1 after node i) or None, and `drafting` says how siblings were drawn. A new method is a new file that registers itself with `register_proposer`; the
 package's `__init__` imports the built-in ones, and the engine never branches on the method name.
 
 Proposers sit below the engine: they read sequences through the `History` protocol (which the
@@ -30,18 +33,41 @@ class DraftBlock:
     # x_1..x_{j-1} (e.g. the match length); None: unknown
     confidence: list[float] | None = None
     forced_done: bool = False  # the proposer found that the grammar forces no token after the block
+    # a tree: [num_draft] parent node of each proposal (-1: the committed context; parents[i] < i),
+    # siblings in the order verification tries them; None: a chain (proposal j after j - 1)
+    parents: tuple[int, ...] | None = None
+    drafting: str = "point"  # a tree's siblings: "iid", "distinct" or "point" (sampling/tree.py)
+    # a chain taken along a tree's accepted path (`along`): the tree node of each token
+    nodes: tuple[int, ...] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     def truncated(self, n: int) -> "DraftBlock":
-        """The first n proposals (what a verification policy admits)."""
+        """The first n proposals (what a verification policy admits); of a tree, its first n nodes
+        (a tree again: parents come first)."""
         if n >= len(self.token_ids):
             return self
-        return DraftBlock(self.token_ids[:n], None if self.probs is None else self.probs[:n],
-                          None if self.confidence is None else self.confidence[:n])
+        conf = None if self.confidence is None else self.confidence[:n]
+        if self.parents is not None:
+            return DraftBlock(self.token_ids[:n], None if self.probs is None else self.probs[: n + 1], conf,
+                              parents=self.parents[:n], drafting=self.drafting)
+        return DraftBlock(self.token_ids[:n], None if self.probs is None else self.probs[:n], conf)
+
+    def along(self, path: list[int]) -> "DraftBlock":
+        """A tree's accepted path (node indices, root first) as a chain: what the drafter and the
+        policy learn from after verification (`nodes` says which tree nodes they were)."""
+        conf = None if self.confidence is None else [self.confidence[i] for i in path]
+        return DraftBlock([self.token_ids[i] for i in path], None, conf, nodes=tuple(path))
 
     def extended(self, forced: list[int], vocab: int) -> "DraftBlock":
-        """The block followed by grammar-forced proposals: q a point mass, confidence 1."""
+        """The block followed by grammar-forced proposals: q a point mass, confidence 1 (a chain's
+        only: constrained rows draft chains)."""
         if not forced:
             return self
+        if self.parents is not None:
+            raise ValueError("grammar-forced proposals extend chains only")
         probs = self.probs
         if probs is not None:
             probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced), vocab).to(probs.dtype)])
