@@ -76,6 +76,12 @@ def add_parser(sub):
                         "none,draft:k=4,ngram:k=4, a distribution test of 2 prompts x 100 samples x 3 tokens (options "
                         "given explicitly win)")
     add_progress_arg(p, "requests done / planned per workload")
+    _add_model_args(p)
+    return p
+
+
+def _add_model_args(p) -> None:
+    """The models and where they run: in-process, or a server under --url."""
     p.add_argument("--model", help="target model directory (default: the embedded target; not used with --url)")
     p.add_argument("--draft", help="draft model directory (default: the embedded draft when --model is not given; "
                                    "with --model, draft configs need it)")
@@ -101,7 +107,6 @@ def add_parser(sub):
                    help="seeds of the sampled requests (request i: seed + i) and of open-loop arrival times "
                         "(default 0)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="also write the report to PATH (e.g. BENCHMARKS.md)")
-    return p
 
 
 def _quantization(args) -> str:
