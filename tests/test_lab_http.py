@@ -28,7 +28,7 @@ def test_vllm_metrics():
     assert spec_stats_from_metrics({}, {}) == {}
 
 
-def test_bench_url_against_draftwise_serve(target_dir, tmp_path):
+def test_bench_url_against_draftwise_serve(target_dir, tmp_path, capsys):
     wl = tmp_path / "short.jsonl"
     wl.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 12}) + "\n"
                           for i, p in enumerate(["def add(a, b):", "class Point:\n", "for i in", "import os\n"])))
@@ -36,8 +36,10 @@ def test_bench_url_against_draftwise_serve(target_dir, tmp_path):
                  draft_dtype="float32").engine  # its own draft at its precision: all accepted
     with ServerThread(engine, "tiny") as srv:
         rc = main(["bench", "--url", srv.url, "--workload", str(wl), "--max-tokens", "12",
-                   "--concurrency", "1,2", "--out", str(tmp_path / "out")])
+                   "--concurrency", "1,2", "--out", str(tmp_path / "out"), "--progress"])
     assert rc == 0
+    cap = capsys.readouterr()
+    assert "8/8" in cap.err and "ETA" in cap.err and cap.out == ""  # 2 levels x 4 requests, on stderr only
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     # the settings say what the server said about itself, not this command's local defaults
     st = res["settings"]
