@@ -350,6 +350,41 @@ def test_every_policy_keeps_greedy_output(target_dir, draft_dir, method):
         assert st.verified_tokens <= st.proposed_tokens and st.accepted_tokens <= st.verified_tokens
 
 
+@register_policy("overreach-test")
+class Overreach(StatelessPolicy):
+    """Plans more than it may (k = 99 for every row) and admits all: the engine holds it to the caps."""
+
+    name = "overreach-test"
+
+    def __init__(self, k: int, cost=None, has_draft_model: bool = True):
+        pass
+
+    def plan(self, seqs, max_draft):
+        return [99] * len(seqs)
+
+    def admit(self, seqs, blocks, draft_seconds):
+        return [len(b.token_ids) for b in blocks]
+
+
+def test_every_policy_honours_a_requests_draft_cap(target_dir, draft_dir):
+    """`SamplingParams.max_draft` per request, in one batch: 0 proposes nothing, 1 at most one
+    token a round (whatever the policy plans), the greedy output is plain's in every case."""
+    sp = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, max_draft=cap) for cap in (0, 1, None)]
+    want = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS[:3], sp[2])]
+    for policy in available_policies():
+        llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3, policy=policy,
+                                                                           cost_model=COST))
+        outs = llm.generate(PROMPTS[:3], sp)
+        assert [o.token_ids for o in outs] == want, policy
+        off, one = outs[0].stats, outs[1].stats
+        assert off.proposed_tokens == off.verified_tokens == 0 and off.rounds > 0, policy
+        assert one.proposed_tokens <= one.rounds and one.accepted_per_position[1:] == [0, 0], policy
+    over = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3, policy="overreach-test"))
+    outs = over.generate(PROMPTS[:3], sp)
+    assert outs[0].stats.proposed_tokens == 0 and outs[1].stats.proposed_tokens <= outs[1].stats.rounds
+    assert outs[2].stats.proposed_tokens > outs[2].stats.rounds  # k = 3 where no cap holds it
+
+
 def test_goodput_stops_drafting_with_a_useless_drafter(target_dir, draft_dir):
     """With acceptances near 0 the goodput policy verifies (and drafts) little: probes, and the
     measured check's rare bursts of fixed speculation (its first look deferred, the model rating it

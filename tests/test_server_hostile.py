@@ -19,7 +19,7 @@ from server_harness import ServerThread
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = ServerLimits(max_request_bytes=64 * 1024, max_prompt_chars=5000, max_prompts=4, max_n=8, max_stop=4,
-                      max_stop_chars=16)
+                      max_stop_chars=16, max_grammar_bytes=32 * 1024, grammar_compile_timeout=1)
 MAX_NUM_SEQS, MAX_QUEUE = 4, 4  # the server holds 8 choices at once
 GREEDY = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -28,7 +28,7 @@ GREEDY = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignor
 def srv(target_dir, draft_dir):
     engine = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=3),
                  max_num_seqs=MAX_NUM_SEQS).engine
-    with ServerThread(engine, max_queue=MAX_QUEUE, limits=LIMITS, api_key=KEY) as s:
+    with ServerThread(engine, max_queue=MAX_QUEUE, limits=LIMITS, api_key=KEY, warm_grammar_worker=True) as s:
         r = post(s, "/v1/completions", GREEDY)
         assert r.status_code == 200, r.text
         s.reference = r.json()["choices"][0]["text"]
@@ -112,6 +112,24 @@ def msgs(content):
     # malformed bodies
     (CMPL, {"prompt": "x", "temperature": "hot"}, 422, "temperature", None),
     (CMPL, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    # constraints over the size limit (checked before anything parses them)
+    (CMPL, {"prompt": "x", "guided_regex": "a" * 40_000}, 400, "guided_regex", "--max-grammar-bytes"),
+    (CHAT, dict(msgs("x"), response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}}}),
+     400, "response_format", "--max-grammar-bytes"),
+    # chat messages the server cannot take
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "unknown role 'wizard'"),
+    (CHAT, msgs([{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]),
+     400, "messages", "messages[0].content[1]: content parts of type 'image_url' are not supported"),
+    (CHAT, msgs([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]), 400, "messages",
+     "'input_audio'"),
+    # speculation per request: invalid values
+    (CMPL, {"prompt": "x", "speculation": {"max_draft": -1}}, 400, "speculation", "speculation.max_draft"),
+    (CMPL, {"prompt": "x", "speculation": {"max_draft": 1.5}}, 400, "speculation", "speculation.max_draft"),
+    (CMPL, {"prompt": "x", "speculation": {"enabled": "no"}}, 400, "speculation", "speculation.enabled"),
+    (CMPL, {"prompt": "x", "speculation": {"enabled": False, "max_draft": 2}}, 400, "speculation", "enabled is false"),
+    (CMPL, {"prompt": "x", "speculation": {"k": 2}}, 400, "speculation", "unknown field 'k'"),
+    (CHAT, dict(msgs("x"), speculation="off"), 400, "speculation", "must be an object"),
 ])
 def test_hostile_request(srv, path, body, status, param, text):
     before = counter(srv, "draftwise:requests_total", "rejected")
@@ -219,3 +237,149 @@ def test_health_answers_while_a_long_prompt_tokenizes(srv):
     assert h.status_code == 200
     assert all(r.status_code == 400 and "maximum context length" in r.json()["error"]["message"] for r in rs)
     assert_whole(srv)
+
+
+def test_every_body_parse_failure_has_one_shape(srv):
+    """Not JSON, JSON nested beyond the parser's depth, the wrong types: each a 422 in the OpenAI
+    envelope with a code, and the server serves on."""
+    deep = b'{"prompt": "x", "stop": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    readable = b'{"prompt": "x", "structured_outputs": {"json": ' + b"[" * 600 + b"]" * 600 + b"}}"  # json.loads can
+    for body, code in ((b"prompt=x", "invalid_json"), (b'{"prompt": "x",', "invalid_json"), (deep, "invalid_json"),
+                       (readable, "invalid_request_body"),
+                       (b'{"prompt": {"a": 1}}', "invalid_request_body"), (b"[1, 2]", "invalid_request_body")):
+        err = error(post(srv, CMPL, body), 422)
+        assert err["code"] == code and err["type"] == "invalid_request_error", (body[:40], err)
+    assert_whole(srv)
+
+
+def test_models_retrieve(srv):
+    """`GET /v1/models/{id}`: the model under its name, else a 404 in OpenAI's shape (the openai
+    client's `models.retrieve`)."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
+    error(httpx.get(srv.url + "/v1/models/tiny"), 401)  # behind the API key like the rest of /v1
+
+
+def nested_schema(depth: int) -> dict:
+    """Objects nested `depth` deep: small, but xgrammar's parse time grows with the cube of the depth."""
+    s = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
+async def _greedy_stream(c) -> str:
+    text = ""
+    async with c.stream("POST", CMPL, json=dict(GREEDY, stream=True)) as r:
+        async for ln in r.aiter_lines():
+            if ln.startswith("data: {"):
+                text += "".join(ch["text"] for ch in json.loads(ln[6:])["choices"])
+    return text
+
+
+def test_slow_compile_leaves_health_and_streams_alone(srv):
+    """A constraint whose parse alone outlasts --grammar-compile-timeout (1 s here) compiles in the
+    worker process: /health answers while it is in flight (and says so), four greedy streams beside
+    it return their solo text, and the request gets a 400 naming the limit when the worker is
+    stopped."""
+    body = dict(msgs("x"), response_format={"type": "json_schema",
+                                            "json_schema": {"name": "deep", "schema": nested_schema(400)}})
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            slow = asyncio.create_task(c.post(CHAT, json=body))
+            streams = [asyncio.create_task(_greedy_stream(c)) for _ in range(4)]
+            seen = []
+            while not slow.done():
+                h = (await c.get("/health")).json()
+                seen.append((h["grammar"]["compiling"], slow.done()))
+                await asyncio.sleep(0.02)
+            return await slow, await asyncio.gather(*streams), seen
+
+    r, texts, seen = asyncio.run(run())
+    assert any(compiling >= 1 and not done for compiling, done in seen), seen  # answered mid-compile
+    err = error(r, 400, "response_format")
+    assert "--grammar-compile-timeout" in err["message"] and err["code"] == "grammar_too_complex"
+    assert texts == [srv.reference] * 4
+    assert srv.health()["grammar"]["compiling"] == 0
+    assert_whole(srv)
+
+
+def test_same_constraint_compiles_once(srv):
+    """Two requests with the same new constraint at once, then a third: one compile (and one run in
+    the worker) for all three; an invalid one is answered from its first try."""
+    body = {"prompt": "x", "max_tokens": 3, "temperature": 0, "guided_regex": "(yes|no)[0-9]{2}"}
+
+    async def pair():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            return await asyncio.gather(c.post(CMPL, json=body), c.post(CMPL, json=body))
+
+    before = srv.health()["grammar"]
+    rs = list(asyncio.run(pair())) + [post(srv, CMPL, body)]
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    after = srv.health()["grammar"]
+    assert after["compiled"] == before["compiled"] + 1 and after["probes"] == before["probes"] + 1
+    assert after["cache_hits"] >= before["cache_hits"] + 2
+    bad = {"prompt": "x", "guided_regex": "(unclosed"}
+    for _ in range(2):
+        error(post(srv, CMPL, bad), 400, "guided_regex")
+    assert srv.health()["grammar"]["probes"] == after["probes"] + 1
+    assert_whole(srv)
+
+
+def test_speculation_off_or_capped_per_request(srv):
+    """`speculation` per request on a speculative server (k=3): off proposes nothing while the
+    neighbours in its batch go on speculating; a cap of 1 proposes at most one token a round; the
+    greedy text is the same either way, and `draftwise` says what ran."""
+    off, capped = dict(GREEDY, speculation={"enabled": False}), dict(GREEDY, speculation={"max_draft": 1})
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            rs = await asyncio.gather(c.post(CMPL, json=off), c.post(CMPL, json=GREEDY), c.post(CMPL, json=capped),
+                                      c.post(CMPL, json=GREEDY))
+            chat = await c.post(CHAT, json=dict(msgs("hi"), temperature=0, speculation={"enabled": False}))
+            return [r.json() for r in rs], chat.json()
+
+    (r_off, r_on, r_cap, _), chat = asyncio.run(run())
+    assert [r["choices"][0]["text"] for r in (r_off, r_on, r_cap)] == [srv.reference] * 3
+    s_off, s_on, s_cap = (r["draftwise"] for r in (r_off, r_on, r_cap))
+    assert (s_off["method"], s_off["k"], s_off["proposed_tokens"]) == ("none", 0, 0) and s_off["rounds"] > 0
+    assert r_off["choices"][0]["draftwise"]["proposed_tokens"] == 0
+    assert (s_on["method"], s_on["k"]) == ("draft", 3) and s_on["proposed_tokens"] > s_on["rounds"]
+    assert s_cap["k"] == 1 and 0 < s_cap["proposed_tokens"] <= s_cap["rounds"]
+    assert chat["draftwise"]["proposed_tokens"] == 0 and chat["draftwise"]["k"] == 0
+    assert_whole(srv)
+
+
+def test_stream_cut_at_shutdown_ends_with_an_error_then_done(target_dir, caplog):
+    """A stream still open when the shutdown timeout runs out ends with an error event and
+    `data: [DONE]`, a complete response (no "ASGI callable returned without completing response")."""
+    engine = LLM(str(target_dir), multi_step=1).engine
+    step = engine.step
+
+    def slow_step():  # 200 tokens take seconds: the stream outlives the shutdown timeout
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
+    server = ServerThread(engine)
+    server.server.config.timeout_graceful_shutdown = 0.3
+    body = {"prompt": "def", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with server, httpx.stream("POST", server.url + CMPL, json=body, timeout=60) as r:
+        lines = []
+        for ln in r.iter_lines():
+            if ln.startswith("data: "):
+                lines.append(ln)
+                if len(lines) == 2:
+                    server.server.should_exit = True  # as SIGTERM does
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][6:])["error"]
+    assert err["code"] == "shutting_down" and "--shutdown-timeout" in err["message"]
+    assert all("choices" in json.loads(ln[6:]) for ln in lines[:-2]) and len(lines) < 200
+    assert "without completing response" not in caplog.text

@@ -48,6 +48,10 @@ LIMIT_FLAGS = [
     ("--max-n", "largest n (default 64)"),
     ("--max-stop", "stop strings per request (default 32)"),
     ("--max-stop-chars", "characters per stop string (default 512)"),
+    ("--max-grammar-bytes", "largest structured-output constraint (a schema as JSON, a choice as EBNF) in bytes, "
+                            "else 400 (default 262144)"),
+    ("--grammar-compile-timeout", "seconds a constraint may take to parse and compile, else 400 (default 10)"),
+    ("--grammar-memory-mib", "memory a constraint's compile may take, in MiB, else 400 (default 512)"),
 ]
 
 
@@ -114,7 +118,7 @@ def run(args) -> int:
     llm = worker.call(build)
     name = args.served_model_name or model_dir.name
     app = build_app(llm.engine, name, aliases={str(model_dir), str(model_dir.resolve())}, max_queue=args.max_queue,
-                    thread=worker, limits=limits, api_key=args.api_key)
+                    thread=worker, limits=limits, api_key=args.api_key, warm_grammar_worker=True)
     spec = llm.engine.spec
     print(f"draftwise serve: {name} ({model_dir}), speculation={spec.method or 'none'}"
           f"{f' k={spec.k}' if spec.method else ''}, http://{args.host}:{args.port}/v1"

@@ -130,10 +130,12 @@ class LLMEngine:
             raise ValueError("this model directory has no tokenizer.json; pass token ids instead of text")
         return self.tokenizer.encode(prompt).ids
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """What needs the model: vocabulary and context length (values: `SamplingParams`)."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, compiled=None) -> None:
+        """What needs the model: vocabulary and context length (values: `SamplingParams`), and the
+        constraint compiled (cached by content) unless the caller has `compiled` it already (the
+        server, off its event loop and within its limits: server/constraints.py)."""
         params.validate_vocab(self.vocab_size)
-        if params.structured_output is not None:  # compiled once per tokenizer and constraint (cached)
+        if params.structured_output is not None and compiled is None:
             compile_constraint(self.tokenizer, self.vocab_size, self.eos_ids, params.structured_output)
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
@@ -148,12 +150,18 @@ class LLMEngine:
                 "Please reduce the prompt or max_tokens."
             )
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    compiled=None) -> Sequence:
+        """`compiled`: the xgrammar CompiledGrammar of `params.structured_output`, when the caller
+        has it (else it is compiled here, or found in the cache)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(ids, params)
+        self.check_request(ids, params, compiled)
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        grammar = GrammarState.create(self.tokenizer, self.vocab_size, self.eos_ids, params.structured_output)
+        if compiled is not None and params.structured_output is not None:
+            grammar = GrammarState(compiled, self.vocab_size)
+        else:
+            grammar = GrammarState.create(self.tokenizer, self.vocab_size, self.eos_ids, params.structured_output)
         seq = Sequence(request_id, ids, params, self.spec.max_draft)
         seq.grammar = grammar
         self.seqs[request_id] = seq

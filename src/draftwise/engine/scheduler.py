@@ -85,12 +85,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def draft_cap(self, seq: Sequence) -> int:
+        """The most proposals `seq` may verify per step: k, or less when its request asks
+        (`SamplingParams.max_draft`; 0: it never speculates)."""
+        cap = seq.params.max_draft
+        return self.k if cap is None else min(self.k, cap)
+
     def num_draft_for(self, seq: Sequence, cap: int | None = None) -> int:
-        """Proposals to verify (at most `cap`, default k): never past max_tokens nor past the context
-        (depends on lengths only)."""
+        """Proposals to verify (at most `cap`, default `draft_cap`): never past max_tokens nor past
+        the context (depends on lengths only)."""
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         room = self.max_model_len - seq.num_tokens
-        return max(0, min(self.k if cap is None else cap, left, room))
+        return max(0, min(self.draft_cap(seq) if cap is None else cap, left, room))
 
     def num_forced_for(self, seq: Sequence, k: int, budget: int) -> int:
         """Forced proposals a constrained sequence may verify after its k drafted ones: the same

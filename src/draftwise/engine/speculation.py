@@ -75,7 +75,8 @@ class Speculation:
             return {}, {}
         seqs = [s.seq for s in decoding]
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
-        plan = self.policy.plan(seqs, [min(s.num_draft, k) for s in decoding])
+        caps = [min(s.num_draft, k) for s in decoding]  # the scheduler's (a request's own cap included)
+        plan = [max(0, min(n, cap)) for n, cap in zip(self.policy.plan(seqs, caps), caps)]  # whatever the policy
         if self._confidence_per_step:
             self.proposer.confidence = self.policy.hints().reads_confidence
         forced = [s.num_forced for s in decoding]

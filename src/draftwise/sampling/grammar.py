@@ -1,11 +1,8 @@
 """Structured output: constraints compiled by xgrammar, one matcher per sequence that follows the
 committed tokens only, and the token bitmasks at proposed positions.
 
-A constraint is `SamplingParams.structured_output`, one of
-`{"json_schema": dict | str}`, `{"json_object": True}`, `{"regex": str}`, `{"grammar": str}` (EBNF,
-xgrammar's dialect of GBNF) or `{"choice": [str, ...]}`; `normalize_structured_output` checks it
-(a `ValueError` naming the field) and `compile_constraint` compiles it for a tokenizer (compiled
-grammars cached per tokenizer).
+A constraint is `SamplingParams.structured_output` (constraints.py checks, parses, compiles and
+caches it).
 
 Exactness under speculation. `GrammarState` owns a sequence's `GrammarMatcher`, advanced only by
 `accept` with committed tokens (the engine's postprocess). The bitmask at proposed position j is
@@ -18,120 +15,11 @@ EOS (the stop ids) is allowed exactly where the grammar can end; accepting it te
 """
 from __future__ import annotations
 
-import json
-import re
-import threading
 import time
-from collections import OrderedDict
-from functools import lru_cache
 
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-_CACHE_SIZE = 256  # compiled grammars kept per tokenizer
-
-
-def normalize_structured_output(spec) -> dict | None:
-    """Check a constraint; return it normalised (a schema as a JSON string, a choice as a list,
-    json_object as True; idempotent), or None."""
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or len(spec) != 1:
-        raise ValueError(f"structured_output must be a dict with exactly one of {', '.join(KINDS)}, got {spec!r}")
-    (kind, value), = spec.items()
-    if kind not in KINDS:
-        raise ValueError(f"structured_output: unknown kind {kind!r} (one of {', '.join(KINDS)})")
-    text = _text(kind, value)
-    try:
-        _grammar(kind, text)
-    except Exception as e:  # xgrammar raises RuntimeError with a C++ location prefix
-        raise ValueError(f"structured_output.{kind} is invalid: {_clean(e)}") from None
-    return {kind: text if kind in ("json_schema", "regex", "grammar") else list(value) if kind == "choice" else True}
-
-
-def _text(kind: str, value) -> str:
-    if kind == "json_schema":
-        if isinstance(value, dict):
-            return json.dumps(value)
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"structured_output.json_schema must be a JSON object or a string, got {value!r}")
-    if kind == "json_object":
-        if value not in (True, "", {}):
-            raise ValueError(f"structured_output.json_object must be true, got {value!r}")
-        return ""
-    if kind == "choice":
-        if (not isinstance(value, (list, tuple)) or not value
-                or not all(isinstance(c, str) and c for c in value)):
-            raise ValueError(f"structured_output.choice must be a non-empty list of non-empty strings, got {value!r}")
-        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"structured_output.{kind} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _clean(e: Exception) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)
-
-
-@lru_cache(maxsize=_CACHE_SIZE)
-def _grammar(kind: str, text: str):
-    import xgrammar as xgr
-
-    if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    return xgr.Grammar.from_ebnf(text)  # grammar, choice
-
-
-class _Compiler:
-    """An xgrammar GrammarCompiler for one tokenizer + an LRU of its compiled grammars."""
-
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
-        import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
-
-        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
-        self.tokenizer = tokenizer  # keeps the id() key alive
-        self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self.lock = threading.Lock()  # the server validates in its loop, the engine thread compiles
-
-    def compile(self, kind: str, text: str):
-        with self.lock:
-            return self._compile(kind, text)
-
-    def _compile(self, kind: str, text: str):
-        key = (kind, text)
-        if key in self.compiled:
-            self.compiled.move_to_end(key)
-            return self.compiled[key]
-        out = self.compiler.compile_grammar(_grammar(kind, text))
-        self.compiled[key] = out
-        if len(self.compiled) > _CACHE_SIZE:
-            self.compiled.popitem(last=False)
-        return out
-
-
-_COMPILERS: dict[tuple, _Compiler] = {}
-_COMPILERS_LOCK = threading.Lock()
-
-
-def compile_constraint(tokenizer, vocab_size: int, eos_ids: list[int], spec: dict):
-    """The xgrammar CompiledGrammar of a normalized constraint, cached per tokenizer."""
-    if tokenizer is None:
-        raise ValueError("structured_output needs the model's tokenizer (tokenizer.json)")
-    key = (id(tokenizer), vocab_size, tuple(eos_ids))
-    with _COMPILERS_LOCK:
-        if key not in _COMPILERS:
-            _COMPILERS[key] = _Compiler(tokenizer, vocab_size, eos_ids)
-    (kind, value), = spec.items()
-    return _COMPILERS[key].compile(kind, _text(kind, value))
+from .constraints import KINDS, compile_constraint, normalize_structured_output  # noqa: F401 (re-exported)
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .grammar import normalize_structured_output
+from .constraints import normalize_structured_output
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -77,6 +77,9 @@ class SamplingParams:
     # one of {"json_schema": dict|str}, {"json_object": True}, {"regex": str}, {"grammar": str},
     # {"choice": [str]}; normalised to {kind: text} (sampling/grammar.py)
     structured_output: dict | None = None
+    # the most proposals this request verifies per step (None: the engine's k; 0: no speculation);
+    # the verification policy decides within it, and greedy output is the same whatever it is
+    max_draft: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,7 +140,7 @@ class SamplingParams:
             self.logit_bias = bias
 
     def _validate_lengths_and_stops(self) -> None:
-        """seed, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n."""
+        """seed, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, logprobs, n, max_draft."""
         if self.seed is not None:
             _integer("seed", self.seed, "in [-2**63, 2**64)")
             if not (-(2**63) <= self.seed < 2**64):
@@ -180,6 +183,12 @@ class SamplingParams:
         _integer("n", self.n, ">= 1")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+
+        if self.max_draft is not None:
+            _integer("max_draft", self.max_draft, ">= 0 (0: no speculation for this request)")
+            if self.max_draft < 0:
+                raise ValueError(f"max_draft must be an integer >= 0 (0: no speculation for this request), "
+                                 f"got {self.max_draft}")
 
     @property
     def is_greedy(self) -> bool:

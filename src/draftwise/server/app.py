@@ -8,11 +8,16 @@ the lifespan then aborts every request the engine still holds and stops the engi
 `RequestGuard` (guard.py) checks the API key and the body size / encoding before FastAPI parses a
 body; `ServerLimits` (limits.py) bounds what one request may ask.
 
-`/health` doubles as a debug view: requests the server and the engine still hold, queue lengths
-and KV blocks used/free for the target and the draft (tests check that all blocks come back).
+`/health` doubles as a debug view: requests the server and the engine still hold, queue lengths,
+KV blocks used/free for the target and the draft (tests check that all blocks come back) and the
+constraint compiles (in flight, compiled, cached, cache hits). `GET /v1/models/{id}` answers the
+served model under any of its names, else 404 (`model_not_found`).
+A body FastAPI cannot decode (not JSON, nested too deeply) is a 422 `invalid_json`; one of the
+wrong shape a 422 `invalid_request_body`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -70,13 +75,20 @@ def _add_error_handlers(app: FastAPI, outcomes: Outcomes) -> None:
     async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, unparsable body
         if request.url.path.startswith("/v1/"):
             outcomes.record("rejected" if e.status_code < 500 else "error")
-        return APIError(e.status_code, str(e.detail), None, None).response()
+        if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not decode the body at all
+            why = "nested too deeply" if isinstance(e.__cause__, RecursionError) else type(e.__cause__).__name__
+            return APIError(422, f"the request body is not valid JSON ({why})", None, "invalid_json").response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return APIError(e.status_code, str(e.detail), None, code).response()
 
 
 def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
               max_queue: int | None = None, thread: EngineThread | None = None,
-              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
-    """`api_key`: required as `Authorization: Bearer KEY` on /v1/* (None: open)."""
+              limits: ServerLimits | None = None, api_key: str | None = None,
+              warm_grammar_worker: bool = False) -> FastAPI:
+    """`api_key`: required as `Authorization: Bearer KEY` on /v1/* (None: open);
+    `warm_grammar_worker`: start the constraint compile worker with the server, not on the first
+    constraint (it takes seconds to import xgrammar)."""
     limits = limits or ServerLimits()
     aeng = AsyncEngine(engine, max_queue=max_queue, thread=thread)
     outcomes = Outcomes()
@@ -88,6 +100,8 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         aeng.start()
+        if warm_grammar_worker and engine.tokenizer is not None:
+            asyncio.get_running_loop().run_in_executor(None, serving.constraints.warm)
         yield
         aeng.abort_all("shutdown")  # what the bounded drain left (nothing after a normal one)
         await aeng.shutdown()
@@ -109,11 +123,17 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "draftwise",
+            "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "draftwise",
-                "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)  # 404 in the OpenAI envelope for another name
+        return card
 
     @app.get("/health")
     async def health():
@@ -124,6 +144,7 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
                             "policy": engine.spec.policy if engine.spec.method else None},
             "requests_in_server": aeng.num_in_flight, "requests_in_engine": snap.requests,
             "waiting": snap.waiting, "running": snap.running, "kv_blocks": snap.kv,
+            "grammar": serving.constraints.health(),
         }
 
     @app.get("/metrics")

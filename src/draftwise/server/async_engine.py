@@ -192,14 +192,15 @@ class AsyncEngine:
         return max(0, len(self._streams) - self._max_num_seqs, self.snapshot.waiting)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    sink: asyncio.Queue | None = None) -> RequestStream:
+                    sink: asyncio.Queue | None = None, compiled=None) -> RequestStream:
         """Enqueue one request the caller has validated (`LLMEngine.check_request`, done once per
-        prompt by the serving layer before any choice is added) and fitted to the queue limit."""
+        prompt by the serving layer before any choice is added) and fitted to the queue limit;
+        `compiled`: its constraint's compiled grammar (the engine thread never compiles one)."""
         if self._stopping:
             raise RuntimeError("the server is shutting down")
         stream = RequestStream(request_id, sink)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, list(prompt_ids), params))
+        self._commands.put(("add", request_id, list(prompt_ids), params, compiled))
         self._wake.set()
         return stream
 
@@ -258,7 +259,7 @@ class AsyncEngine:
             rid = cmd[1]
             if cmd[0] == "add":
                 try:
-                    seq = self.engine.add_request(rid, cmd[2], cmd[3])
+                    seq = self.engine.add_request(rid, cmd[2], cmd[3], cmd[4])
                 except Exception as e:  # validated already; a race or a bug: fail this request only
                     out.append(RequestOutput(rid, [], "", None, True, error=str(e)))
                     continue

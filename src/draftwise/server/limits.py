@@ -12,8 +12,12 @@ answered 429 with `Retry-After`, which clients do retry.
 | prompts per request | `--max-prompts` | 64 |
 | `n` (choices per prompt) | `--max-n` | 64 |
 | stop strings per request, characters per stop string | `--max-stop`, `--max-stop-chars` | 32, 512 |
+| a structured-output constraint's text (a schema as JSON, a choice as EBNF) | `--max-grammar-bytes` | 256 KiB |
+| its parse + compile, in the worker process | `--grammar-compile-timeout` (s), `--grammar-memory-mib` | 10 s, 512 MiB |
 
 Prompts x n also has to fit `max_num_seqs + max_queue` (what the server holds at once).
+A constraint within the compile limits is compiled once more in the server's own process (its
+memory then grows by about what the worker measured): server/constraints.py.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ class ServerLimits:
     max_n: int = 64
     max_stop: int = 32
     max_stop_chars: int = 512
+    max_grammar_bytes: int = 256 * 1024
+    grammar_compile_timeout: int = 10  # seconds
+    grammar_memory_mib: int = 512
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():

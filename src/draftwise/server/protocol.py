@@ -5,7 +5,9 @@ Fields the OpenAI API lacks are accepted as extra body fields, as vLLM does: `to
 Structured output: OpenAI `response_format` (`json_object`, `json_schema`), vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` (json, regex, choice,
 grammar, json_object): at most one of them, mapped to `SamplingParams.structured_output`; an
-invalid one is a 400 naming the field the request used.
+invalid one is a 400 naming the field the request used. `speculation` (draftwise's own:
+`{"enabled": false}`, `{"max_draft": N}`) maps to `SamplingParams.max_draft`.
+Chat messages: `message_error` finds an unknown role or a content part that is not text (400).
 A body pydantic cannot parse (wrong types, missing `prompt`) is a 422; values of the right type
 but out of range are checked by `SamplingParams` and answered 400 naming the parameter.
 `invalid_text` finds a string that is not valid Unicode text (a lone surrogate such as the JSON
@@ -13,7 +15,7 @@ escape `"\\ud800"`, which cannot be tokenized or echoed back): 400 naming where 
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -77,6 +79,8 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+    # speculation for this request (draftwise): {"enabled": false} or {"max_draft": N}
+    speculation: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -108,7 +112,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=bias, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, n=self.n, structured_output=constraint,
+            logprobs=logprobs, n=self.n, structured_output=constraint, max_draft=speculation_cap(self.speculation),
         )
 
     def structured_output(self) -> tuple[str | None, dict | None]:
@@ -155,6 +159,29 @@ def _structured_outputs(so: dict) -> dict:
     return {_STRUCTURED_OUTPUTS[k]: v}
 
 
+def speculation_cap(value) -> int | None:
+    """The request's `speculation` object -> `SamplingParams.max_draft`: {"enabled": false} -> 0,
+    {"max_draft": N} -> N, {} or {"enabled": true} -> None (the server's k)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculation must be an object such as {{\"enabled\": false}} or {{\"max_draft\": 2}}, "
+                         f"got {value!r}")
+    unknown = sorted(set(value) - {"enabled", "max_draft"})
+    if unknown:
+        raise ValueError(f"speculation: unknown field {unknown[0]!r} (enabled, max_draft)")
+    enabled, cap = value.get("enabled", True), value.get("max_draft")
+    if not isinstance(enabled, bool):
+        raise ValueError(f"speculation.enabled must be true or false, got {enabled!r}")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+        raise ValueError(f"speculation.max_draft must be an integer >= 0 (0: no speculation), got {cap!r}")
+    if not enabled:
+        if cap:
+            raise ValueError(f"speculation: enabled is false but max_draft is {cap}")
+        return 0
+    return cap
+
+
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
@@ -163,9 +190,28 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    """A content part: any `type` parses (so that `message_error` can name an unsupported one)."""
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"] = "text"
-    text: str
+    type: str = "text"
+    text: str | None = None
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def message_error(messages: list["ChatMessage"]) -> str | None:
+    """What the server cannot take in `messages` (an unknown role, a content part that is not
+    text), as "messages[i]...: why"; None if nothing."""
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            return f"messages[{i}].role: unknown role {m.role!r} (one of {', '.join(ROLES)})"
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                return (f"messages[{i}].content[{j}]: content parts of type {part.type!r} are not supported "
+                        "(this server's models read text only: send \"text\" parts)")
+            if part.text is None:
+                return f"messages[{i}].content[{j}]: a \"text\" part needs a \"text\" string"
+    return None
 
 
 class ChatMessage(BaseModel):
@@ -179,7 +225,7 @@ class ChatMessage(BaseModel):
     def as_dict(self) -> dict:
         c = self.content
         if isinstance(c, list):
-            c = "".join(p.text for p in c)
+            c = "".join(p.text or "" for p in c)
         d = {"role": self.role, "content": c or ""}
         if self.name:
             d["name"] = self.name

@@ -6,25 +6,27 @@ choices differ yet each is reproducible. All choices of one HTTP request share o
 Non-streamed: the response is built when every choice has finished; a client that disconnects
 meanwhile aborts them. Streamed (server-sent events): the response starts only once the first
 output arrives, so a request that fails in its first step is still answered with a 500; a later
-failure is sent as an `{"error": ...}` event. The stream ends with `data: [DONE]`; leaving it
-early (client disconnect) aborts the unfinished choices, which frees their KV blocks.
+failure is sent as an `{"error": ...}` event. The stream ends with `data: [DONE]` (also when
+shutdown cuts it: an error event first, sse.py); leaving it early (client disconnect) aborts the
+unfinished choices, which frees their KV blocks.
 
 Every response carries a `draftwise` object: the request's speculation statistics summed over its
-choices (each choice also has its own).
+choices (each choice also has its own), with the method and k it ran with (its `speculation`
+field may cap k or turn speculation off).
 
 Before anything reaches the engine: the body's text is valid Unicode (`invalid_text`), the
 request is within `ServerLimits` (prompt characters before tokenizing; prompts, n, stop strings),
-the sampling values pass `SamplingParams.validate` and the engine's model checks
-(`check_request`), and the choices fit the queue (else 429 with `Retry-After`). Tokenization and
-chat rendering run in a small thread pool (`encode_batch` releases the GIL), never on the event
-loop. Each HTTP request is counted once in `Outcomes` (app.py counts those answered with an error).
+a constraint is compiled within the server's limits (`ConstraintCompiler`, constraints.py), the
+sampling values pass `SamplingParams.validate` and the engine's model checks (`check_request`),
+and the choices fit the queue (else 429 with `Retry-After`). Tokenization, chat rendering and
+constraint compiles run in threads and a worker process, never on the event loop. Each HTTP
+request is counted once in `Outcomes` (app.py counts those answered with an error).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
-import json
 import re
 import time
 import uuid
@@ -32,15 +34,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, RequestOutput
+from .constraints import ConstraintCompiler
 from ..model.chat_template import ChatTemplate
 from .errors import APIError, from_value_error
 from .limits import ServerLimits, queue_full
 from .metrics import Outcomes, request_outcome
-from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text
+from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text, message_error
+from .sse import EventStream, sse
 from .tools import ChatTools, history
 
 TOKENIZER_THREADS = 2
@@ -75,10 +79,6 @@ def spec_summary(stats: list[dict], method: str | None, k: int) -> dict:
     }
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 def _split_prompt(p) -> tuple[list[str] | None, list[list[int]] | None]:
     """A completions `prompt`: (texts, None) for a string or a list of them, (None, token id
     lists) for a list of ids or a list of such lists."""
@@ -105,9 +105,11 @@ class OpenAIServing:
         spec = engine.engine.spec
         self.method, self.k = spec.method, spec.max_draft
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="draftwise-tokenize")
+        self.constraints = ConstraintCompiler(engine.engine, self.limits)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.constraints.close()
 
     @property
     def capacity(self) -> int | None:
@@ -135,16 +137,21 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     def check_text(self, req) -> None:
-        """400 for a string that is not valid Unicode; param: the top-level field ("messages")."""
-        bad = invalid_text(req)
+        """400 for a string that is not valid Unicode; param: the top-level field ("messages").
+        A body nested deeper than Python's recursion (JSON that FastAPI could still read) is a 422."""
+        try:
+            bad = invalid_text(req)
+        except RecursionError:
+            raise APIError(422, "the request body is nested too deeply", None, "invalid_request_body") from None
         if bad:
             raise APIError(400, bad, re.match(r"\w+", bad).group(0), "invalid_text")
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str, param_name: str):
+    def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str, param_name: str,
+               compiled=None):
         """Validate against the model and the queue, then add prompt x n engine requests sharing one queue."""
         for ids in prompts:
             try:
-                self.engine.engine.check_request(ids, params)
+                self.engine.engine.check_request(ids, params, compiled)
             except ValueError as e:
                 raise from_value_error(e, param_name) from None
         new = len(prompts) * params.n
@@ -164,7 +171,7 @@ class OpenAIServing:
                     p = dataclasses.replace(params, seed=(params.seed + j) % 2**63)
                 rid = f"{prefix}-{pi * n + j}"
                 try:
-                    self.engine.add_request(rid, ids, p, sink)
+                    self.engine.add_request(rid, ids, p, sink, compiled)
                 except RuntimeError as e:  # shutting down
                     self._abort_unfinished(choices)
                     raise APIError(503, str(e), None, "shutting_down") from None
@@ -207,14 +214,27 @@ class OpenAIServing:
         g = sum(c.num_tokens for c in choices)
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
-    def _summary(self, choices: list[_Choice]) -> dict:
-        return spec_summary([c.stats for c in choices if c.stats], self.method, self.k)
+    def _summary(self, choices: list[_Choice], params: SamplingParams) -> dict:
+        """The request's speculation statistics, with the method and k it ran with (its own
+        `speculation` cap applied: method "none", k 0 when it turned speculation off)."""
+        k = self.k if params.max_draft is None else min(self.k, params.max_draft)
+        return spec_summary([c.stats for c in choices if c.stats], self.method if k else None, k)
+
+    async def _precompile(self, req) -> None:
+        """The request's own constraint compiled (off the loop, within the limits) before
+        `sampling_params` parses it: parsing alone can take minutes (sampling/constraints.py)."""
+        try:
+            field, spec = req.structured_output()
+        except ValueError as e:
+            raise from_value_error(e) from None
+        await self.constraints.compile(spec, field)
 
     async def _run(self, kind, req, prompts, params, fmt, raw: Request, param_name: str):
         """`fmt` = (chunk(choice, output) -> [choice dicts], add(choice, output), final(choice) -> dict)."""
         fmt_chunk, fmt_add, fmt_final = fmt
         prefix = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        sink, choices = self.submit(prompts, params, prefix, param_name)
+        compiled = await self.constraints.compile(params.structured_output, _constraint_field(req))
+        sink, choices = self.submit(prompts, params, prefix, param_name, compiled)
         created = int(time.time())
         head = {"id": prefix, "object": kind, "created": created, "model": self.model_name}
         try:
@@ -231,7 +251,7 @@ class OpenAIServing:
             self._abort_unfinished(choices)
             raise APIError(500, first.error, None, "internal_error")
         if req.stream:
-            return StreamingResponse(self._stream(req, prompts, choices, sink, first, head, fmt_chunk),
+            return EventStream(self._stream(req, params, prompts, choices, sink, first, head, fmt_chunk),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watcher = asyncio.ensure_future(_disconnected(raw))  # the client leaving aborts the choices
         watcher.add_done_callback(lambda f: f.cancelled() or self._abort_unfinished(choices))
@@ -251,10 +271,10 @@ class OpenAIServing:
         body = dict(head)
         body["choices"] = [fmt_final(c) for c in choices]
         body["usage"] = self._usage(prompts, choices)
-        body["draftwise"] = self._summary(choices)
+        body["draftwise"] = self._summary(choices, params)
         return JSONResponse(body)
 
-    async def _stream(self, req, prompts, choices, sink, first, head, fmt_chunk):
+    async def _stream(self, req, params, prompts, choices, sink, first, head, fmt_chunk):
         chunk_kind = head["object"] + ".chunk" if head["object"] == "chat.completion" else head["object"]
         base = dict(head, object=chunk_kind)
         outcome = "abort"  # unless the stream ends
@@ -272,7 +292,7 @@ class OpenAIServing:
                 outcome = request_outcome([c.finish_reason for c in choices])
                 if req.include_usage:
                     yield sse(dict(base, choices=[], usage=self._usage(prompts, choices),
-                                   draftwise=self._summary(choices)))
+                                   draftwise=self._summary(choices, params)))
             yield "data: [DONE]\n\n"
         finally:  # also on client disconnect (the task is cancelled): nothing awaited here
             self._abort_unfinished(choices)
@@ -289,6 +309,7 @@ class OpenAIServing:
         num_prompts = len(texts if texts is not None else prompts)
         if not num_prompts:
             raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+        await self._precompile(req)
         try:
             params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         except ValueError as e:
@@ -346,6 +367,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_value")
+        bad = message_error(req.messages)
+        if bad:
+            raise APIError(400, bad, "messages", "invalid_value")
         messages = history([m.as_dict() for m in req.messages])
         tools = ChatTools.from_request(req, self.chat_template, messages)
         self.limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -366,6 +390,7 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = max(1, self.engine.engine.max_model_len - len(ids))
         lp = (req.top_logprobs or 0) if req.logprobs else None
+        await self._precompile(req)
         try:
             params = req.sampling_params(max_tokens, lp)
         except ValueError as e:
@@ -410,6 +435,15 @@ class OpenAIServing:
 
         fmt = (fmt_chunk, fmt_add, fmt_final)
         return await self._run("chat.completion", req, [ids], params, fmt, raw, "messages")
+
+
+def _constraint_field(req) -> str:
+    """The request field a constraint came from, for error messages (a forced tool call's grammar
+    comes from `tool_choice`)."""
+    try:
+        return req.structured_output()[0] or "tool_choice"
+    except ValueError:
+        return "structured_output"
 
 
 async def _disconnected(raw: Request) -> None:
