@@ -30,14 +30,28 @@ TABLE = [
     ("\n A " + CALL_W, "\n A", [("get_weather", '{"city": "Paris"}')]),  # decided before the call arrives
     ('<tool_call>{"name":"add","arguments":"{\\"a\\": 3}"}</tool_call>', None, [("add", '{"a": 3}')]),
     ('<tool_call>{"name": "add"}</tool_call>', None, [("add", "{}")]),
+    ('<tool_call>[\n{"name": "add", "arguments": {"a": 1}},\n{"name": "get_weather", "arguments": {}}\n]</tool_call>',
+     None, [("add", '{"a": 1}'), ("get_weather", "{}")]),  # SmolLM2's list form
     ('<tool_call>{"name": "add", "arguments": {"a": 1}}', None, [("add", '{"a": 1}')]),  # unclosed at the end
     # not calls: stay in the text verbatim
     ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', '<tool_call>{"name": "add", "arguments": {"a": </tool_call>', []),
     ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', []),
     ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', '<tool_call>{"name": "add", "arguments": [1]}</tool_call>', []),
     ('<tool_call>["add"]</tool_call>', '<tool_call>["add"]</tool_call>', []),
+    ('<tool_call>[]</tool_call>', '<tool_call>[]</tool_call>', []),
+    ('<tool_call>[{"name": "add"}, {"name": "nope"}]</tool_call>', '<tool_call>[{"name": "add"}, {"name": "nope"}]</tool_call>', []),
     ('<tool_call>{"name": "add", "arguments": {"a": 1', '<tool_call>{"name": "add", "arguments": {"a": 1', []),
     ("a < b and <tool", "a < b and <tool", []),
+    # bare calls (Qwen2.5-Coder): only when the whole output is calls
+    ('{"name": "add", "arguments": {"a": 1}}', None, [("add", '{"a": 1}')]),
+    ('\n{"name": "add", "arguments": {}}\n{"name": "get_weather", "arguments": {}}\n', None,
+     [("add", "{}"), ("get_weather", "{}")]),
+    ('[{"name": "add", "arguments": {}}]', None, [("add", "{}")]),
+    ('{"name": "add", "arguments": {}} and more', '{"name": "add", "arguments": {}} and more', []),
+    ('{"name": "nope", "arguments": {}}', '{"name": "nope", "arguments": {}}', []),
+    ('{"name": "add", "arguments": {"a":', '{"name": "add", "arguments": {"a":', []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('Use {"name": "add", "arguments": {}}', 'Use {"name": "add", "arguments": {}}', []),
     ("x <tool_call>bad</tool_call> " + CALL_A, "x <tool_call>bad</tool_call>", [("add", '{"a": 1, "b": 2}')]),
 ]
 
@@ -76,6 +90,17 @@ def test_stream_holds_back_a_possible_tag_until_decided():
     p = ToolCallParser(NAMES)
     assert p.feed("a <to") == ["a"]
     assert p.feed("ast") == [" <toast"]
+
+
+def test_stream_holds_what_may_be_a_bare_call_until_the_end():
+    p = ToolCallParser(NAMES)
+    assert p.feed('{"na') == [] and p.feed('me": "add", "arguments": {}}') == []
+    out = p.finish()
+    assert [c.name for c in out] == ["add"]
+    p = ToolCallParser(NAMES)
+    assert p.feed('{"an') == ['{"an']  # cannot be a call: streamed at once
+    p = ToolCallParser(NAMES)
+    assert p.feed(" ") == [] and p.feed("Hi") == [" Hi"]
 
 
 ARGS = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},

@@ -1,7 +1,8 @@
 """Hermes-style tool calls in generated text: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
 The format of Qwen2.5 (and other templates that follow NousResearch's Hermes prompt): each call is
-one JSON object between `<tool_call>` and `</tool_call>`, several calls one after another.
+one JSON object between `<tool_call>` and `</tool_call>`, several calls one after another. A block
+may also hold a JSON list of such objects, the form SmolLM2 was trained to write.
 
 `ToolCallParser` splits text into plain text and `ToolCall`s, incrementally: `feed` takes the next
 piece of generated text and returns what is decided so far, `finish` the rest. A non-streamed
@@ -9,11 +10,16 @@ response runs the same parser over the whole text, so streamed and non-streamed 
 
 The rules (what a client sees):
 - A block counts as a call when its body is a JSON object with a string `"name"` that is one of
-  the request's tools and `"arguments"` that is an object (or a string holding one; absent = `{}`).
+  the request's tools and `"arguments"` that is an object (or a string holding one; absent = `{}`);
+  as calls when it is a non-empty list of such objects, every one well formed.
   Anything else (malformed JSON, an unknown function, a block cut off by `max_tokens`) stays in the
   text verbatim, tags included, so nothing the model wrote is lost.
 - A block the model left unclosed at the very end still counts when its body is a complete call
   (models sometimes end the turn right after the JSON).
+- Bare calls: an output that is nothing but call objects (one or more, or a list of them) without
+  the tags counts too. Qwen2.5-Coder, which was not trained on the Hermes tags, answers so although
+  its template asks for them. Output that begins like such an object (`{"name"` or `[{"name"`) is
+  held back until the end, when the whole of it decides.
 - The content is the text with the calls taken out; when there are calls, the whitespace at its
   start and end (the newlines before, between and after the blocks) is dropped, the whitespace
   between two pieces of text is kept. Without any call the text comes out exactly as generated.
@@ -45,12 +51,18 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_call(body: str, names: set[str]) -> ToolCall | None:
-    """The call in a block's body, or None when it is not a well-formed call of a known function."""
+def parse_calls(body: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls in a block's body (an object or a list of them), or None unless every one is a
+    well-formed call of a known function."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
+    calls = [_call(x, names) for x in (obj if isinstance(obj, list) else [obj])]
+    return calls if calls and all(calls) else None
+
+
+def _call(obj, names: set[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", {})
@@ -62,6 +74,30 @@ def parse_call(body: str, names: set[str]) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+
+
+def bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls when `text` is only call objects / lists of them (whitespace between), else None."""
+    dec, calls, i = json.JSONDecoder(), [], 0
+    while (i := len(text) - len(text[i:].lstrip())) < len(text):
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except ValueError:
+            return None
+        found = [_call(x, names) for x in (obj if isinstance(obj, list) else [obj])]
+        if not found or not all(found):
+            return None
+        calls += found
+    return calls or None
+
+
+_BARE_STARTS = ('{"name"', '[{"name"')
+
+
+def _may_be_bare(text: str) -> bool:
+    """Whether text (so far) may begin a bare call: its non-space characters start like one."""
+    compact = "".join(text.split())
+    return any(compact.startswith(b) or b.startswith(compact) for b in _BARE_STARTS)
 
 
 def _partial_open(text: str) -> int:
@@ -82,8 +118,28 @@ class ToolCallParser:
         self.pending_ws = ""  # whitespace after the last text, kept only if more text follows
         self.has_text = False  # some text went out: whitespace after it is a gap, not a start
         self.num_calls = 0
+        self.held: str | None = ""  # the output so far while it may be bare calls; None once it cannot
 
     def feed(self, text: str) -> list[str | ToolCall]:
+        if self.held is not None:
+            self.held += text
+            if _may_be_bare(self.held):
+                return []
+            text, self.held = self.held, None
+        return self._feed(text)
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the end of generation."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            calls = bare_calls(held, self.names)
+            if calls:
+                self.num_calls = len(calls)
+                return list(calls)
+            return self._feed(held) + self._finish()
+        return self._finish()
+
+    def _feed(self, text: str) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
         self.buf += text
         while True:
@@ -105,8 +161,7 @@ class ToolCallParser:
             self.buf = self.buf[start + len(OPEN):]
             self.in_call = True
 
-    def finish(self) -> list[str | ToolCall]:
-        """What is left at the end of generation."""
+    def _finish(self) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
         if self.in_call:
             self._block(self.buf, OPEN + self.buf, out)
@@ -119,14 +174,14 @@ class ToolCallParser:
         return out
 
     def _block(self, body: str, raw: str, out: list) -> None:
-        call = parse_call(body, self.names)
-        if call is None:
+        calls = parse_calls(body, self.names)
+        if calls is None:
             self._text(raw, out)
             return
         if not self.has_text:  # whitespace before the content's start
             self.pending_ws = ""
-        self.num_calls += 1
-        out.append(call)
+        self.num_calls += len(calls)
+        out.extend(calls)
 
     def _text(self, text: str, out: list) -> None:
         if self.num_calls and not self.has_text:  # the content starts after a call
