@@ -32,6 +32,15 @@ def every_projection(monkeypatch):
     monkeypatch.setattr(llama, "QUANT_MIN_NUMEL", 0)
 
 
+@pytest.fixture(params=["float", "int8"])
+def activations(request, monkeypatch):
+    """Kept blocks run with float activations, or int8 ones where the kernels have VNNI (act8.py)."""
+    if request.param == "int8" and not cpu_kernels.vnni():
+        pytest.skip("kernels without AVX-512 VNNI: float activations only")
+    monkeypatch.setenv("DRAFTWISE_ACT8", "1" if request.param == "int8" else "0")
+    return request.param
+
+
 def _tensor(qtype: str, w: np.ndarray):
     """A reader-like tensor (data, GGUF dims, type) holding `w` [out, in] quantised by the gguf package."""
     import gguf
@@ -113,7 +122,7 @@ def test_loaded_model_runs_the_blocks(kept, arch, every_projection):
     p = "model.layers.0.self_attn"
     want_q = torch.cat([stored[f"{p}.{n}_proj.qweight"] for n in "qkv"])
     want_s = torch.cat([stored[f"{p}.{n}_proj.qscale"] for n in "qkv"])
-    assert torch.equal(attn.qkv_proj.qweight, want_q) and torch.equal(attn.qkv_proj.scale, want_s)
+    assert torch.equal(attn.qkv_proj.blocks()[0], want_q) and torch.equal(attn.qkv_proj.blocks()[1], want_s)
     # the float paths (fuse=False: training, scoring) read the same values as a plain import
     a = load_model(q4, load_tokenizer=False, fuse=False).model.state_dict()
     b = load_model(fl, load_tokenizer=False, fuse=False).model.state_dict()
@@ -124,9 +133,11 @@ def test_loaded_model_runs_the_blocks(kept, arch, every_projection):
     assert not any(isinstance(x, Int4Linear) for x in m8.modules())
 
 
-def test_greedy_tokens_equal_the_float_import_quantised_at_load(kept, every_projection):
+def test_greedy_tokens_equal_the_float_import_quantised_at_load(kept, every_projection, monkeypatch):
     """The gguf package's Q4_1 quantiser spans 0..15 in every block, so re-quantising the float
-    import's values at load (`--quantization int4`) gives the same blocks: the same tokens."""
+    import's values at load (`--quantization int4`) gives the same blocks: the same tokens (with
+    float activations for both: int8 ones are for kept blocks only)."""
+    monkeypatch.setenv("DRAFTWISE_ACT8", "0")
     fl, q4 = kept["qwen2"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = [5, 17, 40, 99, 123]
@@ -195,12 +206,15 @@ def _q8_layer(o: int, n: int, bias: bool = False, seed: int = 0):
 @pytest.mark.parametrize("o,n", [(48, 64), (37, 96), (200, 576)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_group_kernel_matches_reference(o, n, rows, dtype):
+def test_q8_group_kernel_matches_reference(o, n, rows, dtype, activations):
+    from draftwise.model import act8
+
     layer, q, d = _q8_layer(o, n, bias=True)
-    assert layer.group == 32
+    assert layer.group == 32 and layer.act8 == (activations == "int8")
     assert torch.equal(layer.qweight, q)
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    ref = torch.nn.functional.linear(x.float(), dequantize_q8_groups(q, d), layer.bias)
+    product = act8.q8_reference if layer.act8 else torch.nn.functional.linear
+    ref = product(x.float(), dequantize_q8_groups(q, d), layer.bias)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (rows, o)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # (another summation order: relative to the outputs' scale)
@@ -247,7 +261,7 @@ def test_q8_directory_and_model(kept_q8, every_projection):
     assert isinstance(m4.model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
-def test_q8_one_call_step_equals_layer_by_layer_bitwise(kept_q8, every_projection, monkeypatch):
+def test_q8_one_call_step_equals_layer_by_layer_bitwise(kept_q8, every_projection, monkeypatch, activations):
     from test_cpu_kernels import load_with_distinct_norms, run_batch_rounds, run_rounds
 
     from draftwise.model import cpu_kernels
@@ -258,13 +272,13 @@ def test_q8_one_call_step_equals_layer_by_layer_bitwise(kept_q8, every_projectio
     a = run_rounds(one, []) + run_batch_rounds(load_with_distinct_norms(q8, "float32"))
     if not one.model._decoder_plan:
         pytest.skip("this CPU's products are oneDNN's: the per-layer path only")
-    assert set(one.model._decoder_plan[1]) == {5}
+    assert set(one.model._decoder_plan[1]) == {6 if activations == "int8" else 5}
     monkeypatch.setattr(LlamaModel, "_layer_pointers", lambda self: ())
     b = run_rounds(load_with_distinct_norms(q8, "float32"), []) + run_batch_rounds(load_with_distinct_norms(q8, "float32"))
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_q8_greedy_speculative_equals_plain(kept_q8, every_projection):
+def test_q8_greedy_speculative_equals_plain(kept_q8, every_projection, activations):
     from draftwise import SpecConfig
 
     _, q8 = kept_q8

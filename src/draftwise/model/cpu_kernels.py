@@ -139,7 +139,7 @@ class NativeIO(ctypes.Structure):
 
 
 # 0, or -1: no scratch memory
-INT_RESULT = ("dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows")
+INT_RESULT = ("dw_vnni", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows")
 
 
 class Kernels:
@@ -159,6 +159,9 @@ class Kernels:
             "dw_linear_q4": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_q8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_q8g": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_gemm_q8g_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_linear_q4_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_vnni": [],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],
@@ -201,6 +204,14 @@ def avx512() -> bool:
     """Whether the CPU has AVX-512 (F): oneDNN's float32 kernels there are wider than dw_gemm_f32's
     and may sum in another order (`packed_weights._native_pack` then takes dw_gemm_f32 unchecked)."""
     return "avx512f" in _cpu_flags().split()
+
+
+def vnni() -> bool:
+    """Whether the kernels were built with AVX-512 VNNI (kernels/vnni.c's int8-activation products):
+    the layouts quantize.py packs GGUF blocks into depend on it. DRAFTWISE_ACT8=0 keeps the
+    float-activation products."""
+    k = kernels()
+    return k is not None and os.environ.get("DRAFTWISE_ACT8", "1") != "0" and bool(k.vnni())
 
 
 def bf16_native() -> bool:

@@ -25,7 +25,7 @@ from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
 from .llama import LlamaModel, rope_inv_freq
 from .packed_weights import QuantizedEmbedding, native_gemm_wanted
-from .quantize import GROUP, check_method, dequantize_int4, dequantize_q8_groups, int8_groups
+from .quantize import GROUP, check_method, dequantize_int4, dequantize_q8_groups, int8_groups, quantize_int4
 
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                load_tokenizer: bool = True, fuse: bool = True, quantization: str | None = None) -> LoadedModel:
     """`quantization`: None, "int8" or "int4" (weight-only, quantized from the float weights while the
     model is prepared: see quantize.py); Llama-family models only. A directory holding quantized
-    blocks (`import-gguf --keep-quantized`: Q4_0/Q4_1 as int4, Q8_0 as int8 in groups) runs on them
-    by default (int4 when it has any, else int8); a method asked for re-quantises the other kind's
-    values (int8 asked of int4 blocks: per-channel int8 from their values)."""
+    blocks (`import-gguf --keep-quantized`: int4 and int8 groups, gguf_blocks.py) runs on them by
+    default (int4 when it has any, else int8); a method asked for re-quantises the other kind's
+    blocks one by one (int8 asked of int4 blocks: int8 groups from their values)."""
     quantization = check_method(quantization)
     path = resolve_model(path)
     if not path.is_dir():
@@ -176,18 +176,19 @@ def _no_init():
 
 
 def _kept_blocks(blocks: dict, runs_blocks: bool, as_stored: bool, quantization: str | None) -> dict:
-    """The stored blocks the prepared model runs as they are: none unless `runs_blocks` (prepared for
-    the CPU kernels); the embeddings' and the head's when the model is quantized (a lookup
-    dequantises its rows; the head is int8 then), a projection's when its kind is the one asked for (or
-    none was asked: another method re-quantises the dequantised values)."""
-    if not runs_blocks:
+    """The stored blocks the prepared model runs without a float copy: none unless `runs_blocks`
+    (prepared for the CPU kernels) and the model is quantized; the embeddings' as stored (a lookup
+    dequantises its rows), the head's (int8, see _attach_head), a projection's in the kind asked for:
+    int4 blocks asked as int8 become int8 groups (a finer grid: near their values), int8 ones asked
+    as int4 are re-quantised to int4 from their values."""
+    if not runs_blocks or quantization is None:
         return {}
     kept = {}
     for name, (kind, q, sc) in blocks.items():
-        if name in ("model.embed_tokens.weight", "lm_head.weight") and quantization is not None:
-            kept[name] = (kind, q, sc)
-        elif name.endswith("_proj.weight") and (as_stored or kind == quantization):
-            kept[name] = (kind, q, sc)
+        if name.endswith("_proj.weight") and not as_stored and kind != quantization:
+            w = dequantize_int4(q, sc) if kind == "int4" else dequantize_q8_groups(q, sc)
+            kind, (q, sc) = quantization, (int8_groups(w) if quantization == "int8" else quantize_int4(w))
+        kept[name] = (kind, q, sc)
     return kept
 
 

@@ -94,8 +94,9 @@ class NativeForward:
             for n, p in enumerate((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
                 bias = 0 if p.bias is None else p.bias.data_ptr()
                 if isinstance(p, (Int8Linear, Int4Linear)) and not p.float_out:
-                    kind, weight = (4, p.qweight) if isinstance(p, Int4Linear) else (5 if p.group else 3, p.qpacked)
-                    weight, scale, max_rows = weight.data_ptr(), p.scale.data_ptr(), min(max_rows, KERNEL_MAX_ROWS)
+                    kind, weight = p.kernel
+                    weight, scale = weight.data_ptr(), p.scale.data_ptr()
+                    max_rows = max_rows if p.act8 else min(max_rows, KERNEL_MAX_ROWS)  # (act8: any rows)
                 elif getattr(p, "native", None) is not None and p.native.dtype == dtype:
                     kind, weight, scale = (1 if dtype == torch.float32 else 2), p.native.data_ptr(), 0
                 elif getattr(p, "small", False) and p.weight.dtype == dtype:

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import act8, cpu_kernels
 
 METHODS = ("int8", "int4")
 GROUP = 32  # int4: inputs per group (one step and minimum each)
@@ -108,12 +108,17 @@ class Int8Linear(nn.Module):
             w = torch.cat(weights) if len(weights) > 1 else weights[0]
             q, scale = quantize_int8(w)
         self.out_features, self.in_features = q.shape
-        # dw_gemm's layout [ceil(O/16), N, 16] (the missing outputs of the last block zero): for each
-        # input the weights of 16 outputs side by side, one stream per 16 outputs
+        # kept blocks on a VNNI build: int8 activations (act8.py), the weights in vnni.c's layout
+        self.act8 = self.group > 0 and act8.enabled()
         o, n = q.shape
-        if o % 16:  # (no copy for the padding where there is none: the head is 0.2 GB)
-            q = torch.cat([q, torch.zeros((-o) % 16, n, dtype=torch.int8)])
-        self.register_buffer("qpacked", q.reshape(-1, 16, n).permute(0, 2, 1).contiguous())
+        if self.act8:
+            self.register_buffer("qpacked", act8.pack_q8(q))
+        else:
+            # dw_gemm's layout [ceil(O/16), N, 16] (the missing outputs of the last block zero): for
+            # each input the weights of 16 outputs side by side, one stream per 16 outputs
+            if o % 16:  # (no copy for the padding where there is none: the head is 0.2 GB)
+                q = torch.cat([q, torch.zeros((-o) % 16, n, dtype=torch.int8)])
+            self.register_buffer("qpacked", q.reshape(-1, 16, n).permute(0, 2, 1).contiguous())
         if self.group:  # the group scales in the same layout: [ceil(O/16), N/GROUP, 16] float16
             gpad = torch.zeros((-o) % 16, n // GROUP, dtype=torch.float16)
             scale = torch.cat([gs.half(), gpad]).reshape(-1, 16, n // GROUP).permute(0, 2, 1).contiguous()
@@ -124,7 +129,14 @@ class Int8Linear(nn.Module):
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 weight [O, N] (a view of the packed one: the reference path, tests)."""
+        if self.act8:
+            return act8.unpack_q8(self.qpacked, self.out_features)
         return self.qpacked.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
+
+    @property
+    def kernel(self) -> tuple[int, torch.Tensor]:
+        """(dw_decoder's product kind, the weight it reads): see kernels/decoder.c."""
+        return (6 if self.act8 else 5 if self.group else 3), self.qpacked
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [O, N] the products use."""
@@ -147,8 +159,10 @@ class Int8Linear(nn.Module):
     def forward(self, x):  # [.., N] -> [.., O]
         out_dtype = torch.float32 if self.float_out else x.dtype
         rows = x.numel() // self.in_features
-        if (x.device.type == "cpu" and 0 < rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x.dtype)
-                and out_dtype in (torch.float32, torch.bfloat16)):
+        if (x.device.type == "cpu" and 0 < rows and (rows <= KERNEL_MAX_ROWS or self.act8)
+                and cpu_kernels.usable(x.dtype) and out_dtype in (torch.float32, torch.bfloat16)):
+            if self.act8:  # (any rows: byte products outrun a dequantised float32 weight, act8.py)
+                return act8.run("q8g", x, self.qpacked, self.scale, self.bias, self.out_features, out_dtype)
             k = cpu_kernels.kernels()
             x = x.contiguous()
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=out_dtype)
@@ -157,10 +171,12 @@ class Int8Linear(nn.Module):
                0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows, self.out_features,
                self.in_features, torch.get_num_threads(), int(x.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
             return out
+        if self.act8:
+            return act8.q8_reference(x, self.dequantized(), self.bias).to(out_dtype)
         return F.linear(x.float(), self.dequantized(), self.bias).to(out_dtype)
 
     def extra_repr(self) -> str:
-        kind = f"groups of {self.group}" if self.group else "per-channel"
+        kind = (f"groups of {self.group}" if self.group else "per-channel") + (", int8 activations" if self.act8 else "")
         return f"in={self.in_features}, out={self.out_features}, int8 {kind}, float_out={self.float_out}"
 
 
@@ -212,8 +228,11 @@ class Int4Linear(nn.Module):
             w = torch.cat(weights) if len(weights) > 1 else weights[0]
             self.out_features, self.in_features = w.shape
             q, sm = quantize_int4(w)
-        self.register_buffer("qweight", q)  # [O, N/2] uint8
-        self.register_buffer("scale", sm)  # [O, N/32, 2] float16
+        self.act8 = blocks is not None and act8.enabled()  # kept blocks on a VNNI build (act8.py)
+        if self.act8:
+            q, sm = act8.pack_q4(q, sm)
+        self.register_buffer("qweight", q)  # [O, N/2] uint8 (act8: vnni.c's layout)
+        self.register_buffer("scale", sm)  # [O, N/32, 2] float16 (act8: vnni.c's layout)
         self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
 
     @staticmethod
@@ -225,8 +244,23 @@ class Int4Linear(nn.Module):
         return Int4Linear([l.weight.detach() for l in linears], [l.bias.detach() for l in linears] if has_bias else None,
                           blocks=blocks if all(b is not None for b in blocks) else None)
 
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [O, N/2] uint8, sm [O, N/32, 2] float16) in quantize_int4's layout."""
+        if self.act8:
+            return act8.unpack_q4(self.qweight, self.scale, self.out_features)
+        return self.qweight, self.scale
+
+    @property
+    def kernel(self) -> tuple[int, torch.Tensor]:
+        """(dw_decoder's product kind, the weight it reads): see kernels/decoder.c."""
+        return (7 if self.act8 else 4), self.qweight
+
     def forward(self, x):  # [.., N] -> [.., O]
         rows = x.numel() // self.in_features
+        if self.act8 and x.device.type == "cpu" and rows > 0 and cpu_kernels.usable(x.dtype):  # any rows: act8.py
+            return act8.run("q4", x, self.qweight, self.scale, self.bias, self.out_features, x.dtype)
+        if self.act8:
+            return act8.q4_reference(x, *self.blocks(), self.bias).to(x.dtype)
         if x.device.type == "cpu" and 0 < rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x.dtype):
             k = cpu_kernels.kernels()
             x = x.contiguous()
@@ -239,7 +273,8 @@ class Int4Linear(nn.Module):
         return F.linear(x.float(), dequantize_int4(self.qweight, self.scale), self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP}"
+        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP}" + (
+            ", int8 activations" if self.act8 else "")
 
 
 def int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@
 /* One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
  * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
  * (w int8 packed by dw_pack, scale [O] float32, bias float32), 4 dw_linear_q4 (int4 groups,
- * scale the float16 (step, minimum) pairs), 5 dw_gemm_q8g (int8 packed, scale the group scales):
+ * scale the float16 (step, minimum) pairs), 5 dw_gemm_q8g (int8 packed, scale the group scales),
+ * 6 dw_gemm_q8g_a8 and 7 dw_linear_q4_a8 (the same weights in vnni.c's layouts, int8 activations):
  * what the per-layer path calls for that weight, with the same arguments. */
 static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
@@ -17,6 +18,8 @@ static void dw_product(int kind, const void *x, const void *w, const void *bias,
     case 2: dw_gemm_bf16(x, w, bias, out, rows, O, N, threads); break;
     case 4: dw_linear_q4(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     case 5: dw_gemm_q8g(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
+    case 6: dw_gemm_q8g_a8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
+    case 7: dw_linear_q4_a8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     default: dw_gemm_q8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     }
 }

@@ -155,6 +155,13 @@ void dw_linear(const void *x, const void *wt, const void *bias, void *out, long 
 void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const float *bias, void *out, long rows,
                   long O, long N, int threads, int bf, int obf);
 
+/* vnni.c: int8 / int4 groups times int8 activations (AVX-512 VNNI builds; dw_vnni() says which) */
+int dw_vnni(void);
+void dw_gemm_q8g_a8(const void *x, const int8_t *wv, const uint16_t *gs, const float *bias, void *out, long rows,
+                    long O, long N, int threads, int bf, int obf);
+void dw_linear_q4_a8(const void *x, const uint8_t *qv, const uint16_t *sm, const float *bias, void *out, long rows,
+                     long O, long N, int threads, int bf, int obf);
+
 /* gemm.c: weights packed by dw_pack (float32, bfloat16, int8) */
 void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
                  int threads);

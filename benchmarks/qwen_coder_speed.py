@@ -1,0 +1,140 @@
+"""Batch-1 speed of the Qwen2.5-Coder pair (make qwen-coder): plain, the 0.5B draft, n-gram; the
+cost of a verification block against a decode step; prefill.
+
+    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored,int8] [--tokens 128] [--k 4]
+        [--threads 2] [--rounds 1] [--out FILE.json]
+
+For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
+groups; `int8`: those values re-quantised per output channel) in one process:
+
+- step cost: one target step of 1 token and of k + 1 tokens (logits for every row, as
+  verification asks), after a 64-token context; the median of 7 means of 10 warm steps;
+- decode: the 6 code chat prompts of qwen_coder_prompts.py, `--tokens` greedy tokens each (EOS
+  ignored), plain / `--method draft` with the 0.5B (k = `--k`) / n-gram; tok/s counts the tokens
+  after the first over their seconds (prefill excluded); rounds alternate the settings, so the
+  machine's noise falls on all; speculative greedy tokens are checked equal to plain's;
+- prefill: the seconds to the first token of the 182-token chat prompt (plain).
+
+`uptime`'s load is printed at the start and the end: the machine may be shared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET, chat_ids  # noqa: E402
+
+
+def decode(llm, ids: list[int], tokens: int) -> tuple[list[int], int, float, float]:
+    """(tokens, tokens after the first, their seconds, seconds to the first) of one greedy request."""
+    from draftwise import SamplingParams
+
+    eng = llm.engine
+    rid = f"r{time.perf_counter_ns()}"
+    eng.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    t0 = time.perf_counter()
+    first, n, n_first, t, out = None, 0, 0, 0.0, []
+    while eng.has_unfinished():
+        outs = eng.step()
+        t = time.perf_counter()
+        for o in outs:
+            n += len(o.new_token_ids)
+            out += o.new_token_ids
+            if first is None and o.new_token_ids:
+                first, n_first = t, n
+    return out, n - n_first, t - first, first - t0
+
+
+def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) -> float:
+    """The median of `repeats` means of `n` steps of T new tokens (logits for all T)."""
+    sid = 10**6
+    runner.kv.reserve(sid, len(prompt) + T + 8)
+    runner.run([sid], [prompt], [0], [1])
+    for _ in range(3):
+        runner.run([sid], [[5] * T], [len(prompt)], [T])
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.run([sid], [[5] * T], [len(prompt)], [T])
+        means.append((time.perf_counter() - t0) / n * 1e3)
+    runner.kv.free(sid)
+    return sorted(means)[repeats // 2]
+
+
+def engines(quant: str, k: int) -> dict:
+    from draftwise import LLM, SpecConfig
+
+    q = None if quant == "stored" else quant
+    small = dict(kv_cache_memory="256MiB", max_model_len=2048)
+    return {
+        f"{quant} plain": LLM(TARGET, spec=SpecConfig(method=None), quantization=q, **small),
+        f"{quant} draft k={k}": LLM(TARGET, draft=DRAFT, spec=SpecConfig(method="draft", k=k), quantization=q, **small),
+        f"{quant} ngram": LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quant", default="stored,int8")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"load at start: {os.getloadavg()}  threads {args.threads}", flush=True)
+    result = {"tokens": args.tokens, "k": args.k, "threads": args.threads, "steps": {}, "decode": {}, "prefill": {}}
+    llms = {}
+    for quant in args.quant.split(","):
+        llms.update(engines(quant, args.k))
+        plain = llms[f"{quant} plain"]
+        runner = plain.engine.runner
+        ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]
+        t1, tk = step_ms(runner, ctx, 1), step_ms(runner, ctx, args.k + 1)
+        result["steps"][quant] = {"1 row ms": round(t1, 2), f"{args.k + 1} rows ms": round(tk, 2),
+                                  "ratio": round(tk / t1, 3)}
+        print(f"{quant}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)", flush=True)
+        long_ids = chat_ids(TARGET, plain.tokenizer, LONG_PROMPT)
+        decode(plain, long_ids, 2)  # warm-up
+        _, _, _, ttft = decode(plain, long_ids, 2)
+        result["prefill"][quant] = {"prompt tokens": len(long_ids), "seconds": round(ttft, 3),
+                                    "tokens/s": round(len(long_ids) / ttft, 1)}
+        print(f"{quant}: prefill {len(long_ids)} tokens in {ttft:.2f} s ({len(long_ids) / ttft:.1f} tok/s)", flush=True)
+    tok = next(iter(llms.values())).tokenizer
+    prompts = [chat_ids(TARGET, tok, p) for p in PROMPTS]
+    for llm in llms.values():
+        decode(llm, prompts[0], 8)  # warm-up
+    sums = {label: [0, 0.0] for label in llms}
+    texts = {label: [] for label in llms}
+    for r in range(args.rounds):
+        for label, llm in llms.items():
+            for ids in prompts:
+                out, n, t, _ = decode(llm, ids, args.tokens)
+                sums[label][0] += n
+                sums[label][1] += t
+                if r == 0:
+                    texts[label].append(out)
+    for label in llms:
+        quant = label.split()[0]
+        rate = sums[label][0] / sums[label][1]
+        base = sums[f"{quant} plain"][0] / sums[f"{quant} plain"][1]
+        same = texts[label] == texts[f"{quant} plain"]
+        result["decode"][label] = {"tok/s": round(rate, 2), "vs plain": round(rate / base, 3), "greedy equal": same}
+        print(f"{label:22s} {rate:6.2f} tok/s  {rate / base:4.2f}x plain  greedy equal to plain: {same}", flush=True)
+    print(f"load at end: {os.getloadavg()}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

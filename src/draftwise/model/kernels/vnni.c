@@ -1,0 +1,204 @@
+/* Products of int8 / int4 weights in groups of 32 inputs with int8 activations, on AVX-512 VNNI
+ * (VPDPBUSD: 64 unsigned x signed byte products summed into 16 int32 lanes per instruction).
+ *
+ * Why: a verification block of 5 rows through widened float weights (dw_gemm_q8g, dw_linear_q4)
+ * costs 5 float FMAs per weight, compute-bound at ~2x a 1-row step on 2 cores. Quantising each
+ * row's activations per group of 32 to int8 (llama.cpp's Q8 activations: xs = max|x| / 127,
+ * xq = round(x / xs)) turns each weight's products into byte products, 4x denser per instruction;
+ * a weight vector loaded once feeds every row, so a few rows cost about one row's weight reading.
+ *
+ * int8 groups (dw_gemm_q8g_a8): w = d * q, q int8, packed [ceil(O/16)][N/4][16][4]: for 4
+ * consecutive inputs, 16 outputs' 4 bytes side by side (one 64-byte vector per VPDPBUSD). The
+ * weights enter as unsigned (q + 128, a sign-bit flip); the sum starts at -128 * sum(xq) of the
+ * group, which removes the offset exactly. y += float(sum) * (d * xs), groups in order.
+ * int4 groups (dw_linear_q4_a8): w = d * q + m, q in 0..15, packed [ceil(O/16)][N/32][4][16][4]:
+ * vector j of a group holds, per output, the group's bytes 4j..4j+3 (Q4_1's nibble order: byte i's
+ * low nibble is input i, its high one input i + 16), scales [ceil(O/16)][N/32][2][16] float16 (d,
+ * then m). y += float(sum q * xq) * (d * xs) + m * sum(x), sum(x) the group's float sum.
+ *
+ * Each (row, output) is one fixed sequence of operations: a row's result does not depend on the
+ * other rows or the threads (verification and decoding agree bitwise). */
+#include "kernels.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define DW_A8 1
+#endif
+
+int dw_vnni(void) {
+#ifdef DW_A8
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef DW_A8
+#define A8_RB 6 /* rows per register block */
+
+/* rows of x [rows, N] -> xq (int8, [rows, N]), xs [rows, N/32] (the groups' steps) and xsum
+ * [rows, N/32] (the groups' float sums, in order), qsum [rows, N/32] (sum of xq) */
+static void a8_quantize(const void *x, long rows, long N, int bf, int8_t *xq, float *xs, float *xsum, int32_t *qsum) {
+    long G = N / 32;
+    for (long r = 0; r < rows; r++)
+        for (long g = 0; g < G; g++) {
+            float v[32], amax = 0.0f, s = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = ld(x, r * N + g * 32 + i, bf);
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+                s += v[i];
+            }
+            float step = amax / 127.0f;
+            int32_t qs = 0;
+            for (int i = 0; i < 32; i++) {
+                int q = step > 0.0f ? (int)nearbyintf(v[i] / step) : 0;
+                xq[r * N + g * 32 + i] = (int8_t)q;
+                qs += q;
+            }
+            xs[r * G + g] = step;
+            xsum[r * G + g] = s;
+            qsum[r * G + g] = qs;
+        }
+}
+
+static inline void a8_store(__m512 acc, const float *bias, void *out, long r, long O, long o0, int obf) {
+    float v[16];
+    _mm512_storeu_ps(v, acc);
+    for (int l = 0; l < 16 && o0 + l < O; l++) {
+        float y = v[l];
+        if (bias) y += bias[o0 + l];
+        st(out, r * O + o0 + l, y, obf);
+    }
+}
+
+/* int8 groups: NR rows from r0 of output block ob */
+static inline __attribute__((always_inline)) void q8g_block(const int8_t *xq, const float *xs, const int32_t *qsum,
+                                                            const int8_t *wv, const uint16_t *gs, const float *bias,
+                                                            void *out, long r0, int NR, long ob, long O, long N,
+                                                            int obf) {
+    const long G = N / 32;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[A8_RB];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    const int8_t *w = wv + ob * N * 16;
+    for (long g = 0; g < G; g++, w += 512) {
+        __m512i s[A8_RB];
+        for (int r = 0; r < NR; r++) s[r] = _mm512_set1_epi32(-128 * qsum[(r0 + r) * G + g]);
+        __builtin_prefetch(w + 2048, 0, 0);
+        for (int c = 0; c < 8; c++) {
+            __m512i wc = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + c * 64)), flip);
+            for (int r = 0; r < NR; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (r0 + r) * N + g * 32 + c * 4, 4);
+                s[r] = _mm512_dpbusd_epi32(s[r], wc, _mm512_set1_epi32(x4));
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (ob * G + g) * 16)));
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+}
+
+/* int4 groups: NR rows from r0 of output block ob */
+static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, const float *xs, const float *xsum,
+                                                              const uint8_t *qv, const uint16_t *sm, const float *bias,
+                                                              void *out, long r0, int NR, long ob, long O, long N,
+                                                              int obf) {
+    const long G = N / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[A8_RB];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *w = qv + ob * G * 256;
+    for (long g = 0; g < G; g++, w += 256) {
+        __m512i lo[4], hi[4];
+        __builtin_prefetch(w + 1024, 0, 0);
+        __builtin_prefetch(w + 1088, 0, 0);
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(w + j * 64));
+            lo[j] = _mm512_and_si512(v, m4);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        const uint16_t *sc = sm + (ob * G + g) * 32;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));
+        for (int r = 0; r < NR; r++) {
+            const int8_t *x = xq + (r0 + r) * N + g * 32;
+            __m512i s = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                int32_t a, b;
+                memcpy(&a, x + 4 * j, 4);
+                memcpy(&b, x + 16 + 4 * j, 4);
+                s = _mm512_dpbusd_epi32(s, lo[j], _mm512_set1_epi32(a));
+                s = _mm512_dpbusd_epi32(s, hi[j], _mm512_set1_epi32(b));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])),
+                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(r0 + r) * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+}
+
+#define A8_ROWS(CALL)                                                        \
+    for (long r0 = 0; r0 < rows; r0 += A8_RB) {                              \
+        switch (rows - r0 < A8_RB ? rows - r0 : A8_RB) {                     \
+        case 6: CALL(6); break;                                              \
+        case 5: CALL(5); break;                                              \
+        case 4: CALL(4); break;                                              \
+        case 3: CALL(3); break;                                              \
+        case 2: CALL(2); break;                                              \
+        default: CALL(1); break;                                             \
+        }                                                                    \
+    }
+
+static void a8_product(int kind, const void *x, const void *w, const uint16_t *scale, const float *bias, void *out,
+                       long rows, long O, long N, int threads, int bf, int obf) {
+    long G = N / 32;
+    int8_t *xq = (int8_t *)malloc(rows * N + 64);
+    float *xs = (float *)malloc(sizeof(float) * (2 * rows * G + 16));
+    float *xsum = xs + rows * G;
+    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (rows * G + 16));
+    a8_quantize(x, rows, N, bf, xq, xs, xsum, qsum);
+    long blocks = (O + 15) / 16;
+    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
+    if (nt > blocks) nt = blocks;
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
+    for (long t = 0; t < nt; t++) {
+        long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        for (long ob = b0; ob < b1; ob++) {
+            if (kind == 8) {
+#define Q8G_CALL(NR) q8g_block(xq, xs, qsum, (const int8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
+                A8_ROWS(Q8G_CALL)
+#undef Q8G_CALL
+            } else {
+#define Q4_CALL(NR) q4_block_a8(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
+                A8_ROWS(Q4_CALL)
+#undef Q4_CALL
+            }
+        }
+    }
+    free(xq);
+    free(xs);
+    free(qsum);
+}
+#endif
+
+/* x [rows, N] (float32, or bfloat16 when bf) times int8 groups packed as above; out [rows, O]
+ * (bfloat16 when obf). N a multiple of 32. Where the build has no VNNI, nothing is written (the
+ * loader packs these layouts only where dw_vnni() says 1). */
+void dw_gemm_q8g_a8(const void *x, const int8_t *wv, const uint16_t *gs, const float *bias, void *out, long rows,
+                    long O, long N, int threads, int bf, int obf) {
+#ifdef DW_A8
+    a8_product(8, x, wv, gs, bias, out, rows, O, N, threads, bf, obf);
+#endif
+}
+
+/* the same for int4 groups packed as above, sm the (step, minimum) pairs in their layout */
+void dw_linear_q4_a8(const void *x, const uint8_t *qv, const uint16_t *sm, const float *bias, void *out, long rows,
+                     long O, long N, int threads, int bf, int obf) {
+#ifdef DW_A8
+    a8_product(4, x, qv, sm, bias, out, rows, O, N, threads, bf, obf);
+#endif
+}
