@@ -51,7 +51,10 @@ def llama_config(vocab_size=320, hidden=64, layers=2, heads=4, kv_heads=2, inter
     return cfg
 
 
-def make_model_dir(path: Path, seed: int = 0, tokenizer=None, init_std: float = 0.5, **cfg_kwargs) -> Path:
+def make_model_dir(path: Path, seed: int = 0, tokenizer=None, init_std: float = 0.5, perturb: float = 0.0,
+                   **cfg_kwargs) -> Path:
+    """`perturb` > 0: the seed's weights plus that fraction of noise (a drafter that agrees with the
+    same seed's target often, not always)."""
     path = Path(path)
     tokenizer = tokenizer or make_tokenizer()
     cfg_kwargs.setdefault("vocab_size", tokenizer.get_vocab_size())
@@ -62,6 +65,10 @@ def make_model_dir(path: Path, seed: int = 0, tokenizer=None, init_std: float = 
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, init_std / p.shape[1] ** 0.5)
+        noise = torch.Generator().manual_seed(seed + 1000)
+        for name, p in model.named_parameters():
+            if perturb and p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=noise) * perturb * init_std / p.shape[1] ** 0.5)
     save_model(model, path, dtype=torch.float32)
     tok = tokenizer
     tok.save(str(path / "tokenizer.json"))

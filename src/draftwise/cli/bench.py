@@ -27,7 +27,8 @@ def add_parser(sub):
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, suffix:k=N, with an optional "
                                                     ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput), "
-                                                    ":forced=N, :rollback=snapshot|replay and :copy=2 (the same config "
+                                                    ":forced=N, :tree=N (draft: a tree of at most k nodes, N children per expanded node), "
+                                                    ":rollback=snapshot|replay and :copy=2 (the same config "
                                                     "again in its own engine: an A/A control of the machine's noise); "
                                                     "none is added when missing, as the reference (default: "
                                                     "none,draft:k=2,draft:k=4,ngram:k=4; --quick: "

@@ -112,6 +112,8 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help:
                    help="verification policy: fixed (verify every proposal), adaptive (per-request k from "
                         "acceptance) or goodput (per-step lengths from draft confidence and the hardware "
                         "profile); default fixed")
+    p.add_argument("--tree", type=int, default=0, metavar="N",
+                   help="draft model: draft a tree of at most --k nodes, N children per expanded node (greedy rows: the N most probable, the best --k nodes kept; sampled rows: N draws without replacement where the drafter is unsure); 0 = chains (default 0)")
     p.add_argument("--profile", default=None,
                    help="hardware profile JSON for the goodput policy (default: the cached one for this model "
                         "pair, measured on first use; see `draftwise profile`)")
@@ -128,7 +130,8 @@ def spec_from_args(args) -> SpecConfig:
     if method is None:
         method = "draft" if (args.draft or not args.model) else "none"
     return SpecConfig(method=None if method == "none" else method, k=args.k,
-                      policy=getattr(args, "policy", "fixed"), profile=getattr(args, "profile", None))
+                      policy=getattr(args, "policy", "fixed"), profile=getattr(args, "profile", None),
+                      tree=getattr(args, "tree", 0))
 
 
 def build_llm(args):

@@ -29,12 +29,15 @@ class SpecConfig:
     profile: str | None = None
     cost_model: CostModel | None = None
     forced: int = 16
+    tree: int = 0  # draft model: children per expanded node of a drafted tree of <= k nodes (0: chains)
 
     def __post_init__(self):
         if self.method in ("none", ""):
             self.method = None
         if self.method is not None and not 1 <= self.k <= 16:
             raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
+        if not 0 <= self.tree <= 16:
+            raise ValueError(f"tree (children per expanded node) must be in [0, 16], got {self.tree}")
         if not 0 <= self.forced <= 64:
             raise ValueError(f"forced (free grammar proposals per round) must be in [0, 64], got {self.forced}")
         policy_class(self.policy)  # validates the name

@@ -13,7 +13,7 @@
   never by looking at the proposal itself); a constrained sequence's block is followed by the
   tokens its grammar forces next (free proposals).
 - verify: target forward -> `process_logits` (p at every position) -> `sampling.verify` (the pure
-  selection rule over the ragged batch) -> a typed `Verification`.
+  selection rule over the ragged batch; tree rows: tree_verify.py) -> a typed `Verification`.
 - postprocess: the only place state changes: committed tokens are appended one at a time with
   stop checks (so nothing after a stop is committed), cache lengths are set to the committed path
   (target and drafter: rollback by bookkeeping), finished sequences free their blocks. Each
@@ -42,9 +42,8 @@ from ..proposers import DraftBlock, proposer_class
 from ..sampling import SamplingParams, process_logits
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
-from ..sampling.verify import VerifyMetadata, flat_draft_probs
+from ..sampling.verify import VerifyMetadata, flat_draft_probs, verify_argmax
 from ..sampling.verify import verify as verify_proposals
-from ..sampling.verify import verify_argmax
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
 from .isolation import FailureIsolation
@@ -54,6 +53,7 @@ from .sequence import Sequence, TokenLogprob
 from .speculation import NO_DRAFT, Speculation
 from .stats import EngineStats
 from .step_output import Committed, StepOutput, Verification
+from .tree_verify import keep_accepted_path, tree_spec, verify_with_trees
 
 log = logging.getLogger("draftwise.engine")
 
@@ -255,6 +255,8 @@ class LLMEngine:
             return Verification({}, [], [], [], [], None)
         drafts = [blocks.get(s.seq.seq_id, NO_DRAFT) for s in sampling]
         rows = {s.seq.seq_id: b for b, s in enumerate(sampling)}
+        if any(b.is_tree for b in drafts):  # chains through verify, trees through sampling/tree.py
+            return verify_with_trees(sampling, drafts, logits, self.eos_ids, self.vocab_size)
         ids = [b.token_ids for b in drafts]
         if all(_takes_argmax(s.seq) for s in sampling):  # greedy, nothing to process: p's argmax, on lists
             p_logits = logits if logits.dtype == torch.float32 else logits.float()
@@ -312,16 +314,17 @@ class LLMEngine:
         for group in groups:
             if not group:
                 continue
-            feeds, starts, nlog, prov = [], [], [], []
+            feeds, starts, nlog, prov, trees = [], [], [], [], []
             for s in group:
                 seq = s.seq
-                d = blocks.get(seq.seq_id, NO_DRAFT).token_ids
+                d = (blk := blocks.get(seq.seq_id, NO_DRAFT)).token_ids
+                trees.append(tree_spec(seq.num_computed + s.num_new_tokens - 1, blk))  # None: a chain
                 feeds.append(seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
                 starts.append(seq.num_computed)
                 nlog.append(1 + len(d) if s.samples else 1)
                 prov.append(bool(d))  # a hybrid target's state through proposals waits for postprocess
             t0 = time.perf_counter()
-            logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog, provisional=prov)
+            logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog, provisional=prov, trees=trees)
             if group is groups[1]:  # the decode-step cost model leaves prefill chunks out
                 self._prefill_seconds = time.perf_counter() - t0
             off = 0
@@ -369,10 +372,11 @@ class LLMEngine:
             seq.first_token_time = time.perf_counter()
         self.stats.generation_tokens += len(new_ids)
         if drafted is not None and (drafted.token_ids or blk.token_ids):  # (nothing drafted nor verified: nothing to do)
-            self.speculation.observe(seq, drafted, blk, a, n_before)
+            self.speculation.observe(seq, drafted, blk, a, n_before, committed.path)
         if reason:
             self._finish(seq, reason, flush=not stop_string)
         else:
+            keep_accepted_path(self.runner, seq.seq_id, n_before, committed.path)  # a tree's: consecutive
             seq.num_computed = seq.num_tokens - 1
             self.runner.kv.truncate(seq.seq_id, seq.num_computed)
             t0 = time.perf_counter()

@@ -55,8 +55,12 @@ class Speculation:
             eos_ids=target.eos_token_ids, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
             suffix_depth=spec.suffix_depth, suffix_spec_factor=spec.suffix_spec_factor,
             suffix_min_prob=spec.suffix_min_prob, suffix_cache_tokens=spec.suffix_cache_tokens,
-            prefix_caching=config.enable_prefix_caching,
+            prefix_caching=config.enable_prefix_caching, tree=spec.tree if target.config.hybrid is None else 0,
         )
+        # a tree's rows attend through a mask and its path's K/V move after verification: not for a
+        # hybrid target, whose recurrent state follows one path (a drafter's tree is then verified
+        # as its main chain)
+        self.trees = target.config.hybrid is None
         pcls = policy_class(spec.policy)
         cost = cost_model(spec, config, target, draft) if pcls.needs_cost_model else None
         self.policy = pcls(k=spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
@@ -93,6 +97,8 @@ class Speculation:
         blocks = {}
         for s, b, n, m in zip(decoding, drafted, admitted, plan):
             b = b.truncated(n)
+            if b.is_tree and (s.seq.grammar is not None or not self.trees):  # verified as its main chain
+                b = b.main_chain()
             if s.num_forced and s.seq.grammar is not None:
                 if not b.forced_done:  # (the draft model has already appended what the grammar forces)
                     tail = forced_tail(s.seq.grammar, b.token_ids, s.num_draft + s.num_forced - len(b.token_ids))
@@ -102,11 +108,22 @@ class Speculation:
         return {s.seq_id: b for s, b in zip(seqs, drafted)}, blocks
 
     def observe(self, seq: Sequence, drafted: DraftBlock, verified: DraftBlock, num_accepted: int,
-                num_tokens_before: int) -> None:
+                num_tokens_before: int, path: list[int] | None = None) -> None:
         """A row's outcome (postprocess, after its tokens were committed): the proposer's cache
-        follows the committed path, the policy calibrates."""
-        self.proposer.postprocess(seq, drafted, num_accepted, num_tokens_before)
-        self.policy.observe(seq, drafted, len(verified.token_ids), num_accepted)
+        follows the committed path, the policy calibrates. A drafted tree: the proposer gets its
+        accepted path (`path`, or the accepted part of a verified main chain); the policy, whose
+        acceptance is per position, the tree's main chain and how much of it was accepted."""
+        if not drafted.is_tree:
+            self.proposer.postprocess(seq, drafted, num_accepted, num_tokens_before)
+            self.policy.observe(seq, drafted, len(verified.token_ids), num_accepted)
+            return
+        nodes = list(path) if path is not None else list(verified.nodes or ())[:num_accepted]
+        self.proposer.postprocess(seq, drafted.along(nodes), len(nodes), num_tokens_before)
+        main = verified.main_chain() if verified.is_tree else verified
+        on_main = 0
+        while on_main < min(len(nodes), len(main.token_ids)) and nodes[on_main] == main.nodes[on_main]:
+            on_main += 1
+        self.policy.observe(seq, drafted.main_chain(), len(main.token_ids), on_main)
 
     def observe_step(self, decoding: list[ScheduledSeq], drafted: dict[int, DraftBlock],
                      blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: bool) -> None:

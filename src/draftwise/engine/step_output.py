@@ -2,7 +2,7 @@
 `Verification` that `LLMEngine.verify` hands to postprocess."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class Committed:
     tokens: list[int]  # accepted proposals, then the recovered or bonus token
     num_accepted: int  # proposals accepted
     logits: torch.Tensor | None  # [num_accepted + 1, V] p's logits rows at those positions (None: a multi-step row)
+    path: list[int] | None = None  # a tree row: the accepted nodes (tree_verify.py); None: a chain
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Verification:
     valid: list[bool]  # [B] False: unusable distribution, nothing committed
     starts: list[int]  # [B] row b's first row in p_logits
     p_logits: torch.Tensor | None  # [N, V] processed target logits (log-probabilities)
+    paths: dict[int, list[int]] = field(default_factory=dict)  # row b -> accepted tree nodes (tree rows)
 
     @staticmethod
     def from_result(rows: dict[int, int], meta: VerifyMetadata, result: VerifyResult,
@@ -51,4 +53,5 @@ class Verification:
     def committed(self, b: int) -> Committed:
         """Row b's committed tokens, number accepted, and p's logits rows at those positions."""
         a, start = self.accepted[b], self.starts[b]
-        return Committed(self.tokens[b], a, None if self.p_logits is None else self.p_logits[start : start + a + 1])
+        return Committed(self.tokens[b], a, None if self.p_logits is None else self.p_logits[start : start + a + 1],
+                         self.paths.get(b))

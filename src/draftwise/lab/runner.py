@@ -34,6 +34,7 @@ QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests
 class BenchConfig:
     """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput",
     "draft:k=4:forced=0" (structured output's free forced proposals per round; default 16),
+    "draft:k=4:tree=2" (a drafted tree of at most k nodes, 2 children per expanded node),
     "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot),
     "draft:k=4:copy=2" (the same config again in an engine of its own: an A/A control, whose
     figures against the original's show how far the machine's noise alone moves a cell)."""
@@ -46,10 +47,12 @@ class BenchConfig:
     forced: int = SpecConfig.forced
     rollback: str = "snapshot"  # hybrid targets: EngineConfig.recurrent_rollback
     copy: int = 1  # > 1: an A/A control, the same config again in an engine of its own
+    tree: int = 0  # SpecConfig.tree: children per expanded node of a drafted tree (0: chains)
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(method=self.method, k=self.k, policy=self.policy, profile=self.profile, forced=self.forced)
+        return SpecConfig(method=self.method, k=self.k, policy=self.policy, profile=self.profile, forced=self.forced,
+                          tree=self.tree)
 
 
 def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
@@ -59,7 +62,7 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
         if not entry:
             continue
         method, *opts = entry.split(":")
-        k, policy, forced, rollback, copy = 4, "fixed", SpecConfig.forced, "snapshot", 1
+        k, policy, forced, rollback, copy, tree = 4, "fixed", SpecConfig.forced, "snapshot", 1, 0
         for o in opts:
             key, sep, val = o.partition("=")
             if key == "k" and sep and val.isdigit():
@@ -72,19 +75,23 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
                 rollback = val
             elif key == "copy" and sep and val.isdigit() and int(val) >= 1:
                 copy = int(val)
+            elif key == "tree" and sep and val.isdigit():
+                tree = int(val)
             else:
                 raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
-                                 f"draft:k=4:policy=goodput (or :forced=N, :rollback=replay, :copy=2); got {entry!r}")
+                                 f"draft:k=4:policy=goodput (or :forced=N, :tree=N, :rollback=replay, :copy=2); "
+                                 f"got {entry!r}")
         method = None if method in ("none", "") else method
         if method is not None:
             _needs_draft(method)  # validates the name
-        SpecConfig(method=method, k=k, policy=policy, forced=forced)  # validates k, the policy, forced
+        SpecConfig(method=method, k=k, policy=policy, forced=forced, tree=tree)  # validates k, the policy, forced, tree
         label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
         label += "" if method is None or forced == SpecConfig.forced else f":forced={forced}"
+        label += "" if method is None or not tree else f":tree={tree}"
         label += "" if method is None or rollback == "snapshot" else f":rollback={rollback}"
         label += "" if copy == 1 else f":copy={copy}"
         out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced,
-                               rollback if method else "snapshot", copy))
+                               rollback if method else "snapshot", copy, tree if method else 0))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")

@@ -61,6 +61,21 @@ class DraftBlock:
         conf = None if self.confidence is None else [self.confidence[i] for i in path]
         return DraftBlock([self.token_ids[i] for i in path], None, conf, nodes=tuple(path))
 
+    def main_chain(self) -> "DraftBlock":
+        """A tree's first-child path from the root, as a chain (`nodes`: its tree nodes): where a
+        tree cannot be verified (a constrained row) and what a per-position policy calibrates on.
+        Exact as a chain: a first sibling is a draw from q at its slot (or a point mass)."""
+        path, slot = [], -1
+        while True:
+            child = next((i for i in range(slot + 1, len(self.token_ids)) if self.parents[i] == slot), None)
+            if child is None:
+                break
+            path.append(child)
+            slot = child
+        probs = None if self.probs is None else self.probs[[0] + [i + 1 for i in path[:-1]]] if path else None
+        conf = None if self.confidence is None else [self.confidence[i] for i in path]
+        return DraftBlock([self.token_ids[i] for i in path], probs, conf, nodes=tuple(path))
+
     def extended(self, forced: list[int], vocab: int) -> "DraftBlock":
         """The block followed by grammar-forced proposals: q a point mass, confidence 1 (a chain's
         only: constrained rows draft chains)."""

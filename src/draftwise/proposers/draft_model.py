@@ -19,6 +19,12 @@ appended as proposals with q a point mass and confidence 1, without a draft forw
 they are verified like any proposal (and always accepted). They count against `num_forced[i]`
 first, so the drafter still drafts num_draft[i] tokens of its own after them (then against
 num_draft[i]: with num_forced 0 they only save draft forwards).
+
+With `tree` = W > 0 an unconstrained row that may verify N >= 2 proposals drafts a tree of at
+most N nodes instead (draft_tree.py): a greedy row W children per expanded node (EAGLE-2's
+"expand the most probable, keep the best N", candidates as point masses), a sampled row a drawn
+spine with W - 1 more draws without replacement where q is unsure; constrained rows draft chains (their
+grammar fork walks one path), and so does a hybrid drafter (its recurrent state is a chain).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from ..sampling.rejection import categorical_from_uniform
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
+from .draft_tree import draft_spines, draft_trees, keep_path
 
 
 @dataclass
@@ -56,7 +63,7 @@ class DraftModelProposer:
     needs_draft_model = True
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
-                 eos_ids: list[int] | None = None, prefix_caching: bool = False, **_):
+                 eos_ids: list[int] | None = None, prefix_caching: bool = False, tree: int = 0, **_):
         if draft is None:
             raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
         if target is not None and draft.config.vocab_size != target.config.vocab_size:
@@ -78,9 +85,38 @@ class DraftModelProposer:
         # greedy rows' k steps in one kernel call where the draft model allows it (ModelRunner.greedy_steps,
         # greedy_steps_rows for several rows): the same proposals; False keeps the step-by-step loop (tests)
         self.fused_steps = True
+        self.tree = tree if draft.config.hybrid is None else 0  # children per expanded node (0: chains)
+        self._tree_fed: dict[int, list[int]] = {}  # seq_id -> each tree node's fed order (-1: not fed)
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
+        trees = [i for i, n in enumerate(num_draft) if self.tree and n >= 2 and getattr(seqs[i], "grammar", None) is None]
+        if not trees:
+            return self._propose_chains(seqs, num_draft, num_forced)
+        tree_set = set(trees)
+        blocks = self._propose_chains(seqs, [0 if i in tree_set else n for i, n in enumerate(num_draft)], num_forced)
+        feeds = {i: seqs[i].all_ids[seqs[i].draft_computed :] for i in trees}
+        starts = {i: seqs[i].draft_computed for i in trees}
+        before = self.catch_up_seconds
+        self._catch_up_long(seqs, feeds, starts)
+        self.catch_up_seconds += before
+        for sampled in (False, True):  # greedy rows: top-q trees (point); sampled: drawn spines (distinct)
+            rows = [i for i in trees if (not seqs[i].params.is_greedy) == sampled]
+            if not rows:
+                continue
+            args = ([seqs[i] for i in rows], [num_draft[i] for i in rows], self.tree, self.eos_ids,
+                    [feeds[i] for i in rows], [starts[i] for i in rows])
+            if sampled:
+                got = draft_spines(self.runner, *args)
+            else:
+                got = draft_trees(self.runner, *args, raw=not any(
+                    changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows))
+            for i, (blk, fed) in zip(rows, got):
+                blocks[i] = blk
+                self._tree_fed[seqs[i].seq_id] = fed
+        return blocks
+
+    def _propose_chains(self, seqs, num_draft, num_forced=None):
         active = [i for i, n in enumerate(num_draft) if n > 0]
         r = _Round([DraftBlock([], None, []) for _ in seqs], [[] for _ in seqs],
                    feeds={i: seqs[i].all_ids[seqs[i].draft_computed :] for i in active},
@@ -225,6 +261,12 @@ class DraftModelProposer:
         self.catch_up_seconds = time.perf_counter() - t0
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        if block.nodes is not None:  # a tree's accepted path (`DraftBlock.along`)
+            fed = self._tree_fed.pop(seq.seq_id, None)
+            if fed is not None:
+                m = keep_path(self.runner, seq.seq_id, num_tokens_before, fed, block.nodes)
+                self._roll_back(seq, num_tokens_before + m)
+            return
         n = len(block.token_ids)
         if n == 0:
             return
@@ -233,7 +275,10 @@ class DraftModelProposer:
             return
         # the drafter fed the committed tokens and proposals d_1..d_{n-1} (fewer when forced tokens
         # ended the block); keep the accepted ones
-        seq.draft_computed = num_tokens_before + min(num_accepted, fed)
+        self._roll_back(seq, num_tokens_before + min(num_accepted, fed))
+
+    def _roll_back(self, seq, draft_computed: int) -> None:
+        seq.draft_computed = draft_computed
         self.kv.truncate(seq.seq_id, seq.draft_computed)
         self.runner.commit_state(seq.seq_id, seq.draft_computed)  # a hybrid drafter's recurrent state
         # the drafter's K/V of committed tokens only (accepted proposals are committed tokens)
@@ -241,6 +286,7 @@ class DraftModelProposer:
 
     def finish(self, seq):
         self._fed.pop(seq.seq_id, None)  # (the scheduler frees the drafter's blocks)
+        self._tree_fed.pop(seq.seq_id, None)
 
     @staticmethod
     def _bitmask(active, cursors, vocab: int) -> torch.Tensor | None:  # [A, W] int32 or None

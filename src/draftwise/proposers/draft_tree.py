@@ -1,0 +1,247 @@
+"""Tree drafting with a draft model: expand the most probable, keep the best N (EAGLE-2's dynamic tree).
+
+A row that may verify N proposals drafts a tree of at most N nodes instead of a chain of N:
+
+- the drafter's catch-up step gives q at the root (after the last committed token); its `width`
+  most probable tokens become the root's children;
+- each further step feeds, in one forward with tree attention (model/tree_attention.py), the
+  nodes of the newest depth whose path score (log of the product of q along the path) ranks
+  among the best N nodes so far, at most `width` of them, and adds each one's `width` most
+  probable children; a node outside the best N cannot bring a child into them (a child's score is
+  at most its parent's), so drafting stops when no frontier node ranks, or after N - 1 fed nodes
+  (the drafter K/V the scheduler reserves, as for a chain of N);
+- the tree is the best N nodes by score (ancestors first on ties, so the set holds every
+  ancestor of its nodes), in creation order: parents before children, siblings by decreasing q.
+
+For greedy rows (`draft_trees`) the candidates are the top tokens of q, a deterministic
+function of the history: point masses for verification (`drafting="point"`, sampling/tree.py),
+verified by following the target's argmax. A node's confidence is max_x q(x) at its parent's slot.
+
+Sampled rows (`draft_spines`) cannot prune by score: a sibling kept because its own q is high is
+no longer a draw from q, and recursive rejection sampling would lose exactness. Their tree is a
+spine drawn from q as a chain is, and at a spine slot whose confidence max_x q(x) is below
+`BRANCH_BELOW` (known before its tokens are drawn) `width` - 1 more siblings drawn from q without
+replacement after the spine token, all kept (`drafting="distinct"`); the extra siblings are leaves,
+so the drafter runs the chain's forwards. Every choice of the tree's shape depends only on tokens
+drawn before it, never on the tokens it includes: each slot's siblings are i.i.d.-without-
+replacement draws from the q verification is given, as the exactness argument needs.
+
+The drafter's cache after a round holds the catch-up and the fed nodes (node fed f-th at key
+root + 1 + f); `keep_path` moves the accepted path's fed nodes onto consecutive keys, so the
+drafter's cache follows the committed path as a chain's does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.runner import ModelRunner
+from ..model.tree_attention import TreeSpec
+from ..sampling import process_logits
+from ..sampling.rejection import categorical_from_uniform
+from .base import DraftBlock
+
+# sampled rows branch at a spine slot where the drafter's max_x q(x) is below this (a stated choice,
+# not tuned: such a slot's first draw is rejected often enough for a second one to pay)
+BRANCH_BELOW = 0.5
+
+
+@dataclass
+class _Node:
+    parent: int  # index into the row's nodes; -1: the root
+    token: int
+    score: float  # log of the product of q along the path
+    depth: int
+    conf: float  # max_x q(x) at the parent's slot
+    fed: int = -1  # order in which the drafter fed it (its key is root + 1 + fed); -1: a leaf
+
+
+@dataclass
+class _TreeRow:
+    seq: object  # the History
+    base: int  # key of the last committed token (the root)
+    budget: int  # nodes to keep (num_draft)
+    nodes: list[_Node] = field(default_factory=list)
+    zone: list[int] = field(default_factory=lambda: [-1])  # TreeSpec parents of keys base.. (fed nodes)
+    frontier: list[int] = field(default_factory=list)  # nodes added by the last step
+
+    def path(self, i: int) -> list[int]:
+        out = []
+        while i >= 0:
+            out.append(self.nodes[i].token)
+            i = self.nodes[i].parent
+        return out[::-1]
+
+    def ranked(self) -> list[int]:
+        """Node indices, best first (ties: shallower, then older: ancestors before descendants)."""
+        return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+
+    def add_children(self, parent: int, logq: torch.Tensor, width: int) -> None:
+        vals, idx = torch.topk(logq, min(width, logq.shape[0]))
+        conf = float(vals[0].exp())
+        score = self.nodes[parent].score if parent >= 0 else 0.0
+        depth = self.nodes[parent].depth + 1 if parent >= 0 else 0
+        for v, t in zip(vals.tolist(), idx.tolist()):
+            if v > -float("inf"):  # never a token q cannot produce
+                self.frontier.append(len(self.nodes))
+                self.nodes.append(_Node(parent, t, score + v, depth, conf))
+
+    def block(self) -> tuple[DraftBlock, list[int]]:
+        """The best `budget` nodes as a tree block, and each one's fed order (-1: not fed)."""
+        keep = sorted(self.ranked()[: self.budget])
+        new = {old: j for j, old in enumerate(keep)}
+        nodes = [self.nodes[i] for i in keep]
+        parents = tuple(-1 if n.parent < 0 else new[n.parent] for n in nodes)
+        blk = DraftBlock([n.token for n in nodes], None, [n.conf for n in nodes], parents=parents, drafting="point")
+        return blk, [n.fed for n in nodes]
+
+
+def draft_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
+                feeds: list[list[int]], starts: list[int], raw: bool) -> list[tuple[DraftBlock, list[int]]]:
+    """One tree per sequence (see the module docstring): feeds[i] at starts[i] is its catch-up,
+    ending with the last committed token. Returns (block, fed order per node) per sequence."""
+    rows = [_TreeRow(s, st + len(f) - 1, n) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
+    logq = _log_q(runner, rows, [[] for _ in rows], feeds, starts, [None] * len(rows), raw, eos_ids)
+    for row, lq in zip(rows, logq):
+        row.add_children(-1, lq[0], width)
+    while True:
+        expand = [_to_expand(row, width) for row in rows]
+        active = [i for i, e in enumerate(expand) if e]
+        if not active:
+            break
+        specs, fds, sts, nodes = [], [], [], []
+        for i in active:
+            row = rows[i]
+            st = row.base + len(row.zone)
+            for j in expand[i]:
+                node = row.nodes[j]
+                node.fed = len(row.zone) - 1
+                row.zone.append(0 if node.parent < 0 else 1 + row.nodes[node.parent].fed)
+            specs.append(TreeSpec(row.base, tuple(row.zone)))
+            fds.append([row.nodes[j].token for j in expand[i]])
+            sts.append(st)
+            nodes.append(expand[i])
+            row.frontier = []
+        sub = [rows[i] for i in active]
+        logq = _log_q(runner, sub, nodes, fds, sts, specs, raw, eos_ids)
+        for row, js, lq in zip(sub, nodes, logq):
+            for j, l in zip(js, lq):
+                row.add_children(j, l, width)
+    return [row.block() for row in rows]
+
+
+def _to_expand(row: _TreeRow, width: int) -> list[int]:
+    """The frontier nodes to feed next: among the best `budget` nodes, at most `width`, within the
+    drafter K/V left (budget - 1 fed nodes in all)."""
+    left = row.budget - 1 - (len(row.zone) - 1)
+    if left <= 0 or not row.frontier:
+        return []
+    best = set(row.ranked()[: row.budget])
+    ranked = sorted((j for j in row.frontier if j in best), key=lambda j: (-row.nodes[j].score, j))
+    return ranked[: min(width, left)]
+
+
+def _log_q(runner: ModelRunner, rows: list[_TreeRow], nodes: list[list[int]], feeds, starts, specs, raw: bool,
+           eos_ids: list[int]) -> list[torch.Tensor]:
+    """One draft forward; per row, log q at each fed node's slot ([len(nodes[i]) or 1, V]): the
+    processed distribution with the node's path in the history, as a chain's q has its proposals."""
+    counts = [max(1, len(n)) for n in nodes]
+    logits = runner.run([r.seq.seq_id for r in rows], feeds, starts, counts,
+                        trees=None if all(s is None for s in specs) else specs)  # [sum(counts), V]
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    if not raw:
+        params, prompts, hists = [], [], []
+        for r, ns, c in zip(rows, nodes, counts):
+            for j in (ns or [-1]):
+                params.append(r.seq.params)
+                prompts.append(r.seq.prompt_ids)
+                hists.append(r.seq.output_ids + (r.path(j) if j >= 0 else []))
+        logits = process_logits(logits, params, prompts, hists, eos_ids=[eos_ids] * len(params))
+    logq = torch.log_softmax(logits, dim=-1)
+    out, off = [], 0
+    for c in counts:
+        out.append(logq[off : off + c])
+        off += c
+    return out
+
+
+def keep_path(runner: ModelRunner, seq_id: int, num_tokens_before: int, fed: list[int], path: tuple[int, ...]) -> int:
+    """After verification: the accepted path's nodes the drafter fed (a leading run: a fed node's
+    parent was fed first) moved onto keys num_tokens_before.., in order. Returns how many."""
+    m = 0
+    while m < len(path) and fed[path[m]] >= 0:
+        m += 1
+    runner.move_kv(seq_id, [num_tokens_before + fed[path[j]] for j in range(m)],
+                   [num_tokens_before + j for j in range(m)])
+    return m
+
+
+def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
+                 feeds: list[list[int]], starts: list[int]) -> list[tuple[DraftBlock, list[int]]]:
+    """Sampled rows' trees (see the module docstring): per sequence (block with q per slot, fed
+    order per node: the spine node j was fed j-th, the extra siblings are leaves)."""
+    n_rows = len(seqs)
+    tokens = [[] for _ in range(n_rows)]
+    parents = [[] for _ in range(n_rows)]
+    conf = [[] for _ in range(n_rows)]
+    fed = [[] for _ in range(n_rows)]
+    slot_q = [{} for _ in range(n_rows)]  # slot -> q there ([V]); the others are never read
+    spine = [-1] * n_rows  # the last spine node (-1: the root)
+    active = list(range(n_rows))
+    while active:
+        logits = runner.run([seqs[i].seq_id for i in active], [feeds[i] for i in active],
+                            [starts[i] for i in active], [1] * len(active))  # [A, V]
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        logits = process_logits(logits, [seqs[i].params for i in active], [seqs[i].prompt_ids for i in active],
+                                [seqs[i].output_ids + _spine_tokens(tokens[i], parents[i], spine[i]) for i in active],
+                                eos_ids=[eos_ids] * len(active))
+        q = torch.softmax(logits, dim=-1)  # [A, V]
+        nxt = []
+        for row, i in enumerate(active):
+            left = num_draft[i] - len(tokens[i])
+            top = float(q[row].max())
+            c = min(left, width if top < BRANCH_BELOW else 1)
+            slot_q[i][spine[i] + 1] = q[row]
+            first = len(tokens[i])
+            for x in _draw_distinct(q[row], c, seqs[i].generator):
+                tokens[i].append(x)
+                parents[i].append(spine[i])
+                conf[i].append(top)
+                fed[i].append(-1)
+            starts[i] += len(feeds[i])
+            if len(tokens[i]) < num_draft[i]:  # another slot follows: feed the spine token
+                spine[i] = first
+                fed[i][first] = sum(f >= 0 for f in fed[i])
+                feeds[i] = [tokens[i][first]]
+                nxt.append(i)
+        active = nxt
+    out = []
+    for i in range(n_rows):
+        probs = torch.zeros(len(tokens[i]) + 1, q.shape[-1])
+        for slot, qs in slot_q[i].items():
+            probs[slot] = qs
+        out.append((DraftBlock(tokens[i], probs, conf[i], parents=tuple(parents[i]), drafting="distinct"), fed[i]))
+    return out
+
+
+def _spine_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]
+
+
+def _draw_distinct(q: torch.Tensor, c: int, generator) -> list[int]:
+    """c tokens drawn from q ([V]) without replacement, in order, one uniform each (inverse CDF)."""
+    w = q.to(torch.float64).clone()
+    out = []
+    for _ in range(c):
+        if float(w.sum()) <= 0:
+            break
+        u = torch.rand(1, dtype=torch.float64, generator=generator)
+        x = int(categorical_from_uniform(w[None, :], u)[0])
+        out.append(x)
+        w[x] = 0.0
+    return out
