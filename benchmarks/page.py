@@ -38,6 +38,7 @@ SECTIONS = {
     "structured": "Structured output",
     "hybrid": "Hybrid targets",
     "prefix": "Prefix caching",
+    "suffix": "Suffix decoding on repetitive work",
 }
 
 HEADER = """# Benchmarks
