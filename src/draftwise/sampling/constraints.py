@@ -32,15 +32,17 @@ CACHE_ENTRIES = 256  # compiled grammars kept per tokenizer ...
 CACHE_BYTES = 256 * 2**20  # ... and their total size (one 20,000-option choice is ~95 MB)
 
 
-def constraint_text(spec) -> tuple[str, str]:
-    """(kind, text to parse) of a constraint; ValueError naming the field for a malformed one."""
+def constraint_text(spec, yielding: bool = False) -> tuple[str, str]:
+    """(kind, text to parse) of a constraint; ValueError naming the field for a malformed one.
+    `yielding`: write a schema with the pure-Python encoder, which lets other threads (an event
+    loop) run between its steps; json.dumps holds the GIL throughout (a tenth of a second per MB)."""
     if not isinstance(spec, dict) or len(spec) != 1:
         raise ValueError(f"structured_output must be a dict with exactly one of {', '.join(KINDS)}, "
                          f"got {_short(spec)}")
     (kind, value), = spec.items()
     if kind not in KINDS:
         raise ValueError(f"structured_output: unknown kind {_short(kind)} (one of {', '.join(KINDS)})")
-    return kind, _text(kind, value)
+    return kind, _text(kind, value, yielding)
 
 
 def _short(value, limit: int = 200) -> str:
@@ -49,10 +51,10 @@ def _short(value, limit: int = 200) -> str:
     return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
-def _text(kind: str, value) -> str:
+def _text(kind: str, value, yielding: bool = False) -> str:
     if kind == "json_schema":
         if isinstance(value, dict):
-            return json.dumps(value)
+            return "".join(json.JSONEncoder().iterencode(value)) if yielding else json.dumps(value)
         if isinstance(value, str):
             return value
         raise ValueError(f"structured_output.json_schema must be a JSON object or a string, got {_short(value)}")

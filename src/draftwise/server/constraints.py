@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..engine import LLMEngine
 from ..sampling.compile_worker import NICE, CompileWorker, Probe, shared_worker
 from ..sampling.constraints import compiler_for, constraint_text
-from .errors import APIError
+from .errors import APIError, from_value_error
 from .limits import ServerLimits
 
 log = logging.getLogger("draftwise.server")
@@ -91,6 +91,16 @@ class ConstraintCompiler:
         return {"compiling": self.compiling, "compiled": c.num_compiles if c else 0,
                 "cached": len(c.compiled) if c else 0, "cache_hits": self.cache_hits, "probes": self.probes}
 
+    async def precompile(self, req) -> None:
+        """A request's own constraint (`req.structured_output()`) compiled before `sampling_params`
+        parses it on the event loop: parsing alone can take minutes (sampling/constraints.py),
+        compiled it is found in the parse cache."""
+        try:
+            field, spec = req.structured_output()
+        except ValueError as e:
+            raise from_value_error(e) from None
+        await self.compile(spec, field)
+
     async def compile(self, spec: dict | None, field: str):
         """The compiled grammar of `spec` (None without one); APIError 400 naming `field`."""
         if spec is None:
@@ -100,9 +110,11 @@ class ConstraintCompiler:
                            "unsupported")
         loop = asyncio.get_running_loop()
         try:
-            kind, text = await asyncio.to_thread(constraint_text, spec)
+            kind, text = await asyncio.to_thread(constraint_text, spec, True)
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
+        except RecursionError:
+            raise APIError(400, f"{field}: the constraint is nested too deeply", field, "invalid_value") from None
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_grammar_bytes:
             raise APIError(400, f"{field}: the constraint is {size} bytes ({kind}); this server compiles at most "
@@ -170,3 +182,12 @@ class ConstraintCompiler:
             msg = (f"the grammar compiler failed on this {kind} constraint ({probe.message}; past "
                    f"--grammar-memory-mib {lim.grammar_memory_mib} it may die rather than report it)")
         return APIError(400, f"{field}: {msg}", field, "grammar_too_complex")
+
+
+def constraint_field(req) -> str:
+    """The request field a constraint came from, for error messages (a forced tool call's grammar
+    comes from `tool_choice`)."""
+    try:
+        return req.structured_output()[0] or "tool_choice"
+    except ValueError:
+        return "structured_output"

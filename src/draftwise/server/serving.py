@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse
 
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, RequestOutput
-from .constraints import ConstraintCompiler
+from .constraints import ConstraintCompiler, constraint_field
 from ..model.chat_template import ChatTemplate
 from .errors import APIError, from_value_error
 from .limits import ServerLimits, queue_full
@@ -138,13 +138,19 @@ class OpenAIServing:
 
     def check_text(self, req) -> None:
         """400 for a string that is not valid Unicode; param: the top-level field ("messages").
-        A body nested deeper than Python's recursion (JSON that FastAPI could still read) is a 422."""
+        A body nested deeper than Python's recursion (JSON that FastAPI could still read) is a 422.
+        (The walk visits every string: run it in a thread, as `check_text_async` does.)"""
         try:
             bad = invalid_text(req)
         except RecursionError:
             raise APIError(422, "the request body is nested too deeply", None, "invalid_request_body") from None
         if bad:
             raise APIError(400, bad, re.match(r"\w+", bad).group(0), "invalid_text")
+
+    async def check_text_async(self, req) -> None:
+        """`check_text` off the event loop: for a 1 MB schema its walk takes a quarter second, and
+        in a thread the loop still gets the GIL between its bytecodes."""
+        await asyncio.to_thread(self.check_text, req)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, prefix: str, param_name: str,
                compiled=None):
@@ -220,20 +226,11 @@ class OpenAIServing:
         k = self.k if params.max_draft is None else min(self.k, params.max_draft)
         return spec_summary([c.stats for c in choices if c.stats], self.method if k else None, k)
 
-    async def _precompile(self, req) -> None:
-        """The request's own constraint compiled (off the loop, within the limits) before
-        `sampling_params` parses it: parsing alone can take minutes (sampling/constraints.py)."""
-        try:
-            field, spec = req.structured_output()
-        except ValueError as e:
-            raise from_value_error(e) from None
-        await self.constraints.compile(spec, field)
-
     async def _run(self, kind, req, prompts, params, fmt, raw: Request, param_name: str):
         """`fmt` = (chunk(choice, output) -> [choice dicts], add(choice, output), final(choice) -> dict)."""
         fmt_chunk, fmt_add, fmt_final = fmt
         prefix = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        compiled = await self.constraints.compile(params.structured_output, _constraint_field(req))
+        compiled = await self.constraints.compile(params.structured_output, constraint_field(req))
         sink, choices = self.submit(prompts, params, prefix, param_name, compiled)
         created = int(time.time())
         head = {"id": prefix, "object": kind, "created": created, "model": self.model_name}
@@ -300,7 +297,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest, raw: Request):
-        self.check_text(req)
+        await self.check_text_async(req)
         self.check_model(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported", "echo", "unsupported")
@@ -309,7 +306,7 @@ class OpenAIServing:
         num_prompts = len(texts if texts is not None else prompts)
         if not num_prompts:
             raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
-        await self._precompile(req)
+        await self.constraints.precompile(req)
         try:
             params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         except ValueError as e:
@@ -363,7 +360,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self.check_text(req)
+        await self.check_text_async(req)
         self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_value")
@@ -390,7 +387,7 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = max(1, self.engine.engine.max_model_len - len(ids))
         lp = (req.top_logprobs or 0) if req.logprobs else None
-        await self._precompile(req)
+        await self.constraints.precompile(req)
         try:
             params = req.sampling_params(max_tokens, lp)
         except ValueError as e:
@@ -435,15 +432,6 @@ class OpenAIServing:
 
         fmt = (fmt_chunk, fmt_add, fmt_final)
         return await self._run("chat.completion", req, [ids], params, fmt, raw, "messages")
-
-
-def _constraint_field(req) -> str:
-    """The request field a constraint came from, for error messages (a forced tool call's grammar
-    comes from `tool_choice`)."""
-    try:
-        return req.structured_output()[0] or "tool_choice"
-    except ValueError:
-        return "structured_output"
 
 
 async def _disconnected(raw: Request) -> None:
