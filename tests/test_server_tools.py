@@ -258,3 +258,14 @@ def test_a_template_without_tools_is_a_400_naming_it(target_dir):
         with pytest.raises(openai.BadRequestError, match="chat template does not render tools"):
             c.chat.completions.create(model="tiny", messages=ASK + [past], max_tokens=4)
         assert c.chat.completions.create(model="tiny", messages=ASK, max_tokens=3).choices[0].finish_reason == "length"
+
+
+def test_forced_tool_schemas_are_held_to_the_grammar_size_limit(servers):
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(12000)}}
+    r = httpx.post(servers["plain"].url + "/v1/chat/completions", timeout=60, json={
+        "messages": ASK, "max_tokens": 4, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "big", "parameters": big}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "grammar_too_large" and err["param"] == "tools"
+    assert "--max-grammar-bytes" in err["message"]

@@ -2,6 +2,7 @@
 forcing grammar (what it accepts and rejects), the checks of `tools` / `tool_choice` / history,
 and which chat templates render tools."""
 import json
+from pathlib import Path
 
 import pytest
 from xgrammar import Grammar
@@ -47,6 +48,10 @@ TABLE = [
     ('\n{"name": "add", "arguments": {}}\n{"name": "get_weather", "arguments": {}}\n', None,
      [("add", "{}"), ("get_weather", "{}")]),
     ('[{"name": "add", "arguments": {}}]', None, [("add", "{}")]),
+    ('```json\n{\n  "name": "add",\n  "arguments": {"a": 1}\n}\n```', None, [("add", '{"a": 1}')]),  # Qwen2.5-Coder-1.5B
+    ('```\n[{"name": "add"}]\n```\n', None, [("add", "{}")]),
+    ('```json\n{"name": "add"}\n```\nThen add.', '```json\n{"name": "add"}\n```\nThen add.', []),
+    ('```python\nprint(1)\n```', '```python\nprint(1)\n```', []),
     ('{"name": "add", "arguments": {}} and more', '{"name": "add", "arguments": {}} and more', []),
     ('{"name": "nope", "arguments": {}}', '{"name": "nope", "arguments": {}}', []),
     ('{"name": "add", "arguments": {"a":', '{"name": "add", "arguments": {"a":', []),
@@ -180,7 +185,7 @@ def test_history_arguments_become_objects_and_bad_entries_are_named():
 
 SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's template: ChatML, never reads `tools`
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -206,3 +211,22 @@ def test_which_templates_render_tools():
             '"properties": {"q": {"description": "<b> & é"}}}}}\n') in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"q": "x"}}</tool_call>' in text
     assert json.loads(text.split("# Tools\n")[1].splitlines()[0])["function"]["name"] == "get_weather"
+
+
+def test_the_smollm2_tools_template_renders_tools_and_nothing_else_differently():
+    path = Path(__file__).resolve().parents[1] / "docs" / "chat_templates" / "smollm2_tools.jinja"
+    cfg = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    shipped, ours = ChatTemplate(dict(cfg, chat_template=SMOLLM2_TEMPLATE)), ChatTemplate(dict(cfg, chat_template=path.read_text()))
+    assert ours.renders_tools
+    for msgs in ([{"role": "user", "content": "hi"}],
+                 [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]):
+        for gen in (True, False):
+            assert ours.render(msgs, gen) == shipped.render(msgs, gen)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    text = ours.render([{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "3", "tool_call_id": "c"}], tools=[_tool("add")])
+    assert '<tools>\n{"type": "function", "function": {"name": "add"}}\n</tools>' in text
+    assert text.endswith('<|im_start|>assistant\n<tool_call>[\n{"name": "add", "arguments": {"a": 1}}\n]</tool_call>'
+                         '<|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n'
+                         '<|im_start|>assistant\n')

@@ -393,7 +393,8 @@ class OpenAIServing:
         except ValueError as e:
             raise from_value_error(e, "messages") from None
         self.limits.check_request(1, params.n, params.stop, self.capacity)
-        params = await asyncio.get_running_loop().run_in_executor(self._pool, tools.constrain, params)
+        params = await asyncio.get_running_loop().run_in_executor(self._pool, tools.constrain, params,
+                                                                  self.limits.max_grammar_bytes)
 
         def lp_entries(out: RequestOutput) -> list[dict]:
             def entry(tok, v):

@@ -17,9 +17,10 @@ The rules (what a client sees):
 - A block the model left unclosed at the very end still counts when its body is a complete call
   (models sometimes end the turn right after the JSON).
 - Bare calls: an output that is nothing but call objects (one or more, or a list of them) without
-  the tags counts too. Qwen2.5-Coder, which was not trained on the Hermes tags, answers so although
-  its template asks for them. Output that begins like such an object (`{"name"` or `[{"name"`) is
-  held back until the end, when the whole of it decides.
+  the tags, maybe inside one Markdown code fence, counts too. Qwen2.5-Coder, which was not trained
+  on the Hermes tags, answers so although its template asks for them. Output that begins like such
+  an object (`{"name"`, `[{"name"`, or a fence before them) is held back until the end, when the
+  whole of it decides.
 - The content is the text with the calls taken out; when there are calls, the whitespace at its
   start and end (the newlines before, between and after the blocks) is dropped, the whitespace
   between two pieces of text is kept. Without any call the text comes out exactly as generated.
@@ -30,6 +31,7 @@ The rules (what a client sees):
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -76,8 +78,14 @@ def _call(obj, names: set[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
 
+_FENCE = re.compile(r"\s*```(?:json)?\s*\n(.*)\n\s*```\s*", re.DOTALL)
+
+
 def bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
-    """The calls when `text` is only call objects / lists of them (whitespace between), else None."""
+    """The calls when `text` is only call objects / lists of them (whitespace between; maybe in
+    one code fence), else None."""
+    if fenced := _FENCE.fullmatch(text):
+        text = fenced.group(1)
     dec, calls, i = json.JSONDecoder(), [], 0
     while (i := len(text) - len(text[i:].lstrip())) < len(text):
         try:
@@ -91,7 +99,7 @@ def bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     return calls or None
 
 
-_BARE_STARTS = ('{"name"', '[{"name"')
+_BARE_STARTS = tuple(fence + start for fence in ("", "```", "```json") for start in ('{"name"', '[{"name"'))
 
 
 def _may_be_bare(text: str) -> bool:

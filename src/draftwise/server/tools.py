@@ -43,6 +43,12 @@ def _bad(msg: str, param: str = "tools", code: str = "invalid_value") -> APIErro
     return APIError(400, msg, param, code)
 
 
+def _too_large(what: str, limit: int) -> APIError:
+    param = what.split(":")[0]
+    return APIError(400, f"{what}; this server compiles at most {limit} (--max-grammar-bytes)", param,
+                    "grammar_too_large")
+
+
 def parse_tools(tools: list | None) -> list[Function]:
     """The request's `tools` checked: function tools with unique valid names and object schemas."""
     if not tools:
@@ -169,12 +175,17 @@ class ChatTools:
     def names(self) -> set[str]:
         return {f.name for f in self.functions}
 
-    def constrain(self, params: SamplingParams) -> SamplingParams:
+    def constrain(self, params: SamplingParams, max_bytes: int) -> SamplingParams:
         """`params` with the forcing grammar for "required" / a named tool (unchanged otherwise).
-        Builds the grammar: run it off the event loop."""
+        Builds the grammar: run it off the event loop. The schemas and the grammar are held to
+        `max_bytes` (`--max-grammar-bytes`) before the grammar is parsed here; its compile is then
+        bounded like any constraint's (constraints.py)."""
         if self.choice not in ("required", "named"):
             return params
         forced = self.functions if self.choice == "required" else [f for f in self.functions if f.name == self.named]
+        size = sum(len(json.dumps(f.parameters)) for f in forced)
+        if size > max_bytes:
+            raise _too_large(f"tools: the forced tools' parameter schemas are {size} bytes", max_bytes)
         try:
             ebnf = tool_call_grammar(forced, self.parallel and self.choice == "required")
         except ValueError as e:
@@ -182,6 +193,8 @@ class ChatTools:
                 idx = next(i for i, f in enumerate(self.functions) if f.name == self.named)
                 e = ValueError(re.sub(r"^tools\[0\]", f"tools[{idx}]", str(e)))
             raise _bad(str(e)) from None
+        if len(ebnf.encode("utf-8")) > max_bytes:
+            raise _too_large(f"tool_choice: the grammar of the forced call is {len(ebnf.encode('utf-8'))} bytes", max_bytes)
         return dataclasses.replace(params, structured_output={"grammar": ebnf})
 
     def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
