@@ -87,7 +87,7 @@ def servers(tool_dir):
 
 
 def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def check_call(call) -> dict:
