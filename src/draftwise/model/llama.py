@@ -249,24 +249,34 @@ class LlamaModel(NativeForward, nn.Module):
         kv_cache: torch.Tensor | None = None,  # [layers, 2, num_slots, Hkv, D]
         meta: AttentionMetadata | None = None,
         max_position: int | None = None,  # an upper bound of `positions`, if known (see rope)
-    ) -> torch.Tensor:  # hidden [B, T, hidden]
+        feature_layers: tuple[int, ...] = (),  # layers whose outputs a feature-reading drafter needs
+    ):  # hidden [B, T, hidden]; with feature_layers (hidden, features [B, T, len(feature_layers) * hidden])
+        """`feature_layers`: also return the residual stream after each listed decoder layer (0-based;
+        Hugging Face's `hidden_states[i + 1]`), concatenated: the features a DSpark drafter reads
+        (model/dspark.py). Empty (the default) costs nothing."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         if (kv_cache is not None and self.plan is not None and input_ids.device.type == "cpu"
                 and self._fusable(*input_ids.shape, kv_cache, meta)):
-            return self._fused_forward(input_ids, positions, kv_cache, meta, max_position)
+            return self._fused_forward(input_ids, positions, kv_cache, meta, max_position, feature_layers)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
+        taps = []
         if kv_cache is None:
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin)
-            return self.model.norm(x)
+                if i in feature_layers:
+                    taps.append(x)
+            return self.model.norm(x) if not feature_layers else (self.model.norm(x), torch.cat(taps, -1))
         if self.plan is None:
             raise RuntimeError("a forward over the paged K/V cache needs a model prepared for inference "
                                "(fuse_projections(); load_model does it)")
         for i, w in enumerate(self.plan):
             x = paged_layer(x, w, self.cfg, cos, sin, kv_cache[i], meta)
-        return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+            if i in feature_layers:
+                taps.append(x)
+        h = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+        return h if not feature_layers else (h, torch.cat(taps, -1))
 
     @torch.no_grad()
     def fuse_projections(self, quantization: str | None = None) -> "LlamaModel":

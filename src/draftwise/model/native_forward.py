@@ -206,10 +206,13 @@ class NativeForward:
             raise MemoryError("fused forward: no scratch memory")
         return logits
 
-    def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position):
+    def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position,
+                       feature_layers: tuple[int, ...] = ()):
         """`paged_layer`'s computation on the kernels: every layer in one call (`dw_decoder`) where
         its products all run in the kernels, else `_layer_by_layer`. Rows are tokens: B sequences
-        of T. Returns the final-normalised hidden states."""
+        of T. Returns the final-normalised hidden states; with `feature_layers` (see `forward`) also
+        the listed layers' outputs, read between `_layer_by_layer`'s calls (the same kernel calls as
+        `dw_decoder`'s, so the same bits; the one-call decoder keeps its residual stream inside)."""
         B, T = input_ids.shape
         pos = positions.contiguous()
         emb = self.model.embed_tokens  # [B, T, hidden], a new tensor: updated in place
@@ -217,14 +220,19 @@ class NativeForward:
         h = torch.empty_like(x)  # the normalised input of the next product
         plan = self._decoder()
         args, keep = self._decoder_args(B, T, pos.data_ptr(), kv_cache, meta, max_position)
-        if plan and B * T <= plan[2]:
+        if plan and B * T <= plan[2] and not feature_layers:
             rc = cpu_kernels.kernels().decoder(x.data_ptr(), h.data_ptr(), ctypes.byref(args))  # every layer
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
             return h
+        if feature_layers:
+            taps: list[torch.Tensor] = []
+            h = self._layer_by_layer(x, h, pos, args, kv_cache.element_size(), feature_layers, taps)
+            return h, torch.cat(taps, -1)
         return self._layer_by_layer(x, h, pos, args, kv_cache.element_size())
 
-    def _layer_by_layer(self, x: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, a: DecoderArgs, es: int):
+    def _layer_by_layer(self, x: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, a: DecoderArgs, es: int,
+                        feature_layers: tuple[int, ...] = (), taps: list | None = None):
         """The decoder layer by layer: RMSNorm, RoPE in place, attention with the K/V write,
         residual add + RMSNorm, SiLU-and-multiply (the kernels) around the 4 products (the prepared
         weights' own calls). The residual stream x [R, hidden] is updated in place; h receives the
@@ -255,6 +263,8 @@ class NativeForward:
             nxt = plan[i + 1].ln1 if i + 1 < len(plan) else self.model.norm.weight
             d = w.down(act)
             k.add_rms_norm(x.data_ptr(), d.data_ptr(), nxt.data_ptr(), h.data_ptr(), R, a.hid, eps, bf)
+            if i in feature_layers:  # x is updated in place: a copy of layer i's output
+                taps.append(x.clone())
         return h
 
     def _fused_steps(self, kv_cache: torch.Tensor, feeds: list[list[int]], ks: list[int]):

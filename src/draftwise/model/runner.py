@@ -68,17 +68,22 @@ class ModelRunner:
         return_hidden: bool = False,
         provisional: list[bool] | None = None,  # hybrid models: rows whose state waits for commit_state
         trees: list[TreeSpec | None] | None = None,  # [B] rows that form a tree (None: causal)
+        feature_layers: tuple[int, ...] = (),  # also return these layers' outputs for every fed row
     ):
+        """`feature_layers`: (logits, features [sum(lens), F * hidden]), those layers' outputs for every
+        fed token in batch order (model/dspark.py reads them); not on the one-call `native_logits`."""
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
+        if feature_layers and (return_hidden or self.state is not None or any(t is not None for t in trees or ())):
+            raise ValueError("feature_layers: attention-only models, causal rows, no return_hidden")
         if trees is not None and any(t is not None for t in trees):
             return self._run_tree(seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden)
         T = max(lens)
         ragged = B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu"
         if ragged and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
-            return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden)
+            return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden, feature_layers)
         if ragged and T >= SPLIT_MIN_TOKENS:  # long prefill chunks of different lengths: one forward each
-            return self._run_split(seq_ids, new_tokens, starts, num_logits, return_hidden)
+            return self._run_split(seq_ids, new_tokens, starts, num_logits, return_hidden, feature_layers)
         # plain lists, one tensor each (per-element tensor writes cost more than the forward of a
         # small draft); padding: token 0 at position 0, marked invalid
         id_rows = [t + [0] * (T - len(t)) for t in new_tokens]
@@ -103,7 +108,7 @@ class ModelRunner:
             # the key and new-token counts for the fused CPU path; the rest built if read
             meta = PagedMetadata(gather, ends, lens, build)
         rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
-        if self._native and not return_hidden and self.state is None:  # the whole step in one kernel call
+        if self._native and not return_hidden and not feature_layers and self.state is None:  # one kernel call
             logits = self.model.native_logits([t for r in id_rows for t in r], [p for r in pos_rows for p in r],
                                               B, T, self.cache, meta, max(ends), rows)
             if logits is not None:
@@ -116,8 +121,9 @@ class ModelRunner:
             meta = AttentionMetadata(*(None if t is None else t.to(dev)
                                        for t in (meta.write_index, meta.write_slots, meta.gather_slots, meta.mask)),
                                      gather_start=meta.gather_start)
-        if self.state is None:
-            hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [B, T, hidden]
+        if self.state is None:  # hidden [B, T, hidden] (and feats [B, T, F * hidden])
+            out = self.model(ids, pos, self.cache, meta, max_position=max(ends), feature_layers=feature_layers)
+            hidden, feats = out if feature_layers else (out, None)
         else:
             sb = self.state.batch(seq_ids, starts, lens, provisional)
             hidden = self.model(ids, pos, self.cache, meta, state=sb)
@@ -127,6 +133,9 @@ class ModelRunner:
         else:
             sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
+        if feature_layers:  # every fed row, padding dropped: [sum(lens), F * hidden]
+            fed = torch.tensor([b * T + t for b in range(B) for t in range(lens[b])], dtype=torch.long, device=dev)
+            return logits, feats.reshape(B * T, -1)[fed].cpu()
         if return_hidden:
             return logits, sel
         return logits
@@ -155,18 +164,18 @@ class ModelRunner:
         ends = [s + len(f) + k - 1 for s, f, k in zip(starts, feeds, ks)]  # keys at each one's last step
         return fn(feeds, starts, ks, self.cache, self.kv.slots(seq_ids, ends), confidence)
 
-    def _run_split(self, seq_ids, new_tokens, starts, num_logits, return_hidden):
+    def _run_split(self, seq_ids, new_tokens, starts, num_logits, return_hidden, feature_layers=()):
         """`run` one sequence at a time: prefill chunks of different lengths, too long for the
         packed path, would be padded to the longest (16 prompts of 50-400 tokens: ~half the
         products wasted on padding); a forward of that many rows is bound by its arithmetic, not by
         reading the weights, so one forward per chunk costs the tokens fed and no more."""
-        outs = [self.run([sid], [toks], [st], [nl], return_hidden=return_hidden)
+        outs = [self.run([sid], [toks], [st], [nl], return_hidden=return_hidden, feature_layers=feature_layers)
                 for sid, toks, st, nl in zip(seq_ids, new_tokens, starts, num_logits)]
-        if return_hidden:
+        if return_hidden or feature_layers:
             return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         return torch.cat(outs)
 
-    def _run_packed(self, seq_ids, new_tokens, starts, num_logits, lens, return_hidden):
+    def _run_packed(self, seq_ids, new_tokens, starts, num_logits, lens, return_hidden, feature_layers=()):
         """`run` for sequences feeding different numbers of tokens, without padding: one row per
         real token (a verification batch where rows verify 0..k proposals, a drafter's catch-up
         beside single tokens), so the products cost the tokens fed, not B x the longest."""
@@ -179,12 +188,15 @@ class ModelRunner:
         gather = self.kv.slots(seq_ids, ends)  # [B, L]: the fused kernels write each new token's K/V there
         meta = AttentionMetadata(None, None, gather, None, seq_lens=ends, seq_new=lens, row_offsets=offs)
         rows = [offs[b] + t for b in range(len(lens)) for t in range(lens[b] - num_logits[b], lens[b])]
-        if self._native and not return_hidden:  # the whole step in one kernel call
+        if self._native and not return_hidden and not feature_layers:  # the whole step in one kernel call
             logits = self.model.native_logits(flat_ids, flat_pos, len(lens), 0, self.cache, meta, max(ends), rows)
             if logits is not None:
                 return logits
         ids = torch.tensor([flat_ids], dtype=torch.long)  # [1, N]
         pos = torch.tensor([flat_pos], dtype=torch.long)
+        if feature_layers:  # rows are the fed tokens already: [1, N, F * hidden]
+            hidden, feats = self.model(ids, pos, self.cache, meta, max_position=max(ends), feature_layers=feature_layers)
+            return self.model.compute_logits(hidden[0].index_select(0, torch.tensor(rows, dtype=torch.long))), feats[0]
         hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [1, N, hidden]
         sel = hidden[0].index_select(0, torch.tensor(rows, dtype=torch.long))
         logits = self.model.compute_logits(sel)  # [sum(num_logits), V]

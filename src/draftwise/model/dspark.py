@@ -1,0 +1,236 @@
+"""The DSpark drafter (arXiv 2607.05147): a parallel backbone on the target's own features, a Markov
+head, a confidence head.
+
+- **Parallel stage.** The target's residual streams after a low, a middle and a high layer
+  (`DSparkConfig.target_feature_layers`) of each committed context position are concatenated and
+  projected to one feature per position (`fuse`: fc then RMSNorm, as DFlash and EAGLE-3 do); each
+  backbone layer turns them into context K/V (`context_kv`, what an engine caches per committed
+  position). One forward over the block [anchor, mask x (gamma-1)] at positions a .. a+gamma-1,
+  whose rows attend the context before the anchor and the whole block (bidirectionally), gives
+  the hidden states h_1..h_gamma and the base logits U_k through the target's LM head; the anchor's
+  embedding is the target's. Both are shared and frozen: they are not the drafter's parameters.
+- **Sequential stage.** The Markov head adds a low-rank transition bias B(x_{k-1}, .) = W1[x_{k-1}]
+  W2 (rank r) to U_k, drawn left to right: q_k = softmax(U_k + B(x_{k-1})) depends on the token
+  actually drafted before it (x_0 = the anchor), so a block is a left-to-right distribution
+  q(x_1..x_gamma) = prod_k q_k(x_k | x_{k-1}) and verification against it stays exact.
+- **Confidence head.** c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b), trained to the acceptance
+  probability 1 - TV(q_k, p_k) of position k (train/dspark.py).
+
+p is the target, q the draft. Shapes: B rows, N blocks per row, gamma positions per block, S
+context positions, H the target's width, V its vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .attention import sdpa
+from .config import ModelLoadError
+from .dspark_config import DSparkConfig
+from .llama import RMSNorm, apply_rope
+
+# a context position that no anchor sees: padding of ragged rows
+HIDDEN_POSITION = 1 << 40
+
+
+class MarkovHead(nn.Module):
+    """B(x, .) = W1[x] W2: a rank-r bigram bias on the vocabulary. W2 starts at zero, so a fresh
+    head leaves the backbone's logits unchanged."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.w1 = nn.Embedding(vocab_size, rank)
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        nn.init.normal_(self.w1.weight, std=rank ** -0.5)
+        nn.init.zeros_(self.w2.weight)
+
+    def prev(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., r]
+        return self.w1(ids)
+
+    def bias(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., V]
+        return self.w2(self.w1(ids))
+
+
+class BlockLayer(nn.Module):
+    """A decoder layer whose queries are the block's rows and whose keys are the context's fused
+    features (projected by this layer's k/v) followed by the block's own rows."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        h, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.q_proj = nn.Linear(h, H * D, bias=False)
+        self.k_proj = nn.Linear(h, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(h, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, h] -> k (rotated), v: [B, L, Hkv, D]."""
+        B, L, _ = x.shape
+        k = self.k_proj(x).view(B, L, self.Hkv, self.D)
+        return apply_rope(k, cos, sin).to(x.dtype), self.v_proj(x).view(B, L, self.Hkv, self.D)
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
+        """x [B, Q, h]; k_ctx, v_ctx [B, S, Hkv, D]; mask [B, 1, Q, S + Q] (True: attend)."""
+        B, Q, _ = x.shape
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_proj(h).view(B, Q, self.H, self.D), cos, sin).to(x.dtype)
+        k_blk, v_blk = self.kv(h, cos, sin)
+        k = torch.cat((k_ctx.to(x.dtype), k_blk), dim=1).transpose(1, 2)  # [B, Hkv, S + Q, D]
+        v = torch.cat((v_ctx.to(x.dtype), v_blk), dim=1).transpose(1, 2)
+        y = sdpa(q.transpose(1, 2), k, v, mask, self.D ** -0.5)  # [B, H, Q, D]
+        x = x + self.o_proj(y.transpose(1, 2).reshape(B, Q, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+@dataclass
+class DraftedBlock:
+    """One left-to-right draw from the block distribution (`DSparkDrafter.draw`)."""
+
+    tokens: torch.Tensor  # [B, gamma] x_1..x_gamma
+    logits: torch.Tensor  # [B, gamma, V] float32: U_k + B(x_{k-1}), the drafted x_{k-1}
+    confidence: torch.Tensor  # [B, gamma] c_k in (0, 1)
+
+
+class DSparkDrafter(nn.Module):
+    """The drafter's own weights; the target's embeddings and LM head come from `share(target)`."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_feature_layers) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(h))
+        self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.markov = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        self.confidence = nn.Linear(h + cfg.markov_rank, 1)
+        self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
+
+    def share(self, target) -> "DSparkDrafter":
+        """Read `target`'s embeddings and LM head (a LlamaModel, prepared or not); they stay frozen."""
+        self._target = [target]
+        return self
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._target[0].model.embed_tokens(ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
+        return self._target[0].compute_logits(hidden)
+
+    def rope(self, positions: torch.Tensor):
+        """positions [B, L] -> cos, sin_signed [B, L, 1, D] (the target's RoPE convention)."""
+        D = self.cfg.head_dim  # (float32 whatever the weights' dtype)
+        inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, D, 2, device=positions.device).float() / D)
+        freqs = positions.clamp(max=self.cfg.max_position_embeddings).float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        return emb.cos()[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
+
+    # -- the parallel stage -------------------------------------------------------------------
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [B, S, F*H] -> [B, S, H]
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K/V [B, S, Hkv, D] of the fused context features at `positions` [B, S]:
+        a function of one position's features, so a cache of them grows with the committed tokens."""
+        cos, sin = self.rope(positions)
+        return [layer.kv(fused, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv, ctx_pos: torch.Tensor):
+        """anchor_ids, anchor_pos [B, N]; ctx_kv from `context_kv`; ctx_pos [B, S] (HIDDEN_POSITION:
+        padding) -> h [B, N, gamma, H]. Block n's rows see the context before its anchor and block n."""
+        B, N = anchor_ids.shape
+        g = self.cfg.block_size
+        x = self.mask_embedding.expand(B, N, g, -1).clone()
+        x[:, :, 0] = self.embed(anchor_ids).to(x.dtype)
+        x = x.view(B, N * g, -1)
+        offs = torch.arange(g, device=anchor_pos.device)
+        cos, sin = self.rope((anchor_pos[..., None] + offs).view(B, N * g))
+        blk = torch.arange(N, device=anchor_pos.device).repeat_interleave(g)  # [N*g] block of each row
+        sees_ctx = ctx_pos[:, None, :] < anchor_pos.repeat_interleave(g, dim=1)[:, :, None]  # [B, N*g, S]
+        sees_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, N*g, N*g]
+        mask = torch.cat((sees_ctx, sees_blk), dim=2)[:, None]  # [B, 1, N*g, S + N*g]
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x).view(B, N, g, -1)
+
+    # -- the sequential stage -----------------------------------------------------------------
+    def step_logits(self, base: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """U_k [..., V] + B(x_{k-1}, .) for prev_ids [...]."""
+        return base if self.markov is None else base + self.markov.bias(prev_ids).float()
+
+    def confidence_logit(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:  # [...]
+        feats = hidden if self.markov is None else torch.cat((hidden, self.markov.prev(prev_ids).to(hidden.dtype)), -1)
+        return self.confidence(feats).squeeze(-1).float()
+
+    def teacher_forced(self, hidden: torch.Tensor, prev_ids: torch.Tensor):
+        """Training: hidden [B, N, gamma, H], prev_ids [B, N, gamma] (the anchor, then the true
+        tokens) -> logits [B, N, gamma, V] float32, confidence logits [B, N, gamma]."""
+        return self.step_logits(self.head(hidden), prev_ids), self.confidence_logit(hidden, prev_ids)
+
+    def draw(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+             choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> DraftedBlock:
+        """Draft left to right: hidden [B, gamma, H], anchor_ids [B]. `choose(k, logits [B, V])` picks
+        x_k (default: the argmax); position k+1's Markov bias and confidence read that choice."""
+        base = self.head(hidden)  # [B, gamma, V]: one head call for the block
+        choose = choose or (lambda k, logits: logits.argmax(-1))
+        prev, tokens, logits, conf = anchor_ids, [], [], []
+        for k in range(hidden.shape[1]):
+            step = self.step_logits(base[:, k], prev)
+            conf.append(torch.sigmoid(self.confidence_logit(hidden[:, k], prev)))
+            prev = choose(k, step)
+            tokens.append(prev)
+            logits.append(step)
+        return DraftedBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1))
+
+    def propose(self, features: torch.Tensor, anchor_ids: torch.Tensor, choose=None) -> DraftedBlock:
+        """One block per row after its whole context: features [B, S, F*H] of positions 0..S-1,
+        anchor_ids [B] at position S (no cache: tests and evaluation)."""
+        B, S, _ = features.shape
+        pos = torch.arange(S, device=features.device).expand(B, S)
+        kv = self.context_kv(self.fuse(features), pos)
+        anchor_pos = torch.full((B, 1), S, dtype=torch.long, device=features.device)
+        hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, kv, pos)[:, 0]
+        return self.draw(hidden, anchor_ids, choose)
+
+
+def save_dspark(drafter: DSparkDrafter, out: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """config.json + model.safetensors (the drafter's own weights only)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_dspark(path: str | Path, target, dtype: torch.dtype = torch.float32) -> DSparkDrafter:
+    """A drafter directory, checked against and sharing `target` (a LlamaModel)."""
+    path = Path(path)
+    cfg = DSparkConfig.from_dir(path).check(target.cfg)
+    drafter = DSparkDrafter(cfg)
+    f = path / "model.safetensors"
+    if not f.is_file():
+        raise ModelLoadError(f"{f}: not found")
+    state = load_file(str(f))
+    expected = drafter.state_dict()
+    bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
+    if bad:
+        raise ModelLoadError(f"{f}: tensor {bad[0]!r} missing or of another shape")
+    drafter.load_state_dict(state)
+    return drafter.to(dtype).eval().requires_grad_(False).share(target)

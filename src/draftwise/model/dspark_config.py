@@ -1,0 +1,105 @@
+"""DSparkConfig: the `config.json` of a DSpark drafter directory (model/dspark.py).
+
+A drafter directory sits beside its target and names it: `target` (a path, relative to the
+drafter's directory when it is), the target layers whose outputs it reads (`target_feature_layers`,
+0-based decoder layers; the residual stream after that layer, Hugging Face's `hidden_states[i + 1]`),
+the block size gamma (one forward drafts gamma tokens), the Markov head's rank and the backbone's
+shape. The width is the target's: the drafter reads the target's embeddings and LM head.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .config import ModelConfig, ModelLoadError
+
+ARCHITECTURE = "DSparkDrafter"
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """A low, a middle and a high layer (DSpark reads 5 of Qwen3-4B's 36, the last 3 before the
+    top): 1, L/2, L-2 where the target is deep enough, fewer distinct ones below 4 layers."""
+    low = 1 if num_layers > 2 else 0
+    high = num_layers - 2 if num_layers >= 4 else num_layers - 1
+    return sorted({low, num_layers // 2, high})
+
+
+def default_markov_rank(hidden_size: int) -> int:
+    """DSpark's rank is 256 for 2560-4096-wide targets; a narrow target gets hidden/4 (the toy: 96)."""
+    return min(256, max(8, hidden_size // 4))
+
+
+@dataclass
+class DSparkConfig:
+    vocab_size: int
+    hidden_size: int  # = the target's (shared embeddings and head)
+    target_feature_layers: list[int]
+    block_size: int = 5  # gamma: tokens drafted by one forward
+    markov_rank: int = 96
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    target: str = ""  # the target's directory (informational; the caller loads the pair)
+    extra: dict = field(default_factory=dict)  # unknown keys, kept on a round trip
+
+    @staticmethod
+    def for_target(tcfg: ModelConfig, block_size: int = 5, markov_rank: int | None = None,
+                   feature_layers: list[int] | None = None, num_layers: int = 1, target: str = "") -> "DSparkConfig":
+        """A drafter shaped after one of the target's layers (its heads, its MLP width)."""
+        return DSparkConfig(
+            vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
+            target_feature_layers=list(feature_layers or default_feature_layers(tcfg.num_hidden_layers)),
+            block_size=block_size, markov_rank=markov_rank or default_markov_rank(tcfg.hidden_size),
+            num_hidden_layers=num_layers, num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+            intermediate_size=tcfg.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
+            max_position_embeddings=tcfg.max_position_embeddings, target=target)
+
+    def check(self, tcfg: ModelConfig | None = None) -> "DSparkConfig":
+        layers = self.target_feature_layers
+        if not layers or layers != sorted(set(layers)) or layers[0] < 0:
+            raise ModelLoadError(f"config.json 'target_feature_layers': strictly increasing layer ids >= 0, "
+                                 f"got {layers}")
+        if self.block_size < 1 or self.markov_rank < 0 or self.num_hidden_layers < 1:
+            raise ModelLoadError("config.json: 'block_size' and 'num_hidden_layers' must be >= 1, "
+                                 "'markov_rank' >= 0")
+        if tcfg is not None:
+            if (tcfg.vocab_size, tcfg.hidden_size) != (self.vocab_size, self.hidden_size):
+                raise ModelLoadError(f"drafter vocab/hidden {self.vocab_size}/{self.hidden_size} differ from the "
+                                     f"target's {tcfg.vocab_size}/{tcfg.hidden_size}")
+            if layers[-1] >= tcfg.num_hidden_layers:
+                raise ModelLoadError(f"config.json 'target_feature_layers' {layers}: the target has "
+                                     f"{tcfg.num_hidden_layers} layers")
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        return {"architectures": [ARCHITECTURE], "model_type": "dspark", **d, **extra}
+
+    @staticmethod
+    def from_dict(d: dict) -> "DSparkConfig":
+        if d.get("architectures") != [ARCHITECTURE]:
+            raise ModelLoadError(f"config.json 'architectures': expected [{ARCHITECTURE!r}], "
+                                 f"got {d.get('architectures')!r}")
+        known = set(DSparkConfig.__dataclass_fields__) - {"extra"}
+        missing = [k for k in ("vocab_size", "hidden_size", "target_feature_layers") if k not in d]
+        if missing:
+            raise ModelLoadError(f"config.json: field {missing[0]!r} missing")
+        args = {k: v for k, v in d.items() if k in known}
+        extra = {k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type")}
+        return DSparkConfig(**args, extra=extra).check()
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "DSparkConfig":
+        f = Path(path) / "config.json"
+        try:
+            return DSparkConfig.from_dict(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{f}: unreadable ({e})") from None
