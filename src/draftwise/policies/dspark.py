@@ -1,0 +1,146 @@
+"""`dspark`: DSpark's hardware-aware prefix scheduler (Algorithm 1 of arXiv 2607.05147) over
+calibrated survival probabilities and the hardware profile's step curve.
+
+After drafting, for every (row r, proposal j) the survival a_{r,j} = prod_{i<=j} c_{r,i}: c_{r,i}
+is the calibrated acceptance of proposal i given the earlier ones were accepted, read from the
+drafter's confidence at i (`DraftBlock.confidence`, max_x q_i(x)) through goodput's online
+calibration (calibration.py). `prefix_schedule` sorts all candidates by survival, descending, and
+admits one at a time while the expected throughput
+
+    Theta = (R + sum of admitted a) * SPS(R + admitted),   SPS(T) = 1 / seconds(T)
+
+keeps rising (R rows, each feeding its last committed token; seconds(T) the verification step at
+T tokens: the profile plus the online residual, `OnlineCost.tokens_seconds`); it stops at the
+first candidate that does not raise Theta.
+
+**Why the early stop keeps it exact.** Survivals fall along a row, so the candidates the search
+reaches before (r, j) are other rows' and row r's own positions before j; whether (r, j) is
+admitted reads c_{r,1..j} (functions of x_{r,1..j-1}) and other rows' drafts, never x_{r,j}: the
+admitted length is a stopping time of the row's drafting, as rejection sampling needs. A search
+that runs past the first drop and keeps the best prefix reads c_{r,j+1}, a function of x_{r,j}, to
+decide on x_{r,j} (the paper's Appendix A: target (0.7, 0.3), draft (0.5, 0.5) come out as
+(0.85, 0.15); tests/test_dspark_policy.py). One consequence of the joint search: a row's
+admission reads other rows' drafts, so each request's output is exactly the target's, but two
+rows of one step are not independent draws of it (tests/test_dspark_policy.py measures the
+coupling on a two-row example).
+
+Before drafting, `plan` is goodput's core (`Planner.plan`): the same objective over the expected
+survivals by position, with the drafter's steps and catch-up in the step's seconds (no token is
+drawn yet, so the best prefix of the whole greedy path may be kept), plus its probes (a row left
+out drafts and verifies one proposal now and then, so its estimate can recover). There are no
+measured arms: what the profile and the calibration predict is what runs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..proposers.base import DraftBlock, History
+from .base import StepHints, StepPrediction, StepTiming, register_policy
+from .calibration import Calibration
+from .cost import CostModel
+from .goodput.config import GoodputConfig
+from .goodput.plan import Planner
+
+
+def prefix_schedule(survivals: Sequence[Sequence[float]], step_seconds: Callable[[int], float],
+                    minimum: Sequence[int] | None = None) -> list[int]:
+    """Algorithm 1: admitted lengths [R] from survivals [R][<= K] (a_{r,j}, non-increasing along a
+    row) and a verification step's seconds at T tokens fed (1 / SPS(T)). `minimum` [R]: proposals
+    admitted before the search (decided before drafting: probes); they count in Theta's start.
+    Works on floats and on Fractions alike (the exact tests)."""
+    rows = len(survivals)
+    lengths = [min(m, len(a)) for m, a in zip(minimum, survivals)] if minimum is not None else [0] * rows
+    tokens = rows + sum(lengths)
+    expected = rows + sum(sum(a[:n]) for a, n in zip(survivals, lengths))
+    best = expected / step_seconds(tokens)
+    # by survival; among equal survivals earlier positions first, so a row's own candidates keep their order
+    order = sorted(((a, j, r) for r, row in enumerate(survivals) for j, a in enumerate(row)
+                    if j >= lengths[r] and a > 0), key=lambda t: (-t[0], t[1], t[2]))
+    for a, j, r in order:
+        if lengths[r] != j:  # a gap in row r (a later position scored higher): survivals were not monotone
+            break
+        value = (expected + a) / step_seconds(tokens + 1)
+        if not value > best:  # the first drop: stop before reading anything that depends on this proposal
+            break
+        best, expected, tokens = value, expected + a, tokens + 1
+        lengths[r] = j + 1
+    return lengths
+
+
+def survival_table(seqs: Sequence[History], blocks: Sequence[DraftBlock], calibration: Calibration) -> list[list[float]]:
+    """[R][len(block)] a_{r,j} = prod_{i<=j} c_{r,i}, c from each proposal's confidence through the
+    calibration (greedy and sampled rows apart, times the request's correction)."""
+    out = []
+    for s, b in zip(seqs, blocks):
+        conf = b.confidence or [None] * len(b.token_ids)
+        row, a = [], 1.0
+        for c in conf[: len(b.token_ids)]:
+            a *= calibration.rate(s.seq_id, s.params.is_greedy, c)
+            row.append(a)
+        out.append(row)
+    return out
+
+
+def _never() -> bool:
+    return False
+
+
+@register_policy("dspark")
+class DSparkPolicy:
+    """Algorithm 1 at admission on goodput's plan core (its plan, probes, calibration and cost)."""
+
+    name = "dspark"
+    needs_cost_model = True
+    needs_confidence = True
+
+    def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False,
+                 config: GoodputConfig | None = None, **_):
+        if cost is None:
+            raise ValueError("the dspark policy needs a cost model (a hardware profile)")
+        self.k = k
+        self.core = Planner(config or GoodputConfig(), cost, has_draft_model)
+
+    def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
+        core = self.core
+        plan = core.plan(seqs, max_draft)
+        # no measured check here: an engine-wide probe is always allowed
+        probes = core.probe_rows(seqs, plan, max_draft, lambda: True)
+        lengths = [max(n, p) for n, p in zip(plan.lengths, probes)]
+        core.count_catch_ups(plan.lags, lengths)
+        return lengths
+
+    def hints(self) -> StepHints:
+        return StepHints(reads_confidence=True)
+
+    def admit(self, seqs: Sequence[History], blocks: Sequence[DraftBlock], draft_seconds: float) -> list[int]:
+        if not any(b.token_ids for b in blocks):
+            return [0] * len(blocks)
+        core, rows = self.core, len(seqs)
+        seconds = core.model.tokens_seconds(rows, core.context(seqs))  # the drafting is spent: verification only
+        probes = [1 if s.seq_id in core.probes and b.token_ids else 0 for s, b in zip(seqs, blocks)]
+        return self.schedule(survival_table(seqs, blocks, core.calibration), seconds, probes)
+
+    def schedule(self, survivals: list[list[float]], step_seconds: Callable[[int], float],
+                 minimum: list[int]) -> list[int]:
+        """The admitted lengths from the survivals (Algorithm 1, `prefix_schedule`)."""
+        return prefix_schedule(survivals, step_seconds, minimum)
+
+    def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
+        if num_verified:  # nothing tested: nothing to calibrate, and the row's probe clock runs on
+            self.core.observe(seq, block, num_verified, num_accepted, calibrate=True, plain_leads=_never)
+
+    def observe_step(self, timing: StepTiming) -> StepPrediction | None:
+        core = self.core
+        core.count_step(timing)
+        if timing.seconds is None:  # a mixed or multi-step step: not the decode step the cost model describes
+            return None
+        core.learn_catch_up(timing.catch_up_seconds)
+        lengths = list(timing.draft_lengths) if core.has_draft_model else []
+        profile = core.model.profile_seconds(timing.num_seqs, timing.num_tokens, timing.context, lengths)
+        return core.observe_cost(timing, lengths, profile)
+
+    def plain_next(self, num_seqs: int) -> bool:
+        return False  # a probe may come due at any step
+
+    def forget(self, seq_id: int) -> None:
+        self.core.forget(seq_id)
