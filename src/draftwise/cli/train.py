@@ -6,6 +6,7 @@
     draftwise train draft --target models/smollm2 --data self --out DIR [--gen-tokens N] [--minutes N]
     draftwise train all --out models [--target-minutes N] [--draft-minutes N]
     draftwise train random-draft --target DIR --out DIR [--shape draft] [--seed N]   (a useless drafter)
+    draftwise train dspark --target DIR --out DIR [--minutes N | --tokens N] [--block-size G] [--resume]
 
 Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` continues from them.
 """
@@ -28,11 +29,12 @@ def add_parser(subparsers):
 
     p = subparsers.add_parser("train", help="train the tokenizer / target / draft on the stdlib corpus",
                               description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tokenizer", "target", "draft", "all", "random-draft"])
+    p.add_argument("what", choices=["tokenizer", "target", "draft", "all", "random-draft", "dspark"])
     p.add_argument("--out", required=True, help="output directory (HF format)")
     p.add_argument("--tokenizer", help="tokenizer directory (target; default: the one in --out, trained there first "
                                        "when missing)")
-    p.add_argument("--target", help="target model directory (draft, random-draft; a name under models/ counts)")
+    p.add_argument("--target", help="target model directory (draft, random-draft, dspark; a name under models/ "
+                                    "counts)")
     p.add_argument("--minutes", type=float, help="training-time budget in minutes (target, draft: this or --tokens "
                                                  "is needed; all uses --target-minutes and --draft-minutes)")
     p.add_argument("--tokens", type=int, help="training budget in tokens (target, draft)")
@@ -66,6 +68,7 @@ def add_parser(subparsers):
     p.add_argument("--ckpt-dir", help="checkpoint directory (default: checkpoints/target, checkpoints/target_hybrid "
                                       "with --arch hybrid, checkpoints/draft, checkpoints/draft_ce with --ce-only; "
                                       "all uses fixed directories under checkpoints/)")
+    _add_dspark_args(p)
     p.add_argument("--init", help="draft: start from this model directory's weights (fresh optimizer and schedule)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -78,6 +81,20 @@ def add_parser(subparsers):
                         "tokens (CE) (default 0: no continuation)")
     add_progress_arg(p, "optimizer steps done / planned, loss, tokens/s")
     return p
+
+
+def _add_dspark_args(p) -> None:
+    from ..train.dspark import DSPARK_DEFAULTS as S
+
+    p.add_argument("--block-size", type=positive_int, default=5,
+                   help="dspark: gamma, the tokens one drafter forward proposes (default 5)")
+    p.add_argument("--markov-rank", type=int, default=None,
+                   help="dspark: rank of the Markov head's transition bias (default: hidden/4, at most 256)")
+    p.add_argument("--feature-layers", help="dspark: the target's layers whose outputs the drafter reads, "
+                                            "comma-separated, 0-based (default: 1, L/2, L-2)")
+    p.add_argument("--anchors", type=positive_int, default=S["anchors"],
+                   help=f"dspark: blocks drawn per training window (default {S['anchors']}; batch 4 x 256 tokens, "
+                        f"lr 2e-3, warm-up 20 unless set)")
 
 
 def _log(msg: str) -> None:
@@ -118,6 +135,8 @@ def run(args) -> int:
         if not args.target or not Path(args.target, "config.json").is_file():
             raise UserError("train random-draft needs --target DIR (a model directory: its tokenizer and vocabulary)")
         pipeline.random_draft(args.out, args.target, shape=args.shape or "draft", seed=args.seed)
+    elif args.what == "dspark":
+        _train_dspark(args)
     elif args.what == "draft":
         if not args.target:
             raise UserError("train draft needs --target DIR (the model to distil from)")
@@ -135,6 +154,30 @@ def run(args) -> int:
                            progress=args.progress)
     print(json.dumps({"done": args.what, "out": args.out, "wall_seconds": round(time.time() - t0, 1)}))
     return 0
+
+
+def _train_dspark(args) -> None:
+    from ..train.dspark import train_dspark
+
+    if not args.target or not Path(args.target, "config.json").is_file():
+        raise UserError("train dspark needs --target DIR (a model directory: the drafter reads its features)")
+    if args.minutes is None and args.tokens is None:
+        raise UserError("train dspark needs --minutes or --tokens")
+    layers = None
+    if args.feature_layers:
+        try:
+            layers = [int(x) for x in args.feature_layers.split(",")]
+        except ValueError:
+            raise UserError(f"--feature-layers: comma-separated integers, got {args.feature_layers!r}") from None
+    overrides = {k: v for k, v in _overrides(args).items() if k != "shape"}
+    overrides["anchors"] = args.anchors
+    try:
+        train_dspark(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
+                     ckpt_dir=args.ckpt_dir or "checkpoints/dspark", resume=args.resume, block_size=args.block_size,
+                     markov_rank=args.markov_rank, feature_layers=layers, overrides=overrides, log=_log,
+                     progress=args.progress)
+    except ValueError as e:  # a config the target cannot serve (feature layers, rank)
+        raise UserError(str(e)) from None
 
 
 def _overrides(args) -> dict:

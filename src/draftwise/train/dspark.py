@@ -1,0 +1,141 @@
+"""Training a DSpark drafter (model/dspark.py) on its target's features: `draftwise train dspark`.
+
+One frozen target forward over a batch of corpus windows gives both what the drafter reads (the
+chosen layers' outputs at every position) and what it learns (p, the target's next-token
+distribution): no generation. Blocks start at anchors drawn along each window (`sample_anchors`);
+block n at anchor a reads the context before a and predicts x_{a+1..a+gamma} (the corpus tokens)
+with q_k, teacher-forced: the Markov head and the confidence head read the true x_{k-1}.
+
+Loss per position k = 1..gamma, weighted by exp(-(k-1)/decay) (decay = gamma unless set; DSpark
+uses 4 for gamma 7) and normalised by the weights' sum:
+
+    0.1 CE(q_k, x_{a+k}) + 0.9 TV(q_k, p_k) + 1.0 BCE(c_k, c*_k),   c*_k = 1 - TV(q_k, p_k)
+
+with TV = 0.5 ||q - p||_1 (the reference code weights the L1 norm itself, 2 TV) and c*_k the
+probability that a draw from q_k is accepted against p_k, held fixed in the BCE. The loop, the
+schedule, checkpoints (resume) and progress are train/trainer.py's.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import corpus
+from ..model.dspark import DSparkDrafter, save_dspark
+from ..model.dspark_config import DSparkConfig
+from ..model.loader import load_model
+from .data import Batches, eval_windows, load_streams
+from .dspark_blocks import block_forward, position_weights, sample_anchors
+from .dspark_eval import block_acceptance
+from .fit import corpus_stats
+from .trainer import Trainer, TrainConfig, peak_rss_mb
+
+DSPARK_DEFAULTS = dict(batch_size=4, seq_len=256, lr=2e-3, warmup_steps=20, anchors=48, seed=0)
+VAL_WINDOWS = 8  # periodic validation (loss); the final acceptance reads up to EVAL_WINDOWS
+EVAL_WINDOWS = 32
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    confidence: float = 1.0
+
+
+def dspark_loss(q_logits, p, labels, conf_logits, weights, w: LossWeights = LossWeights()):
+    """q_logits, p [..., V] (p: probabilities); labels, conf_logits, weights [...] -> (loss, terms).
+    terms: the weighted means of ce, tv and bce, and c* (detached), for logs and tests."""
+    logq = F.log_softmax(q_logits.float(), dim=-1)
+    ce = -logq.gather(-1, labels[..., None]).squeeze(-1)
+    tv = 0.5 * (logq.exp() - p.float()).abs().sum(-1)
+    c_star = (1.0 - tv).detach().clamp(0.0, 1.0)
+    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
+    norm = weights / weights.sum().clamp_min(1e-9)
+    terms = {"ce": (ce * norm).sum(), "tv": (tv * norm).sum(), "bce": (bce * norm).sum(), "c_star": c_star}
+    loss = w.ce * terms["ce"] + w.tv * terms["tv"] + w.confidence * terms["bce"]
+    return loss, terms
+
+
+def dspark_loss_fn(target, anchors: int, decay: float, weights: LossWeights = LossWeights()):
+    """`(drafter, batch [B, T+1]) -> loss` for the Trainer (anchors from the global RNG, which the
+    Trainer seeds and checkpoints)."""
+
+    def loss_fn(drafter, batch):
+        a = sample_anchors(batch.shape[0], batch.shape[1], anchors)
+        q_logits, p, conf, labels, valid = block_forward(drafter, target, batch, a)
+        loss, _ = dspark_loss(q_logits, p, labels, conf, position_weights(valid, decay), weights)
+        return loss
+
+    return loss_fn
+
+
+@torch.no_grad()
+def val_loss(drafter, target, windows: torch.Tensor, anchors: int, decay: float) -> float:
+    """The loss on held-out windows with fixed anchors (a seeded generator: comparable over time)."""
+    g = torch.Generator().manual_seed(0)
+    total = 0.0
+    for w in windows.split(2):
+        a = sample_anchors(w.shape[0], w.shape[1], anchors, g)
+        q_logits, p, conf, labels, valid = block_forward(drafter, target, w, a)
+        total += float(dspark_loss(q_logits, p, labels, conf, position_weights(valid, decay))[0]) * w.shape[0]
+    return total / max(1, windows.shape[0])
+
+
+def build_drafter(tcfg, target_model, block_size: int, markov_rank: int | None, feature_layers, seed: int,
+                  target: str = "") -> DSparkDrafter:
+    """A fresh drafter; its final norm starts as the target's (both feed the same LM head)."""
+    torch.manual_seed(seed)
+    cfg = DSparkConfig.for_target(tcfg, block_size=block_size, markov_rank=markov_rank,
+                                  feature_layers=feature_layers, target=target).check(tcfg)
+    drafter = DSparkDrafter(cfg)
+    for m in drafter.modules():
+        if isinstance(m, torch.nn.Linear) and m is not drafter.confidence:
+            torch.nn.init.normal_(m.weight, std=0.02)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(target_model.model.norm.weight.float())
+    return drafter.share(target_model)
+
+
+def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/dspark", resume=False,
+                 block_size: int = 5, markov_rank: int | None = None, feature_layers: list[int] | None = None,
+                 decay: float | None = None, overrides=None, log=None, progress: bool | None = None) -> dict:
+    if minutes is None and tokens is None:
+        raise ValueError("give a budget: --minutes or --tokens")
+    out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
+    hp = dict(DSPARK_DEFAULTS, **(overrides or {}))
+    loaded = load_model(target_dir, dtype="float32", fuse=False)
+    target = loaded.model.eval().requires_grad_(False)
+    drafter = build_drafter(loaded.config, target, block_size, markov_rank, feature_layers, hp["seed"],
+                            target=os.path.relpath(target_dir.resolve(), out.resolve()))  # (checks the config first)
+    split = corpus.split()
+    streams = load_streams(loaded.tokenizer, split, ckpt_dir)
+    decay = float(decay or block_size)
+    cfg = TrainConfig(ckpt_dir=str(ckpt_dir), batch_size=hp["batch_size"], seq_len=hp["seq_len"], lr=hp["lr"],
+                      warmup_steps=hp["warmup_steps"], seed=hp["seed"], max_tokens=tokens, minutes=minutes,
+                      weight_decay=0.0)
+    val = eval_windows(streams["val"], hp["seq_len"], VAL_WINDOWS)
+    trainer = Trainer(drafter, Batches(streams["train"], cfg.batch_size, cfg.seq_len, seed=cfg.seed), cfg,
+                      loss_fn=dspark_loss_fn(target, hp["anchors"], decay),
+                      eval_fn=lambda d: val_loss(d, target, val, hp["anchors"], decay), log=log, progress=progress)
+    if resume:
+        trainer.resume()
+    summary = trainer.run()
+    drafter.eval()
+    held_out = eval_windows(streams["val"], hp["seq_len"], EVAL_WINDOWS)
+    summary.update(role="dspark", target=str(target_dir), history=trainer.history, peak_rss_mb=round(peak_rss_mb()),
+                   trainable_parameters=sum(p.numel() for p in drafter.parameters()),
+                   objective=f"0.1 CE + 0.9 TV + 1.0 BCE(c, 1 - TV), position weights exp(-(k-1)/{decay:g})",
+                   anchors_per_window=hp["anchors"], corpus=corpus_stats(split, streams),
+                   held_out=block_acceptance(drafter, target, held_out, hp["anchors"]))
+    save_dspark(drafter, out)
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if log:
+        acc = summary["held_out"]
+        log(f"held-out acceptance (c* = 1 - TV) per position {acc['per_position']}, expected accepted "
+            f"{acc['expected_accepted']:.3f} of {block_size}")
+    return summary

@@ -1,0 +1,51 @@
+"""The blocks a DSpark drafter trains and is evaluated on: anchors drawn along corpus windows, the
+true tokens and the target's distributions after each, and the one pass of each model over them."""
+from __future__ import annotations
+
+import torch
+
+from ..model.dspark import DSparkDrafter
+
+
+def sample_anchors(B: int, T: int, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, N] sorted anchors in 1..T-2, drawn without replacement (N = min(n, T-2)): each block has a
+    context before it and at least one label after it."""
+    n = min(n, T - 2)
+    keys = torch.rand(B, T - 2, generator=generator)
+    return keys.argsort(dim=1)[:, :n].sort(dim=1).values + 1
+
+
+def block_targets(ids: torch.Tensor, anchors: torch.Tensor, gamma: int):
+    """ids [B, T], anchors [B, N] -> labels, prev_ids, p_rows [B, N, gamma] and valid [B, N, gamma]:
+    x_{a+k}, x_{a+k-1} (the anchor first), the row a+k-1 whose target distribution is p_k, and
+    whether a+k lies inside the window (clamped indices where it does not)."""
+    T = ids.shape[1]
+    idx = anchors[..., None] + torch.arange(1, gamma + 1)  # [B, N, gamma]
+    valid = idx < T
+    idx = idx.clamp(max=T - 1)
+    take = lambda i: ids.gather(1, i.flatten(1)).view(i.shape)  # noqa: E731
+    return take(idx), take(idx - 1), idx - 1, valid
+
+
+def position_weights(valid: torch.Tensor, decay: float) -> torch.Tensor:
+    """exp(-(k-1)/decay) on the positions inside the window, 0 elsewhere: [B, N, gamma]."""
+    k = torch.arange(valid.shape[-1], dtype=torch.float32)
+    return valid.float() * torch.exp(-k / decay)
+
+
+def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: torch.Tensor):
+    """The target's one pass and the drafter's one pass over a batch: ids [B, T], anchors [B, N] ->
+    q logits [B, N, gamma, V], p [B, N, gamma, V], confidence logits, labels, valid [B, N, gamma]."""
+    cfg = drafter.cfg
+    B, T = ids.shape
+    with torch.no_grad():
+        hidden, feats = target(ids, feature_layers=tuple(cfg.target_feature_layers))
+    labels, prev, rows, valid = block_targets(ids, anchors, cfg.block_size)
+    with torch.no_grad():
+        h_rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1]))
+        p = torch.softmax(target.compute_logits(h_rows).float(), -1).view(*rows.shape, -1)
+    pos = torch.arange(T).expand(B, T)
+    kv = drafter.context_kv(drafter.fuse(feats.detach()), pos)
+    h = drafter.block_hidden(ids.gather(1, anchors), anchors, kv, pos)  # [B, N, gamma, H]
+    q_logits, conf = drafter.teacher_forced(h, prev)
+    return q_logits, p, conf, labels, valid

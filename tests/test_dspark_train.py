@@ -1,0 +1,94 @@
+"""DSpark training (train/dspark.py, dspark_blocks.py, dspark_eval.py): the loss terms by hand, the
+blocks' labels and weights, a few steps lowering the loss on a tiny target, resume, and the CLI."""
+import math
+
+import pytest
+import torch
+
+from draftwise.model import load_model
+from draftwise.train.data import Batches, encode_stream
+from draftwise.train.dspark import LossWeights, build_drafter, dspark_loss, dspark_loss_fn, val_loss
+from draftwise.train.dspark_blocks import block_targets, position_weights, sample_anchors
+from draftwise.train.dspark_eval import block_acceptance, draft_acceptance
+from draftwise.train.trainer import Trainer, TrainConfig
+from tiny_models import CORPUS
+
+
+def test_loss_terms_by_hand():
+    """q = (1/2, 1/4, 1/4), p = (0.7, 0.3, 0): TV = (0.2 + 0.05 + 0.25) / 2 = 0.25, c* = 0.75; label 0:
+    CE = log 2; confidence logit 0 (c = 1/2): BCE = -(0.75 log 1/2 + 0.25 log 1/2) = log 2."""
+    q_logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    p = torch.tensor([[0.7, 0.3, 0.0]])
+    loss, t = dspark_loss(q_logits, p, torch.tensor([0]), torch.tensor([0.0]), torch.tensor([1.0]))
+    assert math.isclose(float(t["tv"]), 0.25, abs_tol=1e-6) and math.isclose(float(t["c_star"][0]), 0.75, abs_tol=1e-6)
+    assert math.isclose(float(t["ce"]), math.log(2), abs_tol=1e-6)
+    assert math.isclose(float(t["bce"]), math.log(2), abs_tol=1e-6)
+    assert math.isclose(float(loss), 0.1 * math.log(2) + 0.9 * 0.25 + 1.0 * math.log(2), abs_tol=1e-6)
+    # weights: a position of weight 0 does not count; the rest are normalised by their sum
+    q2 = torch.stack([q_logits[0], torch.zeros(3)])
+    p2 = torch.stack([p[0], torch.tensor([0.0, 0.0, 1.0])])
+    l2, _ = dspark_loss(q2, p2, torch.tensor([0, 1]), torch.zeros(2), torch.tensor([2.0, 0.0]))
+    assert math.isclose(float(l2), float(loss), abs_tol=1e-6)
+    # q = p: TV 0, c* 1
+    _, t3 = dspark_loss(torch.log(p + 1e-12), p, torch.tensor([0]), torch.tensor([0.0]), torch.ones(1), LossWeights())
+    assert float(t3["tv"]) < 1e-6 and float(t3["c_star"][0]) > 1 - 1e-6
+
+
+def test_block_labels_rows_and_weights():
+    ids = torch.arange(10, 20)[None]  # [1, 10]
+    labels, prev, rows, valid = block_targets(ids, torch.tensor([[2, 7]]), 3)
+    assert labels.tolist() == [[[13, 14, 15], [18, 19, 19]]]
+    assert prev.tolist() == [[[12, 13, 14], [17, 18, 18]]]  # the anchor, then the true tokens
+    assert rows.tolist() == [[[2, 3, 4], [7, 8, 8]]]  # p_k is the target's distribution after row a+k-1
+    assert valid.tolist() == [[[True] * 3, [True, True, False]]]
+    w = position_weights(valid, decay=2.0)
+    assert torch.allclose(w[0, 1], torch.tensor([1.0, math.exp(-0.5), 0.0]))
+    a = sample_anchors(3, 40, 10, torch.Generator().manual_seed(0))
+    assert a.shape == (3, 10) and (a >= 1).all() and (a <= 38).all()
+    assert all(len(set(r.tolist())) == 10 and r.tolist() == sorted(r.tolist()) for r in a)
+
+
+@pytest.fixture(scope="module")
+def tiny(target_dir, tokenizer):
+    loaded = load_model(target_dir, fuse=False)
+    target = loaded.model.eval().requires_grad_(False)
+    stream = encode_stream(tokenizer, CORPUS)
+    return loaded, target, stream
+
+
+def test_a_few_steps_lower_the_loss_and_resume(tiny, tmp_path):
+    loaded, target, stream = tiny
+    drafter = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0, 1], seed=0)
+    val = Batches(stream, 4, 32, seed=7).get(0)
+    before = val_loss(drafter, target, val, anchors=8, decay=3.0)
+    cfg = TrainConfig(ckpt_dir=str(tmp_path / "ck"), batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2,
+                      max_tokens=4 * 32 * 60, autocast=False)
+    trainer = Trainer(drafter, Batches(stream, 4, 32), cfg, loss_fn=dspark_loss_fn(target, 8, 3.0), log=lambda m: None)
+    trainer.run(stop_after=30)
+    trainer.save()
+    after = val_loss(drafter, target, val, anchors=8, decay=3.0)
+    assert after < 0.8 * before, (before, after)
+    assert not any(p.grad is not None for p in target.parameters())  # the target stays frozen
+    # resume: a fresh drafter continues from the checkpoint with the same weights and step
+    again = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0, 1], seed=1)
+    t2 = Trainer(again, Batches(stream, 4, 32), cfg, loss_fn=dspark_loss_fn(target, 8, 3.0), log=lambda m: None)
+    assert t2.resume() and t2.step == 30
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), drafter.state_dict().values()))
+    acc = block_acceptance(drafter, target, val, anchors=8)
+    assert len(acc["per_position"]) == 3 and all(0 <= c <= 1 for c in acc["per_position"])
+    assert 0 <= acc["expected_accepted"] <= 3
+    # the target as its own draft: every position accepted with certainty
+    same = draft_acceptance(target, target, val, anchors=8, gamma=3)
+    assert all(c > 0.999 for c in same["per_position"]) and same["greedy_per_position"] == [1.0] * 3
+
+
+def test_cli_train_dspark_needs_a_target_and_a_budget(tmp_path, target_dir, capsys):
+    from draftwise.cli.main import main
+
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--minutes", "1"]) == 2
+    assert "needs --target" in capsys.readouterr().err
+    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x")]) == 2
+    assert "--minutes or --tokens" in capsys.readouterr().err
+    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
+                 "--feature-layers", "0,7", "--ckpt-dir", str(tmp_path / "ck")]) == 2
+    assert "target_feature_layers" in capsys.readouterr().err
