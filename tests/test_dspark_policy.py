@@ -185,3 +185,191 @@ def test_two_rows_are_jointly_exact():
     assert tv == 0 and seen == {(0, 0)}
     tv_retro, seen = joint_outputs(lambda s: retrospective_schedule(s, jagged))
     assert tv_retro > F(1, 100) and seen == {(2, 1), (0, 0)}
+
+
+# --------------------------------------------------------------------------- the policy, through its interface
+
+def cliff_seconds(cliff: float):
+    """One row's step seconds at `tokens` fed: 1 s alone, `cliff` s with a proposal (Appendix A: 2 s),
+    then 0.05 s a token: a drop after the first proposal that later confident ones may recover."""
+    return lambda tokens: 1.0 if tokens == 1 else cliff + 0.05 * (tokens - 2)
+
+
+@register_policy("dspark-retro-test")
+class Retrospective(DSparkPolicy):
+    """Test only, NOT causal: Appendix A's scheduler without the early stop, row by row (R = 1 each,
+    as in the paper's example) on the drafter's raw confidences and `cliff_seconds` (a cliff of
+    1.6 s, where the tiny models' confidences straddle it); drafts every row's maximum. It
+    verifies x_j when the confidences after it promise a long accepted run."""
+
+    name = "dspark-retro-test"
+
+    def __init__(self, cliff: float = 1.6, **kw):
+        super().__init__(**kw)
+        self.seconds = cliff_seconds(cliff)
+
+    def plan(self, seqs, max_draft):
+        return list(max_draft)
+
+    def admit(self, seqs, blocks, draft_seconds):
+        out = []
+        for b in blocks:
+            row, a = [], 1.0
+            for c in b.confidence or [0.0] * len(b.token_ids):
+                a *= c
+                row.append(a)
+            out.append(retrospective_schedule([row], self.seconds)[0] if row else 0)
+        return out
+
+
+STEEP = CostModel((0.001, 0.0, 0.001, 0.0), (0.0, 0.0, 0.0))  # a verified token costs a whole step's worth
+
+
+def sampled(i: int = 0, tokens: int = 10) -> SimpleNamespace:
+    return SimpleNamespace(seq_id=i, params=SamplingParams(temperature=1.0), num_tokens=tokens)
+
+
+def test_dspark_admission_is_exact_by_enumeration():
+    """Every draft and acceptance outcome of a row drafting 3 proposals over 4 tokens (q_j's
+    confidence depends on x_1..x_{j-1}), admitted by the policy after its plan: TV <= 1e-9, with
+    admitted lengths that vary across paths (the test is not vacuous)."""
+    policy = DSparkPolicy(k=3, cost=STEEP, has_draft_model=False, config=FROZEN)
+    seq = sampled()
+    assert policy.plan([seq], [3]) == [3]  # free drafting and a fresh estimate: all of it
+    lengths = set()
+
+    def admit(seqs, blocks):
+        out = policy.admit(seqs, blocks, 0.0)
+        lengths.add(out[0])
+        return out
+
+    tv, _ = enumerate_policy(admit)
+    assert tv <= 1e-9 and len(lengths) >= 3, lengths
+
+
+def test_the_enumeration_sees_the_retrospective_scheduler():
+    """On the enumeration's tables (c_1 = 0.755) a cliff of 2.8 s makes x_1's admission follow the
+    confidences after it: x_1 = 1 is verified with its two successors, x_1 = 3 mostly not."""
+    policy = Retrospective(cliff=2.8, k=3, cost=STEEP)
+    lengths = set()
+
+    def admit(seqs, blocks):
+        out = policy.admit(seqs, blocks, 0.0)
+        lengths.add(out[0])
+        return out
+
+    tv, _ = enumerate_policy(admit)
+    assert tv > 0.1 and lengths == {0, 3}  # against <= 1e-9 for the early stop
+
+
+def brute_force(survivals, seconds):
+    best = -1.0
+    for lengths in itertools.product(*[range(len(a) + 1) for a in survivals]):
+        best = max(best, (len(survivals) + sum(sum(a[:n]) for a, n in zip(survivals, lengths)))
+                   / seconds(len(survivals) + sum(lengths)))
+    return best
+
+
+def test_prefix_schedule_is_optimal_for_a_linear_cost():
+    """For a cost linear in tokens Theta is unimodal along the greedy path: the early stop finds
+    the best lengths of all (brute force over every combination)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        rows_, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        survivals = [torch.cumprod(torch.rand(k, generator=g, dtype=torch.float64), 0).tolist() for _ in range(rows_)]
+        base, per = float(torch.rand(1, generator=g)) + 0.1, float(torch.rand(1, generator=g))
+        seconds = lambda t: base + per * t  # noqa: E731
+        lengths = prefix_schedule(survivals, seconds)
+        value = (rows_ + sum(sum(a[:n]) for a, n in zip(survivals, lengths))) / seconds(rows_ + sum(lengths))
+        assert value == pytest.approx(brute_force(survivals, seconds), rel=1e-12)
+
+
+def test_prefix_schedule_keeps_the_minimum_and_the_row_order():
+    seconds = lambda t: 1.0 + 1.0 * t  # noqa: E731  (dear tokens: nothing pays)
+    assert prefix_schedule([[0.3, 0.1], [0.2]], seconds) == [0, 0]
+    assert prefix_schedule([[0.3, 0.1], [0.2]], seconds, [1, 0]) == [1, 0]  # a probe stays admitted
+    cheap = lambda t: 1.0 + 0.01 * t  # noqa: E731
+    assert prefix_schedule([[0.9, 0.8, 0.7], [0.6, 0.0]], cheap) == [3, 1]  # a zero survival is never admitted
+
+
+def blocks_of(confidences, rows_):
+    return [DraftBlock([1] * len(confidences), None, list(confidences)) for _ in range(rows_)]
+
+
+def test_dspark_verifies_less_per_row_under_load():
+    """The same confidences: one row verifies all four proposals, sixteen rows fewer each (the
+    profile's verified token costs more of a loaded step)."""
+    conf = [0.9, 0.8, 0.7, 0.6]
+    got = {}
+    for b in (1, 16):
+        policy = DSparkPolicy(k=4, cost=COST, has_draft_model=False, config=FROZEN)
+        seqs = rows(b)
+        policy.plan(seqs, [4] * b)
+        got[b] = sum(policy.admit(seqs, blocks_of(conf, b), 0.0)) / b
+    assert got[1] == 4 and got[16] <= 2, got
+
+
+def test_dspark_drafts_nothing_for_a_useless_drafter_but_probes():
+    """After a drafter that is never right (observed through the interface), the plan drafts for no
+    row but the probes: one row at a time, the first after `probe_every` idle steps."""
+    policy = DSparkPolicy(k=4, cost=COST, has_draft_model=True, config=FROZEN)
+    never_right(policy, confidences=[(b + 0.5) / 20 for b in range(20)] + [None])
+    seqs, drafted = rows(4), []
+    for _ in range(3 * GoodputConfig().probe_every):
+        lengths = policy.plan(seqs, [4] * 4)
+        drafted.append(sum(lengths))
+        if any(lengths):
+            admitted = policy.admit(seqs, [DraftBlock([1] * n, None, [0.1] * n) for n in lengths], 0.0)
+            assert sum(admitted) == 1  # the probe's first proposal, nothing more at that confidence
+            for s, n in zip(seqs, admitted):
+                policy.observe(s, DraftBlock([1] * n, None, [0.1] * n), n, 0)
+        policy.observe_step(StepTiming(4, 4 + sum(lengths), 50.0, lengths, 0.004))
+    assert 1 <= sum(drafted) <= 3 and max(drafted) == 1, drafted
+
+
+def test_dspark_has_the_whole_interface():
+    policy = policy_class("dspark")(k=3, cost=COST, has_draft_model=True)
+    assert isinstance(policy, Policy) and policy.hints().reads_confidence and not policy.plain_next(2)
+    pred = policy.observe_step(StepTiming(2, 4, 50.0, [1, 1], 0.005))
+    assert pred is not None and pred.profile_seconds > 0
+    assert policy.observe_step(StepTiming(2, 4, 50.0, [1, 1], None)) is None  # an untimed step: nothing learned
+    with pytest.raises(ValueError):
+        DSparkPolicy(k=3, cost=None)
+
+
+# --------------------------------------------------------------------------- through the engine
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_dspark_keeps_greedy_output(target_dir, draft_dir, method):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(target_dir))
+    llm = LLM(str(target_dir), draft=str(draft_dir) if method == "draft" else None,
+              spec=SpecConfig(method=method, k=3, policy="dspark", cost_model=COST))
+    for c in (1, 16):
+        want = [o.token_ids for o in plain.generate(PROMPTS[:c], sp)]
+        assert [o.token_ids for o in llm.generate(PROMPTS[:c], sp)] == want, c
+    st = llm.engine.stats
+    assert 0 < st.verified_tokens <= st.proposed_tokens and st.accepted_tokens <= st.verified_tokens
+
+
+def test_check_passes_dspark_and_fails_the_retrospective_scheduler(tokenizer, tmp_path, capsys):
+    """`draftwise check` on a peaked model drafting for itself (q = p, so only an admission that
+    reads the proposal can bias), at temperature 0.7 where the retrospective scheduler's admission
+    of x_1 moves ~0.1 of probability at the first drafted position: dspark PASSes, the
+    retrospective scheduler FAILs (greedy rows may read anything: both PASS greedy equality)."""
+    from draftwise.cli.main import main
+    from draftwise.policies.profile import HardwareProfile
+    from tiny_models import make_model_dir
+
+    prof = HardwareProfile(machine={}, torch=torch.__version__, device="cpu", threads=1, dtype="float32",
+                           draft_dtype="bfloat16", models={}, settings={}, grid=[], draft_grid=[], cost=COST)
+    path = prof.save(tmp_path / "profile.json")
+    peaked = make_model_dir(tmp_path / "peaked", seed=0, tokenizer=tokenizer, layers=2, hidden=64, init_std=3.0)
+    common = ["check", "--model", str(peaked), "--draft", str(peaked), "--k", "3", "--samples", "600",
+              "--temperature", "0.7", "--max-tokens", "16", "--profile", str(path)]
+    assert main(common + ["--policy", "dspark"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PASS distribution" in out and "PASS greedy equality" in out
+    assert main(common + ["--policy", "dspark-retro-test"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL distribution" in out and "PASS greedy equality" in out

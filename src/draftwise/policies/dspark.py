@@ -13,22 +13,23 @@ keeps rising (R rows, each feeding its last committed token; seconds(T) the veri
 T tokens: the profile plus the online residual, `OnlineCost.tokens_seconds`); it stops at the
 first candidate that does not raise Theta.
 
-**Why the early stop keeps it exact.** Survivals fall along a row, so the candidates the search
-reaches before (r, j) are other rows' and row r's own positions before j; whether (r, j) is
-admitted reads c_{r,1..j} (functions of x_{r,1..j-1}) and other rows' drafts, never x_{r,j}: the
-admitted length is a stopping time of the row's drafting, as rejection sampling needs. A search
-that runs past the first drop and keeps the best prefix reads c_{r,j+1}, a function of x_{r,j}, to
-decide on x_{r,j} (the paper's Appendix A: target (0.7, 0.3), draft (0.5, 0.5) come out as
-(0.85, 0.15); tests/test_dspark_policy.py). One consequence of the joint search: a row's
-admission reads other rows' drafts, so each request's output is exactly the target's, but two
-rows of one step are not independent draws of it (tests/test_dspark_policy.py measures the
-coupling on a two-row example).
+**Why the early stop keeps it exact.** Survivals fall along a row, so until the first drop the
+admitted candidates are exactly those processed, and the next one is the best of each row's next
+position: the search is a sequential process that reads c_{r,j+1} (a function of x_{r,j}) only
+once x_{r,j} is admitted. Whether x_{r,j} is verified therefore reads x_{r,1..j-1} and other
+rows' admitted drafts, never x_{r,j}: a stopping time, as rejection sampling needs, and the rows'
+outputs are jointly the targets' (independent rows, although each row's admission reads the
+others' drafts). A search that runs past the first drop and keeps the best prefix reads
+c_{r,j+1} to decide on x_{r,j}: the paper's Appendix A, target (0.7, 0.3) and draft (0.5, 0.5)
+come out as (0.85, 0.15). tests/test_dspark_policy.py has both in exact fractions.
 
 Before drafting, `plan` is goodput's core (`Planner.plan`): the same objective over the expected
 survivals by position, with the drafter's steps and catch-up in the step's seconds (no token is
 drawn yet, so the best prefix of the whole greedy path may be kept), plus its probes (a row left
-out drafts and verifies one proposal now and then, so its estimate can recover). There are no
-measured arms: what the profile and the calibration predict is what runs.
+out drafts and verifies one proposal now and then, so its estimate can recover). A drafter without
+a model (n-gram, suffix) drafts for free in the cost model: every row drafts its maximum and the
+admission, reading the proposals' own confidences, decides. There are no measured arms: what the
+profile and the calibration predict is what runs.
 """
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ class DSparkPolicy:
         plan = core.plan(seqs, max_draft)
         # no measured check here: an engine-wide probe is always allowed
         probes = core.probe_rows(seqs, plan, max_draft, lambda: True)
+        if not core.has_draft_model:  # drafting is free in the cost model: admission reads every proposal
+            return list(max_draft)
         lengths = [max(n, p) for n, p in zip(plan.lengths, probes)]
         core.count_catch_ups(plan.lags, lengths)
         return lengths
