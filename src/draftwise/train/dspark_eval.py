@@ -21,12 +21,13 @@ def _summary(c_star: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> 
     per_pos = (c_star * v).sum((0, 1)) / v.sum((0, 1)).clamp_min(1)
     greedy = (agree.float() * v).sum((0, 1)) / v.sum((0, 1)).clamp_min(1)
     whole = valid.all(-1)  # blocks inside their window
-    expected = c_star.cumprod(-1).sum(-1)[whole].mean() if whole.any() else torch.tensor(0.0)
-    greedy_run = agree.long().cumprod(-1).sum(-1)[whole].float().mean() if whole.any() else torch.tensor(0.0)
+    survival = c_star[whole].cumprod(-1).mean(0) if whole.any() else torch.zeros(c_star.shape[-1])
+    greedy_run = agree[whole].long().cumprod(-1).float().mean(0) if whole.any() else torch.zeros(c_star.shape[-1])
     return {"per_position": [round(float(x), 4) for x in per_pos],
             "greedy_per_position": [round(float(x), 4) for x in greedy],
-            "expected_accepted": round(float(expected), 4),
-            "greedy_accepted": round(float(greedy_run), 4), "blocks": int(whole.sum())}
+            "survival": [round(float(x), 4) for x in survival],  # P(x_1..x_k all accepted), sampled
+            "expected_accepted": round(float(survival.sum()), 4),
+            "greedy_accepted": round(float(greedy_run.sum()), 4), "blocks": int(whole.sum())}
 
 
 def _anchors(windows: torch.Tensor, anchors: int, g: torch.Generator) -> list[torch.Tensor]:
