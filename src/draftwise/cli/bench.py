@@ -26,14 +26,14 @@ def add_parser(sub):
                         "chat-open, file-edit, json-edit; comma-separated) or a JSONL path "
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, suffix:k=N, with an optional "
-                                                    ":policy=fixed|adaptive|goodput (e.g. draft:k=4:policy=goodput), "
+                                                    ":policy=fixed|adaptive|goodput|dspark (e.g. draft:k=4:policy=goodput), "
                                                     ":forced=N, :tree=N (draft: a tree of at most k nodes, N children per expanded node), "
                                                     ":rollback=snapshot|replay and :copy=2 (the same config "
                                                     "again in its own engine: an A/A control of the machine's noise); "
                                                     "none is added when missing, as the reference (default: "
                                                     "none,draft:k=2,draft:k=4,ngram:k=4; --quick: "
                                                     "none,draft:k=4,ngram:k=4; not used with --url)")
-    p.add_argument("--profile", default=None, help="hardware profile JSON for goodput configs (default: the cached "
+    p.add_argument("--profile", default=None, help="hardware profile JSON for goodput and dspark configs (default: the cached "
                                                    "one for the model pair, measured on first use)")
     p.add_argument("--concurrency", default=None,
                    help="closed-loop levels, e.g. 1,4,16 (default: 1,2,4,8,16,32 when neither --request-rate nor "

@@ -110,13 +110,14 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help:
                         "default snapshot")
     p.add_argument("--policy", default="fixed",
                    help="verification policy: fixed (verify every proposal), adaptive (per-request k from "
-                        "acceptance) or goodput (per-step lengths from draft confidence and the hardware "
-                        "profile); default fixed")
+                        "acceptance), goodput (per-step lengths from draft confidence and the hardware "
+                        "profile, under a measured check) or dspark (DSpark's prefix scheduler: proposals "
+                        "admitted by survival while the profile's expected throughput rises); default fixed")
     p.add_argument("--tree", type=int, default=0, metavar="N",
                    help="draft model: draft a tree of at most --k nodes, N children per expanded node (greedy rows: the N most probable, the best --k nodes kept; sampled rows: N draws without replacement where the drafter is unsure); 0 = chains (default 0)")
     p.add_argument("--profile", default=None,
-                   help="hardware profile JSON for the goodput policy (default: the cached one for this model "
-                        "pair, measured on first use; see `draftwise profile`)")
+                   help="hardware profile JSON for the goodput and dspark policies (default: the cached one for "
+                        "this model pair, measured on first use; see `draftwise profile`)")
 
 
 def add_multi_step_arg(p: argparse.ArgumentParser) -> None:

@@ -68,7 +68,8 @@ def prefix_schedule(survivals: Sequence[Sequence[float]], step_seconds: Callable
     return lengths
 
 
-def survival_table(seqs: Sequence[History], blocks: Sequence[DraftBlock], calibration: Calibration) -> list[list[float]]:
+def survival_table(seqs: Sequence[History], blocks: Sequence[DraftBlock],
+                   calibration: Calibration) -> list[list[float]]:
     """[R][len(block)] a_{r,j} = prod_{i<=j} c_{r,i}, c from each proposal's confidence through the
     calibration (greedy and sampled rows apart, times the request's correction)."""
     out = []
