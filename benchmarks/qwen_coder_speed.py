@@ -13,9 +13,13 @@ groups; `int8`: those values re-quantised per output channel) in one process:
   ignored), plain / `--method draft` with the 0.5B (k = `--k`) / n-gram; tok/s counts the tokens
   after the first over their seconds (prefill excluded); rounds alternate the settings, so the
   machine's noise falls on all; speculative greedy tokens are checked equal to plain's;
-- prefill: the seconds to the first token of the 182-token chat prompt (plain).
+- prefill: the seconds to the first token of the 182-token chat prompt (plain, not in the prefix
+  cache).
 
-`uptime`'s load is printed at the start and the end: the machine may be shared.
+`uptime`'s load is printed at the start and the end: the machine may be shared. On a machine
+shared with other work, wall-clock rates measure the share this process got; `--clock cpu` (one
+thread) times by the process's CPU seconds instead, which other processes barely change (they
+still share the caches and the memory bandwidth).
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET, chat_ids  # noqa: E402
 
 
+CLOCK = time.perf_counter  # or time.process_time (--clock cpu)
+
+
 def decode(llm, ids: list[int], tokens: int) -> tuple[list[int], int, float, float]:
     """(tokens, tokens after the first, their seconds, seconds to the first) of one greedy request."""
     from draftwise import SamplingParams
@@ -39,11 +46,11 @@ def decode(llm, ids: list[int], tokens: int) -> tuple[list[int], int, float, flo
     eng = llm.engine
     rid = f"r{time.perf_counter_ns()}"
     eng.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     first, n, n_first, t, out = None, 0, 0, 0.0, []
     while eng.has_unfinished():
         outs = eng.step()
-        t = time.perf_counter()
+        t = CLOCK()
         for o in outs:
             n += len(o.new_token_ids)
             out += o.new_token_ids
@@ -61,24 +68,26 @@ def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) ->
         runner.run([sid], [[5] * T], [len(prompt)], [T])
     means = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(n):
             runner.run([sid], [[5] * T], [len(prompt)], [T])
-        means.append((time.perf_counter() - t0) / n * 1e3)
+        means.append((CLOCK() - t0) / n * 1e3)
     runner.kv.free(sid)
     return sorted(means)[repeats // 2]
 
 
-def engines(quant: str, k: int) -> dict:
+def engines(quant: str, k: int, configs: list[str]) -> dict:
     from draftwise import LLM, SpecConfig
 
     q = None if quant == "stored" else quant
     small = dict(kv_cache_memory="256MiB", max_model_len=2048)
-    return {
-        f"{quant} plain": LLM(TARGET, spec=SpecConfig(method=None), quantization=q, **small),
-        f"{quant} draft k={k}": LLM(TARGET, draft=DRAFT, spec=SpecConfig(method="draft", k=k), quantization=q, **small),
-        f"{quant} ngram": LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small),
-    }
+    out = {f"{quant} plain": LLM(TARGET, spec=SpecConfig(method=None), quantization=q, **small)}
+    if "draft" in configs:
+        out[f"{quant} draft k={k}"] = LLM(TARGET, draft=DRAFT, spec=SpecConfig(method="draft", k=k), quantization=q,
+                                          **small)
+    if "ngram" in configs:
+        out[f"{quant} ngram"] = LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small)
+    return out
 
 
 def main() -> int:
@@ -88,14 +97,20 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+    ap.add_argument("--configs", default="plain,draft,ngram")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        CLOCK, args.threads = time.process_time, 1
     torch.set_num_threads(args.threads)
     print(f"load at start: {os.getloadavg()}  threads {args.threads}", flush=True)
-    result = {"tokens": args.tokens, "k": args.k, "threads": args.threads, "steps": {}, "decode": {}, "prefill": {}}
+    result = {"tokens": args.tokens, "k": args.k, "threads": args.threads, "clock": args.clock, "steps": {},
+              "decode": {}, "prefill": {}}
     llms = {}
     for quant in args.quant.split(","):
-        llms.update(engines(quant, args.k))
+        llms.update(engines(quant, args.k, args.configs.split(",")))
         plain = llms[f"{quant} plain"]
         runner = plain.engine.runner
         ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]
@@ -104,8 +119,8 @@ def main() -> int:
                                   "ratio": round(tk / t1, 3)}
         print(f"{quant}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)", flush=True)
         long_ids = chat_ids(TARGET, plain.tokenizer, LONG_PROMPT)
-        decode(plain, long_ids, 2)  # warm-up
-        _, _, _, ttft = decode(plain, long_ids, 2)
+        decode(plain, chat_ids(TARGET, plain.tokenizer, PROMPTS[1]), 2)  # warm-up (another prompt: no prefix
+        _, _, _, ttft = decode(plain, long_ids, 2)                        # cached for the one measured)
         result["prefill"][quant] = {"prompt tokens": len(long_ids), "seconds": round(ttft, 3),
                                     "tokens/s": round(len(long_ids) / ttft, 1)}
         print(f"{quant}: prefill {len(long_ids)} tokens in {ttft:.2f} s ({len(long_ids) / ttft:.1f} tok/s)", flush=True)

@@ -88,3 +88,16 @@ def test_default_budget_is_at_least_the_weights(target_dir):
 
     assert kv_sizing.weight_bytes([Fake]) == 2_400_000_000
     assert kv_sizing.default_kv_memory([Fake]) == min(2_400_000_000, (kv_sizing.available_memory() or 1 << 62) // 2)
+
+
+def test_quantized_weights_count_their_bytes(target_dir, monkeypatch):
+    """An int8 model's default budget follows the bytes it holds, not its parameters as float32."""
+    import draftwise.model.llama as llama
+    from draftwise.model import load_model
+
+    monkeypatch.setattr(llama, "QUANT_MIN_NUMEL", 0)  # every projection int8 (the tiny model's are small)
+
+    plain = load_model(target_dir, load_tokenizer=False)
+    q8 = load_model(target_dir, load_tokenizer=False, quantization="int8")
+    assert kv_sizing.weight_bytes([plain]) == plain.config.num_parameters() * 4
+    assert kv_sizing.weight_bytes([q8]) < 0.6 * kv_sizing.weight_bytes([plain])

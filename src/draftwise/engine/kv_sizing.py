@@ -57,7 +57,18 @@ def kv_bytes_per_token(models) -> int:
 
 
 def weight_bytes(models) -> int:
-    return sum(m.config.num_parameters() * next(m.model.parameters()).element_size() for m in models)
+    """The models' weights in bytes: parameters times their element size, or for a quantized model
+    (int8 / int4 weights, kept GGUF blocks) the bytes its tensors hold, which the parameter count
+    overstates 3-6x (a 4-bit 1.5B model counted as float32 claimed 6 GB of K/V by default)."""
+    from ..model.quantize import quantization_of
+
+    total = 0
+    for m in models:
+        if hasattr(m.model, "modules") and quantization_of(m.model):
+            total += sum(t.numel() * t.element_size() for t in (*m.model.parameters(), *m.model.buffers()))
+        else:
+            total += m.config.num_parameters() * next(m.model.parameters()).element_size()
+    return total
 
 
 def available_memory() -> int | None:

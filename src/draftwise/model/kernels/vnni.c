@@ -35,29 +35,42 @@ int dw_vnni(void) {
 #ifdef DW_A8
 #define A8_RB 6 /* rows per register block */
 
+/* 4 activation bytes broadcast to every lane, read as one int32 from memory: the compiler folds it
+ * into VPDPBUSD's operand (a register broadcast from a general register cost a shuffle port) */
+typedef int32_t i32u __attribute__((may_alias, aligned(1)));
+static inline __m512i bcast4(const int8_t *p) { return _mm512_set1_epi32(*(const i32u *)p); }
+
 /* rows of x [rows, N] -> xq (int8, [rows, N]), xs [rows, N/32] (the groups' steps) and xsum
- * [rows, N/32] (the groups' float sums, in order), qsum [rows, N/32] (sum of xq) */
+ * [rows, N/32] (the groups' float sums), qsum [rows, N/32] (sum of xq). Two 16-lane vectors a
+ * group: the quantisation is a verification step's few percent, not its tens with scalar divisions.
+ * x / step is IEEE division, rounded to nearest even: the values torch.round(x / step) gives. */
 static void a8_quantize(const void *x, long rows, long N, int bf, int8_t *xq, float *xs, float *xsum, int32_t *qsum) {
     long G = N / 32;
     for (long r = 0; r < rows; r++)
         for (long g = 0; g < G; g++) {
-            float v[32], amax = 0.0f, s = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                v[i] = ld(x, r * N + g * 32 + i, bf);
-                float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-                s += v[i];
+            long i0 = r * N + g * 32;
+            __m512 v0, v1;
+            if (bf) {
+                const uint16_t *p = (const uint16_t *)x + i0;
+                v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+                v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            } else {
+                v0 = _mm512_loadu_ps((const float *)x + i0);
+                v1 = _mm512_loadu_ps((const float *)x + i0 + 16);
             }
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             float step = amax / 127.0f;
-            int32_t qs = 0;
-            for (int i = 0; i < 32; i++) {
-                int q = step > 0.0f ? (int)nearbyintf(v[i] / step) : 0;
-                xq[r * N + g * 32 + i] = (int8_t)q;
-                qs += q;
+            __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+            if (step > 0.0f) {
+                __m512 sv = _mm512_set1_ps(step);
+                q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v0, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v1, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             }
+            _mm_storeu_si128((__m128i *)(xq + i0), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + i0 + 16), _mm512_cvtepi32_epi8(q1));
             xs[r * G + g] = step;
-            xsum[r * G + g] = s;
-            qsum[r * G + g] = qs;
+            xsum[r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+            qsum[r * G + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         }
 }
 
@@ -82,21 +95,27 @@ static inline __attribute__((always_inline)) void q8g_block(const int8_t *xq, co
     for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
     const int8_t *w = wv + ob * N * 16;
     for (long g = 0; g < G; g++, w += 512) {
-        __m512i s[A8_RB];
-        for (int r = 0; r < NR; r++) s[r] = _mm512_set1_epi32(-128 * qsum[(r0 + r) * G + g]);
+        /* two sum chains per row (even and odd chunks): VPDPBUSD's latency is several cycles, and
+         * one chain of 8 left a lone row waiting on it */
+        __m512i s[A8_RB], s2[A8_RB];
+        for (int r = 0; r < NR; r++) {
+            s[r] = _mm512_set1_epi32(-128 * qsum[(r0 + r) * G + g]);
+            s2[r] = _mm512_setzero_si512();
+        }
         __builtin_prefetch(w + 2048, 0, 0);
-        for (int c = 0; c < 8; c++) {
-            __m512i wc = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + c * 64)), flip);
+        for (int c = 0; c < 8; c += 2) {
+            __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + c * 64)), flip);
+            __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + c * 64 + 64)), flip);
             for (int r = 0; r < NR; r++) {
-                int32_t x4;
-                memcpy(&x4, xq + (r0 + r) * N + g * 32 + c * 4, 4);
-                s[r] = _mm512_dpbusd_epi32(s[r], wc, _mm512_set1_epi32(x4));
+                const int8_t *x4 = xq + (r0 + r) * N + g * 32 + c * 4;
+                s[r] = _mm512_dpbusd_epi32(s[r], w0, bcast4(x4));
+                s2[r] = _mm512_dpbusd_epi32(s2[r], w1, bcast4(x4 + 4));
             }
         }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (ob * G + g) * 16)));
         for (int r = 0; r < NR; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])),
-                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r], s2[r])),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])), acc[r]);
     }
     for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
@@ -125,16 +144,13 @@ static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, 
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));
         for (int r = 0; r < NR; r++) {
             const int8_t *x = xq + (r0 + r) * N + g * 32;
-            __m512i s = _mm512_setzero_si512();
+            __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(); /* two chains (latency) */
             for (int j = 0; j < 4; j++) {
-                int32_t a, b;
-                memcpy(&a, x + 4 * j, 4);
-                memcpy(&b, x + 16 + 4 * j, 4);
-                s = _mm512_dpbusd_epi32(s, lo[j], _mm512_set1_epi32(a));
-                s = _mm512_dpbusd_epi32(s, hi[j], _mm512_set1_epi32(b));
+                s = _mm512_dpbusd_epi32(s, lo[j], bcast4(x + 4 * j));
+                s2 = _mm512_dpbusd_epi32(s2, hi[j], bcast4(x + 16 + 4 * j));
             }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])),
-                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s, s2)),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])), acc[r]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(r0 + r) * G + g]), acc[r]);
         }
     }
