@@ -32,9 +32,9 @@ def test_bench_url_against_draftwise_serve(target_dir, tmp_path, capsys):
     wl = tmp_path / "short.jsonl"
     wl.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": 12}) + "\n"
                           for i, p in enumerate(["def add(a, b):", "class Point:\n", "for i in", "import os\n"])))
-    engine = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=3),
-                 draft_dtype="float32").engine  # its own draft at its precision: all accepted
-    with ServerThread(engine, "tiny") as srv:
+    llm = LLM(str(target_dir), draft=str(target_dir), spec=SpecConfig(method="draft", k=3),
+              draft_dtype="float32")  # its own draft at its precision: all accepted
+    with ServerThread(llm.engine, "tiny", loaded=llm.models) as srv:
         rc = main(["bench", "--url", srv.url, "--workload", str(wl), "--max-tokens", "12",
                    "--concurrency", "1,2", "--out", str(tmp_path / "out"), "--progress"])
     assert rc == 0
@@ -44,7 +44,9 @@ def test_bench_url_against_draftwise_serve(target_dir, tmp_path, capsys):
     # the settings say what the server said about itself, not this command's local defaults
     st = res["settings"]
     assert st["model"] == "tiny" and st["method"] == "draft" and st["k"] == 3
-    assert st["dtype"] == st["quantization"] == st["draft"] == "unknown"
+    # what it loaded, from its /health (the local defaults would say "embedded")
+    assert st["draft"] == target_dir.name and st["dtype"] == st["draft_dtype"] == "float32"
+    assert st["quantization"] is None and st["device"] == "cpu"
     assert st["server"]["owned_by"] == "draftwise" and st["server"]["speculation"]["policy"] == "fixed"
     assert st["server"]["metrics"]["exporter"] == "draftwise" and st["reference_server"] is None
     runs = res["workloads"][0]["runs"]

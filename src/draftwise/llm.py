@@ -61,6 +61,10 @@ class LLM:
                                         device=device, method=spec.method or "", draft_option="draft=...",
                                         quantization=quantization)
         self.engine = LLMEngine(target, draft_model, spec, EngineConfig(dtype=dtype, device=device, **engine_kwargs))
+        # what was loaded, as a server reports it about itself (bench --url records it)
+        self.models = {"target": target.path.name, "draft": draft_model.path.name if draft_model is not None else None,
+                       "dtype": dtype, "draft_dtype": (draft_dtype or dtype) if draft_model is not None else None,
+                       "quantization": quantization, "device": device}
         self.tokenizer = target.tokenizer
         self._ids = itertools.count()
 

@@ -118,7 +118,8 @@ def run(args) -> int:
     llm = worker.call(build)
     name = args.served_model_name or model_dir.name
     app = build_app(llm.engine, name, aliases={str(model_dir), str(model_dir.resolve())}, max_queue=args.max_queue,
-                    thread=worker, limits=limits, api_key=args.api_key, warm_grammar_worker=True)
+                    thread=worker, limits=limits, api_key=args.api_key, warm_grammar_worker=True,
+                    loaded=llm.models)
     spec = llm.engine.spec
     print(f"draftwise serve: {name} ({model_dir}), speculation={spec.method or 'none'}"
           f"{f' k={spec.k}' if spec.method else ''}, http://{args.host}:{args.port}/v1"

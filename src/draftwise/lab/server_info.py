@@ -5,7 +5,8 @@ defaults for them. It asks instead:
 
 - `/v1/models` (any OpenAI-compatible server): the served model's id, `owned_by` ("draftwise",
   "vllm", ...), and where given `max_model_len` and `root` (vLLM: the model's path);
-- `/health`, where `owned_by` is "draftwise": the speculative method, k and policy it runs;
+- `/health`, where `owned_by` is "draftwise": the speculative method, k and policy it runs, and
+  the models it loaded (target, draft, dtypes, quantization, device);
 - `/metrics`: whose speculation counters it exports (`draftwise:*` or `vllm:spec_decode_*`), and
   whether any proposal was made yet.
 
@@ -56,10 +57,9 @@ def describe_server(url: str, model: str | None = None) -> dict:
         for key in ("max_model_len", "root"):
             if card.get(key) is not None:
                 out[key] = card[key]
-        spec = None
-        if out["owned_by"] == "draftwise":
-            spec = (_get_json(client, f"{url}/health") or {}).get("speculation")
-        out["speculation"] = spec or UNKNOWN
+        health = (_get_json(client, f"{url}/health") or {}) if out["owned_by"] == "draftwise" else {}
+        out["speculation"] = health.get("speculation") or UNKNOWN
+        out["models"] = health.get("models") if isinstance(health.get("models"), dict) else {}
         out["metrics"] = _metrics(client, url)
     return out
 
@@ -69,8 +69,15 @@ def server_settings(server: dict, reference: dict | None) -> dict:
     said, "unknown" for what it did not (never the local defaults)."""
     spec = server["speculation"]
     method = spec.get("method", UNKNOWN) if isinstance(spec, dict) else UNKNOWN
+    models = server.get("models") or {}
+
+    def said(key):  # what a draftwise server's /health says it loaded, else unknown
+        return models[key] if key in models else UNKNOWN
+
+    draft = said("draft")
     return {"model": server["model"], "method": method,
             "k": spec.get("k") if isinstance(spec, dict) and method != "none" else None,
-            "draft": None if method in ("none", "ngram") else UNKNOWN,
-            "dtype": UNKNOWN, "draft_dtype": UNKNOWN, "quantization": UNKNOWN, "device": UNKNOWN,
+            "draft": draft, "dtype": said("dtype"),
+            "draft_dtype": said("draft_dtype") if draft is not None else None,
+            "quantization": said("quantization"), "device": said("device"),
             "server": server, "reference_server": reference}

@@ -85,10 +85,11 @@ def _add_error_handlers(app: FastAPI, outcomes: Outcomes) -> None:
 def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = None,
               max_queue: int | None = None, thread: EngineThread | None = None,
               limits: ServerLimits | None = None, api_key: str | None = None,
-              warm_grammar_worker: bool = False) -> FastAPI:
+              warm_grammar_worker: bool = False, loaded: dict | None = None) -> FastAPI:
     """`api_key`: required as `Authorization: Bearer KEY` on /v1/* (None: open);
     `warm_grammar_worker`: start the constraint compile worker with the server, not on the first
-    constraint (it takes seconds to import xgrammar)."""
+    constraint (it takes seconds to import xgrammar); `loaded`: the models loaded (`LLM.models`),
+    shown by /health so that a client (bench --url) can record it."""
     limits = limits or ServerLimits()
     aeng = AsyncEngine(engine, max_queue=max_queue, thread=thread)
     outcomes = Outcomes()
@@ -144,7 +145,7 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
                             "policy": engine.spec.policy if engine.spec.method else None},
             "requests_in_server": aeng.num_in_flight, "requests_in_engine": snap.requests,
             "waiting": snap.waiting, "running": snap.running, "kv_blocks": snap.kv,
-            "grammar": serving.constraints.health(),
+            "grammar": serving.constraints.health(), "models": loaded or {},
         }
 
     @app.get("/metrics")
