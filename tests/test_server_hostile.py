@@ -123,6 +123,13 @@ def msgs(content):
      400, "messages", "messages[0].content[1]: content parts of type 'image_url' are not supported"),
     (CHAT, msgs([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]), 400, "messages",
      "'input_audio'"),
+    # tool calling the model cannot do, or asked for in a form the server does not take
+    (CHAT, dict(msgs("x"), tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+     400, "tools", "does not render tools"),
+    (CHAT, dict(msgs("x"), functions=[{"name": "f", "parameters": {"type": "object"}}]), 400, "functions", "tools"),
+    (CHAT, dict(msgs("x"), tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"),
+     400, "tool_choice", None),
+    (CHAT, dict(msgs("x"), tools="f"), 422, "tools", "valid list"),
     # speculation per request: invalid values
     (CMPL, {"prompt": "x", "speculation": {"max_draft": -1}}, 400, "speculation", "speculation.max_draft"),
     (CMPL, {"prompt": "x", "speculation": {"max_draft": 1.5}}, 400, "speculation", "speculation.max_draft"),
