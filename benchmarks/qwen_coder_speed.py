@@ -1,11 +1,12 @@
 """Batch-1 speed of the Qwen2.5-Coder pair (make qwen-coder): plain, the 0.5B draft, n-gram; the
 cost of a verification block against a decode step; prefill.
 
-    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored,int8] [--tokens 128] [--k 4]
-        [--threads 2] [--rounds 1] [--out FILE.json]
+    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,ngram]
+        [--tokens 128] [--k 4] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
-groups; `int8`: those values re-quantised per output channel) in one process:
+groups; `int8`: every block as int8 groups; a comma list runs them in one process, but each engine
+holds its own copy of the models):
 
 - step cost: one target step of 1 token and of k + 1 tokens (logits for every row, as
   verification asks), after a 64-token context; the median of 7 means of 10 warm steps;
@@ -92,7 +93,7 @@ def engines(quant: str, k: int, configs: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quant", default="stored,int8")
+    ap.add_argument("--quant", default="stored")  # (each setting loads its own copies: one at a time fits)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
