@@ -139,27 +139,63 @@ def _lab_tables(lab: dict) -> list[str]:
     return lines
 
 
-def _over_best(name: str, cells: dict, levels: list[str], configs: list[str]) -> list[str]:
-    """Each load-aware policy against max(none, its fixed config), each A/A copy against its
-    original, at every level, with the geometric mean (the lab's own comparisons, policy_compare)."""
+def _ratio_rows(name: str, cells: dict, configs: list[str]) -> dict[str, dict[str, float]]:
+    """label -> {level: ratio}: each load-aware policy against max(none, its fixed config), each A/A
+    copy against its original (the lab's own comparisons, policy_compare)."""
     results = {"workloads": [{"name": name, "runs": [
         {"config": cfg, "level_label": lv, "output_tokens_per_s": c["tok_s"]}
         for cfg in configs for lv, c in cells[cfg].items()]}]}
     policies, controls = policy_points(results), control_points(results)
-    rows = []
+    out = {}
     for cfg in configs:
         if cfg in controls:
-            label, pts = f"{cfg} / {strip_option(cfg, 'copy')} (A/A control)", controls[cfg]
+            out[f"{cfg} / {strip_option(cfg, 'copy')} (A/A control)"] = {lv: r for _, lv, r in controls[cfg]}
         elif cfg in policies:
-            label, pts = f"{cfg} / max(none, {strip_option(cfg, 'policy')})", policies[cfg]
-        else:
-            continue
-        ratio = {lv: r for _, lv, r in pts}
-        geo = math.exp(sum(math.log(r) for r in ratio.values()) / len(ratio))
-        rows.append([label] + [f"{ratio[lv]:.2f}" if lv in ratio else "-" for lv in levels] + [f"{geo:.3f}"])
+            out[f"{cfg} / max(none, {strip_option(cfg, 'policy')})"] = {lv: r for _, lv, r in policies[cfg]}
+    return out
+
+
+def _geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _over_best(name: str, cells: dict, levels: list[str], configs: list[str]) -> list[str]:
+    """The ratios at every level, with their geometric mean."""
+    rows = [[label] + [f"{ratio[lv]:.2f}" if lv in ratio else "-" for lv in levels] + [f"{_geomean(ratio.values()):.3f}"]
+            for label, ratio in _ratio_rows(name, cells, configs).items()]
     if not rows:
         return []
     return [""] + _table(["ratio"] + levels + ["geomean"], rows)
+
+
+def _ratios_only(lab: dict) -> list[str]:
+    """An A/B's ratios without the speedup tables: one table with a column per workload where the
+    run has one level, else one per workload."""
+    workloads = lab["workloads"]
+    if any(len(w["levels"]) != 1 for w in workloads):
+        lines = []
+        for w in workloads:
+            lines += ["", f"**{w['name']}**"] + _over_best(w["name"], w["cells"], w["levels"], w["configs"])
+        return lines + _mismatches(workloads)
+    per = {w["name"]: _ratio_rows(w["name"], w["cells"], w["configs"]) for w in workloads}
+    labels = list(dict.fromkeys(label for rows in per.values() for label in rows))
+    rows = []
+    for label in labels:
+        got = [next(iter(per[w["name"]][label].values()), None) if label in per[w["name"]] else None for w in workloads]
+        rows.append([label] + [f"{r:.2f}" if r is not None else "-" for r in got]
+                    + [f"{_geomean(r for r in got if r is not None):.3f}"])
+    level = workloads[0]["levels"][0]
+    return [""] + _table([f"ratio at {level}"] + [w["name"] for w in workloads] + ["geomean"], rows) + _mismatches(workloads)
+
+
+def _mismatches(workloads: list[dict]) -> list[str]:
+    cells = [c for w in workloads for cfg in w["configs"] if cfg != "none" for c in w["cells"][cfg].values()]
+    compared = sum(c.get("compared") or 0 for c in cells)
+    if not compared:
+        return []
+    return ["", f"Greedy outputs compared with `none`'s: {compared} requests, "
+                f"{sum(c.get('mismatches') or 0 for c in cells)} differing."]
 
 
 def render_result(res: dict) -> list[str]:
@@ -170,8 +206,8 @@ def render_result(res: dict) -> list[str]:
         if t.get("caption"):
             lines += ["", t["caption"]]
         lines += [""] + _table(t["columns"], t["rows"])
-    if "lab" in res:
-        lines += _lab_tables(res["lab"])
+    if "lab" in res:  # "ratios_only": an A/B whose question is the ratios, not the speedups
+        lines += _ratios_only(res["lab"]) if res.get("ratios_only") else _lab_tables(res["lab"])
     return lines
 
 

@@ -57,6 +57,29 @@ def test_a_lab_summary_renders_speedups_and_the_policy_against_the_better_arm(tm
     assert "16 requests, 1 differing" in text
 
 
+def test_an_ab_at_one_level_renders_its_ratios_in_one_table(tmp_path):
+    """"ratios_only": no speedup tables; at one level a column per workload, with the geomean."""
+    page = _page()
+    runs = lambda w, none, fixed, pol, copy: [  # noqa: E731
+        _run("none", "c=8", none), _run("draft:k=4", "c=8", fixed, 3.0), _run("draft:k=4:copy=2", "c=8", copy, 3.0),
+        _run("draft:k=4:policy=goodput", "c=8", pol, 2.0)]
+    results = {"command": ["draftwise", "bench"], "environment": {"cpu": "CPU"}, "workloads": [
+        {"name": "a", "runs": runs("a", 100.0, 200.0, 180.0, 202.0)},
+        {"name": "b", "runs": runs("b", 400.0, 200.0, 360.0, 198.0)}]}
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(results))
+    page.RESULTS = tmp_path / "results"
+    page.RESULTS.mkdir()
+    dest = page.import_lab(src, "t", "policy", "title", [], 1)
+    res = json.loads(dest.read_text())
+    res["ratios_only"] = True
+    text = "\n".join(page.render_result(res))
+    assert "speedup vs none" not in text
+    assert "| ratio at c=8 | a | b | geomean |" in text
+    assert "| draft:k=4:policy=goodput / max(none, draft:k=4) | 0.90 | 0.90 | 0.900 |" in text
+    assert "| draft:k=4:copy=2 / draft:k=4 (A/A control) | 1.01 | 0.99 | 1.000 |" in text
+
+
 def test_a_result_in_an_unknown_section_is_refused(tmp_path):
     page = _page()
     (tmp_path / "x.json").write_text(json.dumps({"section": "nowhere", "title": "t", "command": "c",
