@@ -24,7 +24,7 @@ from draftwise.policies import CostModel, Policy, StepTiming, policy_class, regi
 from draftwise.policies.dspark import DSparkPolicy, prefix_schedule
 from draftwise.policies.goodput import GoodputConfig
 from draftwise.proposers import DraftBlock
-from test_policy_causal import COST, PROMPTS, enumerate_policy, never_right, rows
+from test_policy_causal import COST, PROMPTS, enumerate_admissions, never_right, rows
 
 FROZEN = GoodputConfig(learn_step_cost=False)
 
@@ -236,14 +236,7 @@ def test_dspark_admission_is_exact_by_enumeration():
     policy = DSparkPolicy(k=3, cost=STEEP, has_draft_model=False, config=FROZEN)
     seq = sampled()
     assert policy.plan([seq], [3]) == [3]  # free drafting and a fresh estimate: all of it
-    lengths = set()
-
-    def admit(seqs, blocks):
-        out = policy.admit(seqs, blocks, 0.0)
-        lengths.add(out[0])
-        return out
-
-    tv, _ = enumerate_policy(admit)
+    tv, lengths = enumerate_admissions(policy)
     assert tv <= 1e-9 and len(lengths) >= 3, lengths
 
 
@@ -251,14 +244,7 @@ def test_the_enumeration_sees_the_retrospective_scheduler():
     """On the enumeration's tables (c_1 = 0.755) a cliff of 2.8 s makes x_1's admission follow the
     confidences after it: x_1 = 1 is verified with its two successors, x_1 = 3 mostly not."""
     policy = Retrospective(cliff=2.8, k=3, cost=STEEP)
-    lengths = set()
-
-    def admit(seqs, blocks):
-        out = policy.admit(seqs, blocks, 0.0)
-        lengths.add(out[0])
-        return out
-
-    tv, _ = enumerate_policy(admit)
+    tv, lengths = enumerate_admissions(policy)
     assert tv > 0.1 and lengths == {0, 3}  # against <= 1e-9 for the early stop
 
 

@@ -160,6 +160,20 @@ def extend(prefix, weight, horizon, acc):
             extend(prefix + (t,), weight * p[t].item(), horizon, acc)
 
 
+def enumerate_admissions(policy):
+    """`enumerate_policy` through `policy.admit`, with the set of admitted lengths seen (a test
+    whose lengths never vary would be vacuous)."""
+    lengths = set()
+
+    def admit(seqs, blocks):
+        out = policy.admit(seqs, blocks, 0.0)
+        lengths.add(out[0])
+        return out
+
+    tv, _ = enumerate_policy(admit)
+    return tv, lengths
+
+
 def enumerate_policy(admit):
     """Output distribution over N+1 tokens when `admit(seqs, blocks)` picks the verified prefix of
     each drafted path; every branch is also run through `verify` with uniforms inside it."""
@@ -230,14 +244,7 @@ def test_goodput_admission_is_exact_after_a_plan():
     policy = GoodputPolicy(k=N, cost=fast, has_draft_model=True)
     seq = SimpleNamespace(seq_id=0, params=SamplingParams(temperature=1.0), num_tokens=10)
     assert policy.plan([seq], [N]) and policy.hints().arm == "spec"
-    lengths = set()
-
-    def admit(seqs, blocks):
-        out = policy.admit(seqs, blocks, 0.0)
-        lengths.add(out[0])
-        return out
-
-    tv, _ = enumerate_policy(admit)
+    tv, lengths = enumerate_admissions(policy)
     assert tv <= 1e-9 and len(lengths) >= 2, lengths
 
 

@@ -38,7 +38,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from .rejection import categorical_from_uniform
+from .rejection import accept_probability, categorical_from_uniform, residual_mass
 
 Drafting = Literal["iid", "distinct", "point"]
 
@@ -82,13 +82,9 @@ def sibling_test(r: torch.Tensor, q_k: torch.Tensor, x: int) -> tuple[float, tor
     -> (the probability x is accepted, the running target after a rejection). Both r and q_k sum
     to 1; the residual falls back to r where max(r - q_k, 0) has no mass (r = q_k: x is then
     accepted for certain, so the fallback is never drawn from)."""
-    r = r.to(torch.float64)
-    q_k = q_k.to(torch.float64)
-    q_x = float(q_k[x])
-    accept = min(1.0, float(r[x]) / q_x) if q_x > 0 else float(r[x] > 0)
-    residual = (r - q_k).clamp_(min=0.0)
-    mass = float(residual.sum())
-    return accept, (residual / mass if mass > 0 else r)
+    accept = float(accept_probability(r[x], q_k[x]))
+    residual = residual_mass(r, q_k)
+    return accept, residual / residual.sum()
 
 
 def sibling_proposals(tree: DraftTree, q_slot: torch.Tensor | None, siblings: Sequence[int],
