@@ -87,6 +87,9 @@ def test_cli_train_dspark_needs_a_target_and_a_budget(tmp_path, target_dir, caps
 
     assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--minutes", "1"]) == 2
     assert "needs --target" in capsys.readouterr().err
+    assert main(["train", "dspark", "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"),
+                 "--minutes", "1"]) == 2
+    assert "nowhere: not a model directory" in capsys.readouterr().err
     assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x")]) == 2
     assert "--minutes or --tokens" in capsys.readouterr().err
     assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",

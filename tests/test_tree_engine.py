@@ -80,3 +80,10 @@ def test_tree_rollback_matches_fresh_prefill(target_dir, near_draft_dir):
             runner.kv.reserve(seq.seq_id, len(ids))
             got = runner.run([seq.seq_id], [ids[computed:]], [computed], [1])[0]
             assert (got - fresh).abs().max() <= 1e-4
+
+
+def test_a_tree_for_a_drafter_without_trees_is_refused():
+    with pytest.raises(ValueError, match="tree needs the draft model"):
+        SpecConfig(method="ngram", k=4, tree=2)
+    with pytest.raises(ValueError, match="tree needs the draft model"):
+        SpecConfig(method="none", tree=2)

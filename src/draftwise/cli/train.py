@@ -159,8 +159,10 @@ def run(args) -> int:
 def _train_dspark(args) -> None:
     from ..train.dspark import train_dspark
 
-    if not args.target or not Path(args.target, "config.json").is_file():
+    if not args.target:
         raise UserError("train dspark needs --target DIR (a model directory: the drafter reads its features)")
+    if not Path(args.target, "config.json").is_file():
+        raise UserError(f"{args.target}: not a model directory (no config.json); --target names the model the drafter reads")
     if args.minutes is None and args.tokens is None:
         raise UserError("train dspark needs --minutes or --tokens")
     layers = None
