@@ -10,7 +10,8 @@ import draftwise.engine.engine as engine_module
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.engine import EngineConfig, LLMEngine
 from draftwise.lab.check import CheckSetup, check_distribution, make_engine
-from draftwise.model import load_model
+from draftwise.model import cpu_kernels, load_model
+from draftwise.model.llama import LlamaModel
 from tiny_models import make_model_dir
 
 
@@ -25,7 +26,7 @@ def prompts(vocab: int, n: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 24))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("n", [1, 6])
+@pytest.mark.parametrize("n", [1, 16])
 def test_greedy_tree_equals_plain(target_dir, near_draft_dir, monkeypatch, n):
     paths = []
     keep = engine_module.keep_accepted_path
@@ -35,6 +36,14 @@ def test_greedy_tree_equals_plain(target_dir, near_draft_dir, monkeypatch, n):
         keep(runner, seq_id, n_before, path)
 
     monkeypatch.setattr(engine_module, "keep_accepted_path", spy)
+    fused_trees = []
+    decoder_args = LlamaModel._decoder_args
+
+    def spy_args(self, B, T, pos_ptr, kv_cache, meta, max_position):
+        fused_trees.append(meta.kernel_trees is not None)
+        return decoder_args(self, B, T, pos_ptr, kv_cache, meta, max_position)
+
+    monkeypatch.setattr(LlamaModel, "_decoder_args", spy_args)
     plain = LLM(str(target_dir))
     ps = prompts(plain.engine.vocab_size, n)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -46,6 +55,8 @@ def test_greedy_tree_equals_plain(target_dir, near_draft_dir, monkeypatch, n):
     assert sum(o.stats.accepted_tokens for o in outs) > 0
     # some accepted path left the main chain (a sibling won), else the tree did nothing a chain would not
     assert any(p and p != list(range(len(p))) for p in paths) or n == 1
+    # the target's tree steps and the drafter's ran on the fused kernels where they are built
+    assert any(fused_trees) or cpu_kernels.kernels() is None
 
 
 def test_sampled_tree_passes_the_distribution_check(target_dir, near_draft_dir):

@@ -37,6 +37,8 @@ class AttentionMetadata:
     # packed rows (the fused CPU path only, see LlamaModel.packs): the B sequences' new tokens are
     # one flat run of rows [1, sum(seq_new)], sequence b's from row row_offsets[b] (B + 1 offsets)
     row_offsets: list[int] | None = None
+    # rows that form trees, for the fused CPU path (`tree_attention.kernel_trees`; with seq_lens)
+    kernel_trees: list[int] | None = None
 
     @staticmethod
     def build(

@@ -128,6 +128,7 @@ class DecoderArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("bf", ctypes.c_int),
         ("threads", ctypes.c_int),
+        ("tree", ctypes.c_void_p),  # int64: sequences whose rows form a tree (`tree_attention.kernel_trees`), or NULL
     ]
 
 
@@ -167,7 +168,7 @@ class Kernels:
             "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_pack": [p, p, i, i, i],
             "dw_argmax_conf": [p, i, i, p, p, ctypes.c_int],
-            "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int],
+            "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int, p],
             "dw_decoder": [p, p, args],
             "dw_forward": [io, p, p, i, p, args],
             "dw_draft_greedy": [io, args, p, i, i, i, p, p],

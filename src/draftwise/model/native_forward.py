@@ -148,8 +148,13 @@ class NativeForward:
             Lmax, slots_p = (slots.stride(0) if slots.shape[0] > 1 else slots.shape[1]), slots.data_ptr()
             lens_p = ctypes.addressof(lens_news)
             news_p = lens_p + 8 * B
+        tree_p = 0
+        if meta.kernel_trees is not None:  # (the runner gives them with paged slots only)
+            trees = (ctypes.c_int64 * len(meta.kernel_trees))(*meta.kernel_trees)
+            keep.append(trees)
+            tree_p = ctypes.addressof(trees)
         args = self._model_args(kv_cache, cos, sin, B=B, T=T, pos=pos_ptr, slot0=slot0, L=L, slots=slots_p,
-                                Lmax=Lmax, lens=lens_p, news=news_p, offs=offs_p)
+                                Lmax=Lmax, lens=lens_p, news=news_p, offs=offs_p, tree=tree_p)
         return args, keep
 
     def _native_io(self):
@@ -252,7 +257,7 @@ class NativeForward:
                               a.scale, y.data_ptr(), bf, a.threads)
             else:
                 rc = k.attend_batch(qkv.data_ptr(), a.B, a.T, H, Hkv, D, kc, kc + a.kv_stride * es, a.slots, a.Lmax,
-                                    a.lens, a.news, a.offs, a.window, a.scale, y.data_ptr(), bf, a.threads)
+                                    a.lens, a.news, a.offs, a.window, a.scale, y.data_ptr(), bf, a.threads, a.tree)
             if rc != 0:
                 raise MemoryError("fused attention: no scratch memory")
             o = w.o(y)  # (held in a name: a temporary's memory could be freed before the call)

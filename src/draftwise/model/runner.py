@@ -6,9 +6,9 @@ padded batch `[B, Tmax]` (or, on the fused CPU path, packed: one row per real to
 sequences feed different numbers of tokens: `_run_packed`), and returns logits only for the last
 `num_logits[b]` positions of each sequence, flattened in batch order: `[sum(num_logits), vocab]`. The same call serves prefill
 chunks, single-token decode, a drafter's steps and verification of `[last committed + K]`. With
-`trees`, a sequence's rows may form a tree (model/tree_attention.py): such a step runs padded on
-the PyTorch path (the fused kernels mask causally only), and `move_kv` then gathers an accepted
-path's K/V onto consecutive positions.
+`trees`, a sequence's rows may form a tree (model/tree_attention.py): such a step runs packed on
+the fused CPU path (the kernels take each tree's parents), else padded on the PyTorch path with a
+per-row mask, and `move_kv` then gathers an accepted path's K/V onto consecutive positions.
 
 A hybrid model (model/hybrid.py) has K/V for its attention layers only and a recurrent state per
 sequence (`self.state`, model/recurrent_state.py): rows passed as `provisional` (verification
@@ -24,7 +24,7 @@ from ..kv import KVManager
 from .attention import AttentionMetadata, PagedMetadata
 from .loader import LoadedModel
 from .recurrent_state import RecurrentStatePool
-from .tree_attention import TreeSpec, tree_metadata
+from .tree_attention import TreeSpec, kernel_trees, tree_metadata
 
 
 # a ragged batch whose longest sequence feeds at least this many tokens runs one forward per
@@ -175,18 +175,23 @@ class ModelRunner:
             return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         return torch.cat(outs)
 
-    def _run_packed(self, seq_ids, new_tokens, starts, num_logits, lens, return_hidden, feature_layers=()):
+    def _run_packed(self, seq_ids, new_tokens, starts, num_logits, lens, return_hidden, feature_layers=(),
+                    trees: list[TreeSpec | None] | None = None):
         """`run` for sequences feeding different numbers of tokens, without padding: one row per
         real token (a verification batch where rows verify 0..k proposals, a drafter's catch-up
-        beside single tokens), so the products cost the tokens fed, not B x the longest."""
+        beside single tokens), so the products cost the tokens fed, not B x the longest. `trees`:
+        rows that form trees, attended by the fused kernels (`kernel_trees`), at depth positions."""
         ends = [s + n for s, n in zip(starts, lens)]
         offs = [0]
         for n in lens:
             offs.append(offs[-1] + n)
         flat_ids = [t for row in new_tokens for t in row]
-        flat_pos = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
+        trees = trees or [None] * len(lens)
+        flat_pos = [p for s, n, tr in zip(starts, lens, trees)
+                    for p in (range(s, s + n) if tr is None else tr.positions(s, n))]
         gather = self.kv.slots(seq_ids, ends)  # [B, L]: the fused kernels write each new token's K/V there
-        meta = AttentionMetadata(None, None, gather, None, seq_lens=ends, seq_new=lens, row_offsets=offs)
+        meta = AttentionMetadata(None, None, gather, None, seq_lens=ends, seq_new=lens, row_offsets=offs,
+                                 kernel_trees=kernel_trees(trees, ends))
         rows = [offs[b] + t for b in range(len(lens)) for t in range(lens[b] - num_logits[b], lens[b])]
         if self._native and not return_hidden and not feature_layers:  # the whole step in one kernel call
             logits = self.model.native_logits(flat_ids, flat_pos, len(lens), 0, self.cache, meta, max(ends), rows)
@@ -205,11 +210,14 @@ class ModelRunner:
         return logits
 
     def _run_tree(self, seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden):
-        """`run` for a batch in which some sequences' rows form a tree: one padded forward on the
-        PyTorch path with a per-row mask (`tree_metadata`). Not for a hybrid model (its recurrent
-        state follows one path)."""
+        """`run` for a batch in which some sequences' rows form a tree: packed on the fused CPU path
+        where it runs (`_run_packed` with the trees), else one padded forward on the PyTorch path
+        with a per-row mask (`tree_metadata`). Not for a hybrid model (its recurrent state follows
+        one path)."""
         if self.state is not None:
             raise ValueError("tree attention needs an attention-only model (a hybrid's recurrent state is a chain)")
+        if self._native and self.model.packs(max(lens), self.cache):
+            return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden, trees=list(trees))
         B, T = len(seq_ids), max(lens)
         ends = [s + n for s, n in zip(starts, lens)]
         gather = self.kv.slots(seq_ids, ends)  # [B, L]

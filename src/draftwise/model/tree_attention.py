@@ -16,6 +16,8 @@ what changes is what a row attends and where it sits:
   rolled back by bookkeeping, as a rejected chain's is.
 - A chain is the tree whose parents are (-1, 0, 1, ...) (positions = key indices).
 
+`kernel_trees` lays the trees out for the fused CPU kernels (kernels/attention.c, dw_attend_batch),
+which attend the same keys and sum them in the order a chain over the row's path would.
 `tree_metadata` builds the PyTorch path's `AttentionMetadata` for a padded batch in which some
 sequences carry a tree (a per-row boolean mask `[B, 1, T, L]`); the others are causal as usual.
 """
@@ -104,3 +106,21 @@ def tree_metadata(
     write_index = torch.nonzero(flat >= 0).squeeze(1)
     meta = AttentionMetadata(write_index, flat[write_index], gather, mask.unsqueeze(1))
     return pos_rows, meta
+
+
+def kernel_trees(trees: list[TreeSpec | None], seq_lens: list[int]) -> list[int] | None:
+    """The fused kernels' tree argument (dw_attend_batch) for B sequences with seq_lens[b] keys each:
+    B entries (-1: causal rows; else the offset of the sequence's record), then each record: its
+    zone's base and the parents of keys base .. seq_lens[b] - 1. None: every sequence causal."""
+    if all(t is None for t in trees):
+        return None
+    head, body = [], []
+    for tree, n in zip(trees, seq_lens):
+        if tree is None or n <= tree.base:
+            head.append(-1)
+            continue
+        if n > tree.base + len(tree.parents):
+            raise ValueError(f"keys reach {n - 1}, past the tree zone's last ({tree.base + len(tree.parents) - 1})")
+        head.append(len(trees) + len(body))
+        body += [tree.base, *tree.parents[: n - tree.base]]
+    return head + body

@@ -123,10 +123,12 @@ static void group_scores(const float *Q, long nq, long group, long first, const 
     }
 }
 
-/* Softmax in place over each query's own keys lo .. p of its row of S. */
-static void group_softmax(float *S, long nq, long group, long first, long window, long L) {
+/* Softmax in place over each query's own keys lo .. p of its row of S (p: its position, first +
+ * r / group, or pend[r / group] for a tree's rows, whose rows of S are compacted: tree_compact). */
+static void group_softmax(float *S, long nq, long group, long first, const long *pend, long window, long L) {
     for (long r = 0; r < nq; r++) {
-        long p = first + r / group, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p + 1 - lo;
+        long p = pend ? pend[r / group] : first + r / group;
+        long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p + 1 - lo;
         float *s = S + r * L + lo;
         float m = max_f32(s, n);
         long j = 0;
@@ -142,19 +144,26 @@ static void group_softmax(float *S, long nq, long group, long first, long window
     }
 }
 
-/* A [nq, D] = each query's probabilities S times the values, 64 outputs at a time in registers. */
-static void group_values(const float *S, long nq, long group, long first, long window, long L, const void *vc,
-                         long slot0, const int64_t *slots, long kv, long g, long D, float *A, int bf) {
+/* A [nq, D] = each query's probabilities S times the values, 64 outputs at a time in registers.
+ * Index j of a row of S is key j, except in a tree's rows (zp not NULL) from index zb on: there
+ * index zb + i is the row's i-th zone key on its path, key zb + zp[(r / group) * Z + i]. The keys
+ * are summed in index order either way (two runs of the same loop), so a tree row's output is the
+ * bits its path alone would give. */
+static void group_values(const float *S, long nq, long group, long first, const long *pend, const long *zp,
+                         long zb, long Z, long window, long L, const void *vc, long slot0, const int64_t *slots,
+                         long kv, long g, long D, float *A, int bf) {
     for (long r = 0; r < nq; r++) {
-        long p = first + r / group, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        long p = pend ? pend[r / group] : first + r / group, lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        const long *zr = zp ? zp + (r / group) * Z : NULL; /* key of index j >= zb: zb + zr[j - zb] */
+        long e1 = p < zb - 1 ? p : zb - 1, z0 = lo > zb ? lo : zb; /* indices lo..e1 direct, z0..p through zr */
         const float *sr = S + r * L;
         float *a = A + r * D;
         long i0 = 0;
         for (; i0 + 64 <= D; i0 += 64) {
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-#define PV_STEP(BF)                                                                      \
-    for (long j = lo; j <= p; j++) {                                                     \
-        long off = SLOT(j) * kv + g * D + i0;                                            \
+#define PV_STEP(BF, J0, J1, KEY)                                                         \
+    for (long j = J0; j <= J1; j++) {                                                    \
+        long off = SLOT(KEY) * kv + g * D + i0;                                          \
         v8f w = bcast8(sr[j]);                                                           \
         a0 = fma8(w, load8(vc, off, BF), a0);                                            \
         a1 = fma8(w, load8(vc, off + 8, BF), a1);                                        \
@@ -166,9 +175,11 @@ static void group_values(const float *S, long nq, long group, long first, long w
         a7 = fma8(w, load8(vc, off + 56, BF), a7);                                       \
     }
             if (bf) { /* the dtype's branch outside the loop */
-                PV_STEP(1)
+                PV_STEP(1, lo, e1, j)
+                PV_STEP(1, z0, p, zb + zr[j - zb])
             } else {
-                PV_STEP(0)
+                PV_STEP(0, lo, e1, j)
+                PV_STEP(0, z0, p, zb + zr[j - zb])
             }
 #undef PV_STEP
             memcpy(a + i0, &a0, 32);
@@ -182,36 +193,85 @@ static void group_values(const float *S, long nq, long group, long first, long w
         }
         for (; i0 + 8 <= D; i0 += 8) {
             v8f a0 = {0};
-            for (long j = lo; j <= p; j++) a0 = fma8(bcast8(sr[j]), load8(vc, SLOT(j) * kv + g * D + i0, bf), a0);
+            for (long j = lo; j <= e1; j++) a0 = fma8(bcast8(sr[j]), load8(vc, SLOT(j) * kv + g * D + i0, bf), a0);
+            for (long j = z0; j <= p; j++)
+                a0 = fma8(bcast8(sr[j]), load8(vc, SLOT(zb + zr[j - zb]) * kv + g * D + i0, bf), a0);
             memcpy(a + i0, &a0, 32);
         }
         for (long i = i0; i < D; i++) {
             float acc = 0.0f;
-            for (long j = lo; j <= p; j++) acc += sr[j] * ld(vc, SLOT(j) * kv + g * D + i, bf);
+            for (long j = lo; j <= e1; j++) acc += sr[j] * ld(vc, SLOT(j) * kv + g * D + i, bf);
+            for (long j = z0; j <= p; j++) acc += sr[j] * ld(vc, SLOT(zb + zr[j - zb]) * kv + g * D + i, bf);
             a[i] = acc;
         }
     }
 }
 
+/* A tree's rows (tz: [base, parents of keys base .. L-1 relative to base, -1: under the context]):
+ * each of the T new rows (row t at key first + t) gets its position pend[t] and, from key base on,
+ * its path: zp[t * Z + i] (Z = L - base), the zone keys (relative to base) of its ancestors and
+ * itself, ascending. A row before the zone is causal: pend[t] = its key. */
+static void tree_paths(const int64_t *tz, long first, long T, long L, long *pend, long *zp) {
+    long base = tz[0], Z = L - base;
+    const int64_t *par = tz + 1;
+    for (long t = 0; t < T; t++) {
+        long k = first + t;
+        if (k < base) {
+            pend[t] = k;
+            continue;
+        }
+        long d = 0;
+        for (long j = k - base; j >= 0; j = par[j]) d++;
+        pend[t] = base + d - 1;
+        long *row = zp + t * Z;
+        for (long j = k - base; j >= 0; j = par[j]) row[--d] = j;
+    }
+}
+
+/* The scores of a tree's rows compacted in place: row r's index base + i takes the score of its
+ * i-th zone key on its path (never a later index: path keys ascend), so indices 0 .. pend form the
+ * row's keys in order, as its path alone would lay them out. */
+static void tree_compact(float *S, long nq, long group, long first, long base, long Z, const long *pend,
+                         const long *zp, long window, long L) {
+    for (long r = 0; r < nq; r++) {
+        long t = r / group, p = pend[t];
+        if (first + t < base) continue;
+        long lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+        float *s = S + r * L + base;
+        for (long i = (lo > base ? lo - base : 0); i <= p - base; i++) s[i] = s[zp[t * Z + i]];
+    }
+}
+
 /* The queries of K/V head g (its H / Hkv query heads, all T tokens): a unit of work of its own,
- * independent of the other heads (threads may take heads in any order: the same bits). Returns 0,
- * or -1 when scratch memory is not available. */
+ * independent of the other heads (threads may take heads in any order: the same bits). tz: the
+ * sequence's tree (tree_paths), or NULL: causal rows. Returns 0, or -1 when scratch memory is not
+ * available. */
 static int attend_group(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0,
-                        const int64_t *slots, long L, long window, float scale, void *out, int bf, long g) {
+                        const int64_t *slots, long L, long window, float scale, void *out, int bf, long g,
+                        const int64_t *tz) {
     long row = (H + 2 * Hkv) * D, kv = Hkv * D;
     long group = H / Hkv, nq = T * group;
-    float *S = (float *)aligned_alloc(32, sizeof(float) * ((nq * L + 2 * nq * D + D + 8) / 8 * 8 + 8));
+    long base = tz ? tz[0] : L, Z = L - base, tree_longs = tz ? T + T * Z : 0;
+    float *S = (float *)aligned_alloc(32, sizeof(float) * ((nq * L + 2 * nq * D + D + 8) / 8 * 8 + 8)
+                                              + sizeof(long) * tree_longs);
     if (!S) return -1;
     float *Q = S + nq * L, *A = Q + nq * D, *x = A + nq * D; /* scores [nq, L], queries, outputs, a key */
-    long first = L - T; /* position of the first query */
-    long lo_all = (window > 0 && first - window + 1 > 0) ? first - window + 1 : 0;
+    long *pend = tz ? (long *)(S + (nq * L + 2 * nq * D + D + 8) / 8 * 8 + 8) : NULL, *zp = pend ? pend + T : NULL;
+    long first = L - T; /* key index of the first query (its position unless in a tree) */
+    long low = first; /* the lowest position of a query */
+    if (tz) {
+        tree_paths(tz, first, T, L, pend, zp);
+        for (long t = 0; t < T; t++) low = pend[t] < low ? pend[t] : low;
+    }
+    long lo_all = (window > 0 && low - window + 1 > 0) ? low - window + 1 : 0;
     for (long r = 0; r < nq; r++) { /* query r: token r / group, head g * group + r % group */
         long t = r / group, h = g * group + r % group;
         for (long i = 0; i < D; i++) Q[r * D + i] = ld(qkv, t * row + h * D + i, bf);
     }
     group_scores(Q, nq, group, first, kc, slot0, slots, kv, g, D, lo_all, L, scale, S, x, bf);
-    group_softmax(S, nq, group, first, window, L);
-    group_values(S, nq, group, first, window, L, vc, slot0, slots, kv, g, D, A, bf);
+    if (tz) tree_compact(S, nq, group, first, base, Z, pend, zp, window, L);
+    group_softmax(S, nq, group, first, pend, window, L);
+    group_values(S, nq, group, first, pend, zp, base, Z, window, L, vc, slot0, slots, kv, g, D, A, bf);
     for (long r = 0; r < nq; r++) {
         long t = r / group, h = g * group + r % group;
         for (long i = 0; i < D; i++) st(out, t * H * D + h * D + i, A[r * D + i], bf);
@@ -238,17 +298,22 @@ int dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void 
     long nt = (threads > 1 && T * H * L * D >= ATT_MIN_PARALLEL) ? (threads < Hkv ? threads : Hkv) : 1;
     int rc = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
-    for (long g = 0; g < Hkv; g++) rc |= attend_group(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf, g);
+    for (long g = 0; g < Hkv; g++) rc |= attend_group(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf, g, NULL);
     return rc;
 }
 
 /* B sequences on paged slots, T rows each: sequence b's key position j is at slots[b * Lmax + j],
  * it has lens[b] keys and news[b] <= T new tokens (its last keys; news NULL: all T), in its first
  * news[b] rows; the rows after them are padding (their outputs are set to zero, nothing written).
- * qkv [B * T, (H + 2 Hkv) * D], out [B * T, H * D]. */
+ * qkv [B * T, (H + 2 Hkv) * D], out [B * T, H * D].
+ * tree NULL: every row causal; else tree[b] < 0: sequence b's rows are causal, or its keys from
+ * base = tree[tree[b]] on form a tree (model/tree_attention.py's TreeSpec): key base + j hangs
+ * under key base + tree[tree[b] + 1 + j] (-1: the keys before base), j < lens[b] - base; a row from
+ * base on attends the keys before base, its ancestors and itself, at position base + its depth. */
 int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
-                    const int64_t *offs, long window, float scale, void *out, int bf, int threads) {
+                    const int64_t *offs, long window, float scale, void *out, int bf, int threads,
+                    const int64_t *tree) {
     /* offs NULL: sequence b's rows are b*T.. (padded to T, the padding rows zeroed); else packed:
      * its news[b] rows start at row offs[b] (offs[B] rows in all, no padding) */
     long es = bf ? 2 : 4, work = 0;
@@ -267,8 +332,9 @@ int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, v
     for (long it = 0; it < items; it++) {
         long b = it / Hkv, g = it % Hkv;
         long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
+        const int64_t *tz = (tree && tree[b] >= 0) ? tree + tree[b] : NULL;
         rc |= attend_group((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
-                           lens[b], window, scale, (char *)out + r0 * H * D * es, bf, g);
+                           lens[b], window, scale, (char *)out + r0 * H * D * es, bf, g, tz);
     }
     return rc;
 }

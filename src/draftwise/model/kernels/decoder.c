@@ -52,7 +52,7 @@ int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
         dw_rope(qkv, R, qkvw, H + Hkv, D, args->pos, args->cos, args->sin, bf);
         if (args->slots)
             rc = dw_attend_batch(qkv, B, T, H, Hkv, D, kc, vc, args->slots, args->Lmax, args->lens, args->news, offs,
-                                 window, scale, y, bf, threads);
+                                 window, scale, y, bf, threads, args->tree);
         else
             rc = dw_attend(qkv, T, H, Hkv, D, kc, vc, args->slot0, args->L, window, scale, y, bf, threads);
         dw_product(K[1], y, W[4], W[5], W[6], o, R, hid, H * D, bf, threads);

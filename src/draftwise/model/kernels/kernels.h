@@ -148,7 +148,8 @@ int dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void 
               long window, float scale, void *out, int bf, int threads);
 int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
-                    const int64_t *offs, long window, float scale, void *out, int bf, int threads);
+                    const int64_t *offs, long window, float scale, void *out, int bf, int threads,
+                    const int64_t *tree);
 
 /* linear.c: small float weights and int4 groups */
 void dw_linear(const void *x, const void *wt, const void *bias, void *out, long rows, long O, long N, int bf);
@@ -201,6 +202,7 @@ struct dw_decoder_args {
     long window;
     float scale;
     int bf, threads;
+    const int64_t *tree; /* sequences whose rows form a tree, as dw_attend_batch takes them; NULL: none */
 };
 
 /* The input embedding and the LM head run inside dw_forward and the drafter's greedy steps (`NativeIO`
