@@ -48,12 +48,15 @@ def test_missing_tokenizer(tmp_path, target_dir):
         LLM(str(d))
 
 
-def test_vocab_mismatch(tmp_path, target_dir):
+def test_vocab_mismatch(tmp_path, target_dir, capsys):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from tiny_models import make_model_dir
 
     d = make_model_dir(tmp_path / "d", vocab_size=500, layers=1, hidden=32, heads=2, kv_heads=1, inter=64)
-    with pytest.raises(ValueError, match="draft vocabulary size \\(500"):
+    LLM(str(target_dir), draft=str(d), spec=SpecConfig(method="draft"))  # mapped through the tokenizers
+    assert "drafting across vocabularies" in capsys.readouterr().err
+    (d / "tokenizer.json").unlink()  # nothing to map the ids with
+    with pytest.raises(ValueError, match="needs both tokenizers .*tokenizer.json is missing"):
         LLM(str(target_dir), draft=str(d), spec=SpecConfig(method="draft"))
 
 
@@ -180,18 +183,23 @@ def swapped_tokenizer_dir(src, dst, pairs: int):
     return dst
 
 
-def test_tokenizer_mismatch_warning(tmp_path, target_dir, draft_dir, capsys):
-    from draftwise.model.vocab_check import tokenizer_mismatch
+def test_swapped_tokenizer_drafts_across_vocabularies(tmp_path, target_dir, draft_dir, capsys):
+    from tokenizers import Tokenizer
 
-    same, n = tokenizer_mismatch(target_dir, draft_dir)
+    from draftwise.model.vocab_check import count_differing_tokens
+
+    def tok(d):
+        return Tokenizer.from_file(str(d / "tokenizer.json"))
+
+    same, n = count_differing_tokens(tok(target_dir), tok(draft_dir))
     assert same == 0 and n > 20
     other = swapped_tokenizer_dir(draft_dir, tmp_path / "d", pairs=3)
-    assert tokenizer_mismatch(target_dir, other) == (6, n)
+    assert count_differing_tokens(tok(target_dir), tok(other)) == (6, n)
     rc, err = run_cli(["generate", "def", "--model", target_dir, "--draft", other, "--max-tokens", "2"], capsys)
     assert rc == 0
-    assert "warning: the draft's tokenizer" in err and f"maps 6 of {n} token ids" in err
+    assert "drafting across vocabularies" in err
     rc, err = run_cli(["generate", "def", "--model", target_dir, "--draft", draft_dir, "--max-tokens", "2"], capsys)
-    assert rc == 0 and "warning" not in err
+    assert rc == 0 and "drafting across vocabularies" not in err
 
 
 def test_train_threads_and_check_prompts_errors_are_one_line(tmp_path, target_dir, capsys):

@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from .common import add_progress_arg, add_quantization_arg, positive_int, warn_tokenizer_mismatch
+from .common import add_progress_arg, add_quantization_arg, positive_int
 
 
 def _option(name: str, fn, *args):
@@ -129,8 +129,6 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan, num_requests = _plan(args)
-    if not args.url:
-        warn_tokenizer_mismatch(args, "bench", [c.method for c in plan.configs])
     console = stderr_console(args.progress)
     settings = _settings(args, plan, num_requests)  # before the run: a server's own counters still untouched
     t0 = time.perf_counter()

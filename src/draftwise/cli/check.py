@@ -5,7 +5,7 @@ import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
-from .common import METHOD_HELP_CHECK, add_model_args, add_progress_arg, spec_from_args, warn_tokenizer_mismatch
+from .common import METHOD_HELP_CHECK, add_model_args, add_progress_arg, spec_from_args
 
 
 # --quick: a run of well under a minute on the embedded pair, for a first look; the price is power
@@ -103,7 +103,6 @@ def run(args) -> int:
     if spec.method is None:
         raise ValueError("check needs a speculative method: --method ngram, or --method draft with --draft "
                          "(with --model alone the method defaults to none)")
-    warn_tokenizer_mismatch(args, "check", [spec.method])
     target, draft = load_pair(args.model, args.draft, needs_draft=proposer_class(spec.method).needs_draft_model,
                               dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                               method=spec.method, quantization=args.quantization)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..engine import SpecConfig
 
@@ -28,25 +27,6 @@ def check_text(text: str, where: str) -> str:
         what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"lone surrogate \\u{ord(bad):04x}"
         raise ValueError(f"{where}: not valid UTF-8 text ({what} at character {e.start})") from None
     return text
-
-
-def warn_tokenizer_mismatch(args, command: str, methods: list[str | None]) -> None:
-    """Warn (stderr) when one of `methods` runs a draft model whose tokenizer maps ids to other
-    strings than the target's."""
-    from ..model.vocab_check import tokenizer_mismatch
-    from ..paths import default_draft, default_target, resolve_model
-    from ..proposers import proposer_class
-
-    if not any(m and proposer_class(m).needs_draft_model for m in methods):
-        return
-    draft = args.draft or (None if args.model else default_draft())
-    if draft is None:
-        return
-    found = tokenizer_mismatch(resolve_model(args.model) if args.model else default_target(), resolve_model(draft))
-    if found and found[0]:
-        print(f"draftwise {command}: warning: the draft's tokenizer ({draft}) maps {found[0]} of {found[1]} token "
-              "ids to other strings than the target's: the output stays exact, but fewer proposals will be "
-              "accepted", file=sys.stderr)
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
@@ -143,7 +123,6 @@ def build_llm(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = spec_from_args(args)
-    warn_tokenizer_mismatch(args, args.command, [spec.method])
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
                draft_dtype=args.draft_dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback,

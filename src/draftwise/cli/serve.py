@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import add_model_args, add_multi_step_arg, positive_int, spec_from_args, warn_tokenizer_mismatch
+from .common import add_model_args, add_multi_step_arg, positive_int, spec_from_args
 
 
 def _non_negative(text: str) -> float:
@@ -102,7 +102,6 @@ def run(args) -> int:
     given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in LIMIT_FLAGS}
     limits = ServerLimits(**{k: v for k, v in given.items() if v is not None})
     spec = spec_from_args(args)
-    warn_tokenizer_mismatch(args, "serve", [spec.method])
     model_dir = resolve_model(args.model) if args.model else default_target()
     threads = args.threads or torch.get_num_threads()
     worker = EngineThread()  # loads the models and later runs the engine loop (see async_engine)

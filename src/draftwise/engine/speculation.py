@@ -16,7 +16,7 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..policies import CostModel, StepTiming, policy_class
-from ..proposers import DraftBlock, proposer_class
+from ..proposers import DraftBlock, proposer_for
 from ..sampling.grammar import forced_tail
 from .config import EngineConfig, SpecConfig
 from .scheduler import ScheduledSeq
@@ -47,7 +47,8 @@ class Speculation:
 
     def __init__(self, spec: SpecConfig, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
                  num_blocks: int, stats: EngineStats):
-        cls = proposer_class(spec.method)
+        # the draft model's method drafts across vocabularies where the draft's tokenizer differs
+        cls, vocab_map = proposer_for(spec.method, target, draft)
         self.spec, self.stats = spec, stats
         self.vocab_size = target.config.vocab_size
         self.proposer = cls(
@@ -56,6 +57,7 @@ class Speculation:
             suffix_depth=spec.suffix_depth, suffix_spec_factor=spec.suffix_spec_factor,
             suffix_min_prob=spec.suffix_min_prob, suffix_cache_tokens=spec.suffix_cache_tokens,
             prefix_caching=config.enable_prefix_caching, tree=spec.tree if target.config.hybrid is None else 0,
+            vocab_map=vocab_map,
         )
         # a tree's rows attend through a mask and its path's K/V move after verification: not for a
         # hybrid target, whose recurrent state follows one path (a drafter's tree is then verified

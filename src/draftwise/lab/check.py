@@ -18,6 +18,7 @@ import torch
 
 from ..engine import EngineConfig, LLMEngine, SpecConfig
 from ..proposers import proposer_class
+from ..proposers.cross_vocab import CrossVocabProposer
 from ..sampling import SamplingParams
 from . import correctness
 
@@ -145,8 +146,11 @@ def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
             got_p = _cached_next_logits(spec.runner, seq.seq_id, ids, seq.num_computed).float()
             worst_p = max(worst_p, float((got_p - fresh_p).abs().max() / max(1.0, float(fresh_p.abs().max()))))
             if drafter is not None:
-                fresh_q = correctness.full_logits(drafter.model, ids)
-                got_q = _cached_next_logits(drafter, seq.seq_id, ids, seq.draft_computed).float()
+                ids_q, computed_q = ids, seq.draft_computed
+                if isinstance(spec.proposer, CrossVocabProposer):  # the drafter's own tokens and positions
+                    ids_q, computed_q = spec.proposer.draft_view(seq)
+                fresh_q = correctness.full_logits(drafter.model, ids_q)
+                got_q = _cached_next_logits(drafter, seq.seq_id, ids_q, computed_q).float()
                 worst_q = max(worst_q, float((got_q - fresh_q).abs().max() / max(1.0, float(fresh_q.abs().max()))))
     for seq in seqs:
         spec.abort(seq.request_id)
