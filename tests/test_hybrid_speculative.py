@@ -25,6 +25,7 @@ class OracleProposer:
 
     kv = None
     needs_draft_model = False
+    feature_layers = ()
 
     def __init__(self, target=None, **_):
         self.vocab = target.config.vocab_size

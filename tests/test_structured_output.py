@@ -207,6 +207,7 @@ class ForbiddenProposer:
 
     kv = None
     needs_draft_model = False
+    feature_layers = ()
     bad: list[int] = []
 
     def __init__(self, **_):

@@ -53,7 +53,8 @@ from .sequence import Sequence, TokenLogprob
 from .speculation import NO_DRAFT, Speculation
 from .stats import EngineStats
 from .step_output import Committed, StepOutput, Verification
-from .tree_verify import keep_accepted_path, tree_spec, verify_with_trees
+from .target_forward import forward_target
+from .tree_verify import keep_accepted_path, verify_with_trees
 
 log = logging.getLogger("draftwise.engine")
 
@@ -89,13 +90,18 @@ class LLMEngine:
             max_len = min(max_len, cfg.max_model_len)
         self.max_model_len = max_len
         num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
-        self.runner = ModelRunner(target, num_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching,
-                                  recurrent_rollback=cfg.recurrent_rollback)
         self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
         # the proposer and the verification policy (None: plain decoding)
         self.speculation = Speculation(self.spec, cfg, target, draft, num_blocks, self.stats) if cls else None
         self.proposer = self.speculation.proposer if self.speculation else None
         self.policy = self.speculation.policy if self.speculation else None
+        # a drafter on the target's features (proposers/dspark.py) gets every committed row's features:
+        # a prefix-cache hit would skip the target's forward over it, so the target caches no prefix,
+        # and no step commits tokens without a forward that returns them (multi-step is off)
+        self.feature_layers = tuple(self.proposer.feature_layers) if self.proposer is not None else ()
+        self._features: dict[int, tuple[int, torch.Tensor]] = {}  # this step's, by seq_id (target_forward)
+        self.runner = ModelRunner(target, num_blocks, cfg.block_size, recurrent_rollback=cfg.recurrent_rollback,
+                                  prefix_caching=cfg.enable_prefix_caching and not self.feature_layers)
         draft_kv = self.proposer.kv if self.proposer is not None else None
         # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
         # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
@@ -110,7 +116,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
-            multi_step=cfg.multi_step,
+            multi_step=1 if self.feature_layers else cfg.multi_step,
         )
         # a policy that knows the next step runs plain (a coasting lease) lets a lone greedy row
         # commit several tokens in one call there, as plain decoding does
@@ -250,7 +256,9 @@ class LLMEngine:
         multi = self._multi_step(scheduled, blocks)
         if multi is not None:
             return multi
-        sampling, logits = self._forward(scheduled, blocks)
+        fwd = forward_target(self.runner, scheduled, blocks, self.mixed, self.feature_layers)
+        self._mixed_step, self._prefill_seconds, self._features = fwd.mixed, fwd.prefill_seconds, fwd.features
+        sampling, logits = fwd.sampling, fwd.logits
         if not sampling:
             return Verification({}, [], [], [], [], None)
         drafts = [blocks.get(s.seq.seq_id, NO_DRAFT) for s in sampling]
@@ -302,39 +310,6 @@ class LLMEngine:
         self._multi_stepped = True
         return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None)
 
-    def _forward(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]):
-        """One target forward per group: decoding sequences (last committed + proposals), then
-        prefill chunks. Returns the sequences that commit a token this step and their logits
-        rows, flat `[N, V]` (1 + num_draft rows each)."""
-        groups = ([s for s in scheduled if not s.seq.is_prefilling], [s for s in scheduled if s.seq.is_prefilling])
-        self._mixed_step = bool(self.mixed and groups[0] and groups[1])
-        if self._mixed_step:  # one forward (the scheduler kept the chunks short)
-            groups = (list(scheduled), [])
-        sampling, parts = [], []
-        for group in groups:
-            if not group:
-                continue
-            feeds, starts, nlog, prov, trees = [], [], [], [], []
-            for s in group:
-                seq = s.seq
-                d = (blk := blocks.get(seq.seq_id, NO_DRAFT)).token_ids
-                trees.append(tree_spec(seq.num_computed + s.num_new_tokens - 1, blk))  # None: a chain
-                feeds.append(seq.all_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
-                starts.append(seq.num_computed)
-                nlog.append(1 + len(d) if s.samples else 1)
-                prov.append(bool(d))  # a hybrid target's state through proposals waits for postprocess
-            t0 = time.perf_counter()
-            logits = self.runner.run([s.seq.seq_id for s in group], feeds, starts, nlog, provisional=prov, trees=trees)
-            if group is groups[1]:  # the decode-step cost model leaves prefill chunks out
-                self._prefill_seconds = time.perf_counter() - t0
-            off = 0
-            for s, n in zip(group, nlog):
-                if s.samples:
-                    sampling.append(s)
-                    parts.append(logits[off : off + n])
-                off += n
-        return sampling, (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
-
     def postprocess(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
                     blocks: dict[int, DraftBlock], ver: Verification, propose_s: float,
                     verify_s: float) -> list[StepOutput]:
@@ -342,11 +317,12 @@ class LLMEngine:
         for s in scheduled:
             seq = s.seq
             b = ver.rows.get(seq.seq_id)
-            if b is None:  # a prefill chunk that does not reach the end yet
-                seq.num_computed += s.num_new_tokens
-                self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
-                continue
             try:
+                if b is None:  # a prefill chunk that does not reach the end yet
+                    seq.num_computed += s.num_new_tokens
+                    self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
+                    self._hand_features(seq)
+                    continue
                 if not ver.valid[b]:
                     raise ValueError("the target's distribution for this request is unusable (NaN logits or every "
                                      "token masked): check temperature, penalties and logit_bias")
@@ -383,7 +359,16 @@ class LLMEngine:
             self.runner.commit_state(seq.seq_id, seq.num_computed)  # hybrid targets: recurrent rollback
             self.stats.rollback_seconds += time.perf_counter() - t0
             self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
+            self._hand_features(seq)
         return StepOutput(seq, new_ids, seq.is_finished)
+
+    def _hand_features(self, seq: Sequence) -> None:
+        """A drafter that reads the target's features gets those of seq's newly committed positions
+        (a prefill chunk's rows; a verification's last committed token and accepted proposals)."""
+        got = self._features.pop(seq.seq_id, None)
+        if got is not None:
+            start, rows = got
+            self.proposer.commit_features(seq, start, rows[: seq.num_computed - start])
 
     def _commit(self, seq: Sequence, toks: list[int], rows: torch.Tensor) -> tuple[list[int], str | None, bool]:
         """Append committed tokens one at a time, stopping at the first stop condition.

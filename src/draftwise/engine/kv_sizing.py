@@ -1,6 +1,6 @@
 """The size of the paged K/V pools: a budget in bytes turned into blocks.
 
-Each model that keeps a cache (the target, and a draft model when one proposes) gets a pool of
+Each model that keeps a cache (the target, and a draft model or a DSpark drafter) gets a pool of
 the same number of blocks; one token costs `layers * 2 * kv_heads * head_dim * element size`
 bytes in each. On CPU the pool is allocated zeroed up front, so it is resident memory from the
 start: its size is chosen in bytes, as vLLM does (`VLLM_CPU_KVCACHE_SPACE` on CPU,
@@ -51,7 +51,8 @@ def kv_bytes_per_token(models) -> int:
     for m in models:
         c = m.config
         item = next(m.model.parameters()).element_size()
-        layers = c.num_hidden_layers if c.hybrid is None else len(c.hybrid.attention_layers)  # hybrid: attention only
+        hybrid = getattr(c, "hybrid", None)  # (a DSpark drafter's DSparkConfig has none)
+        layers = c.num_hidden_layers if hybrid is None else len(hybrid.attention_layers)  # hybrid: attention only
         total += layers * 2 * c.num_key_value_heads * c.head_dim * item
     return total
 
@@ -64,7 +65,8 @@ def weight_bytes(models) -> int:
 
     total = 0
     for m in models:
-        if hasattr(m.model, "modules") and quantization_of(m.model):
+        # quantized, or a DSpark drafter (its parameters are its own weights: the target's are shared)
+        if hasattr(m.model, "modules") and (quantization_of(m.model) or not hasattr(m.config, "num_parameters")):
             total += sum(t.numel() * t.element_size() for t in (*m.model.parameters(), *m.model.buffers()))
         else:
             total += m.config.num_parameters() * next(m.model.parameters()).element_size()

@@ -64,8 +64,11 @@ class Speculation:
         # as its main chain)
         self.trees = target.config.hybrid is None
         pcls = policy_class(spec.policy)
-        cost = cost_model(spec, config, target, draft) if pcls.needs_cost_model else None
-        self.policy = pcls(k=spec.k, cost=cost, has_draft_model=cls.needs_draft_model)
+        # a drafter on the target's features (dspark) has no model of its own to profile: the cost
+        # model is the target's, the drafting falls in its online residual
+        profiled = None if self.proposer.feature_layers else draft
+        cost = cost_model(spec, config, target, profiled) if pcls.needs_cost_model else None
+        self.policy = pcls(k=spec.k, cost=cost, has_draft_model=profiled is not None)
         if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
             self.proposer.confidence = self.policy.needs_confidence
         # a policy that may read the confidences says after each plan whether this step does

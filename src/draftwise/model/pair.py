@@ -8,18 +8,26 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
   target and the embedded draft would not share a tokenizer); a method that needs a draft and
   has none fails before anything is loaded;
 - the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`;
-- `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes.
+- `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes;
+- a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
+  beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
+  unless `draft_dtype` says otherwise: a `LoadedDSpark` (the `dspark` method reads it).
 
 It takes `needs_draft: bool` rather than a proposer, so that model/ stays below proposers/.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ..paths import default_draft, default_target
+from ..paths import default_draft, default_target, resolve_model
 from . import cpu_kernels
-from .loader import LoadedModel, load_model
+from .config import ModelLoadError
+from .dspark import DSparkDrafter, load_dspark
+from .dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkConfig
+from .loader import LoadedModel, load_model, resolve_dtype
 
 
 def draft_dtype_for(dtype: str, device: str, draft_dtype: str | None = None) -> str:
@@ -43,9 +51,35 @@ def draft_dtype_for(dtype: str, device: str, draft_dtype: str | None = None) -> 
     return "bfloat16" if cpu_kernels.bf16_native() else "float32"
 
 
+@dataclass
+class LoadedDSpark:
+    """A DSpark drafter loaded beside its target (it shares the target's embeddings and head)."""
+
+    path: Path
+    config: DSparkConfig
+    model: DSparkDrafter
+
+
 class ModelPair(NamedTuple):
     target: LoadedModel
-    draft: LoadedModel | None  # None: plain decoding, or a method without a draft model (n-gram)
+    # None: plain decoding, or a method without a draft model (n-gram); a LoadedDSpark for a DSpark directory
+    draft: LoadedModel | LoadedDSpark | None
+
+
+def is_dspark_dir(path: str | Path) -> bool:
+    """Whether `path` holds a DSpark drafter (config.json's architectures), not a language model."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("architectures") == [DSPARK_ARCHITECTURE]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _load_dspark(path: Path, target: LoadedModel, dtype: str, device: str) -> LoadedDSpark:
+    try:
+        drafter = load_dspark(path, target.model, dtype=resolve_dtype(dtype)).to(device)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: not a DSpark drafter for the target {target.path} ({e})") from None
+    return LoadedDSpark(path, drafter.cfg, drafter)
 
 
 def load_pair(
@@ -75,6 +109,8 @@ def load_pair(
                         quantization=quantization)
     if draft_dir is None:
         return ModelPair(target, None)
+    if is_dspark_dir(resolve_model(draft_dir)):
+        return ModelPair(target, _load_dspark(resolve_model(draft_dir), target, draft_dtype or dtype, device))
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
                              load_tokenizer=False, quantization=quantization)
     return ModelPair(target, draft_model)

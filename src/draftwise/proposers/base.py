@@ -115,6 +115,9 @@ class Proposer(Protocol):
     name: str
     needs_draft_model: bool  # the engine must be given a draft model directory
     kv: KVManager | None  # the drafter's own paged cache, if it has one
+    # the target layers whose outputs the drafter reads (() : none). When set, the target's forwards
+    # return them and the engine hands each sequence's committed rows to `commit_features`
+    feature_layers: tuple[int, ...]
 
     def propose(self, seqs: list[History], num_draft: list[int], num_forced: list[int] | None = None) -> list[DraftBlock]:
         """Up to num_draft[i] tokens for seqs[i]. May write scratch K/V; must not change `seqs`.
@@ -123,6 +126,11 @@ class Proposer(Protocol):
 
     def postprocess(self, seq: History, block: DraftBlock, num_accepted: int, num_tokens_before: int) -> None:
         """After verification: roll the drafter's own state back to the committed path."""
+
+    def commit_features(self, seq: History, start: int, features: torch.Tensor) -> None:
+        """Only for a proposer with `feature_layers`: the target's features of seq's committed
+        positions start .. start + n - 1 (`features [n, len(feature_layers) * hidden]`), in order:
+        a prefill chunk's rows, a verification's [last committed, accepted proposals]."""
 
     def finish(self, seq: History) -> None:
         """The sequence ended (finished, aborted or failed): drop what the drafter keeps for it (a

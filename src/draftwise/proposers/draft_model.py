@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cpu_kernels import argmax_confidence
+from ..model.pair import LoadedDSpark
 from ..model.runner import ModelRunner
 from ..sampling import process_logits
 from ..sampling.rejection import categorical_from_uniform
@@ -61,11 +62,14 @@ class _Round:
 @register_proposer("draft")
 class DraftModelProposer:
     needs_draft_model = True
+    feature_layers = ()  # reads no target features
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
                  eos_ids: list[int] | None = None, prefix_caching: bool = False, tree: int = 0, **_):
         if draft is None:
             raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
+        if isinstance(draft, LoadedDSpark):
+            raise ValueError(f"{draft.path} is a DSpark drafter, not a draft model: use --method dspark")
         if target is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocabulary size ({draft.config.vocab_size}, {draft.path}/config.json) does not match "

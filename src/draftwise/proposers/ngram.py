@@ -70,6 +70,7 @@ def match_confidence(m: int, num: int) -> list[float]:
 class NgramProposer:
     kv = None
     needs_draft_model = False
+    feature_layers = ()  # reads no target features
     confidence = True  # the engine turns it off when the policy never reads it
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1, **_):

@@ -89,6 +89,7 @@ def tail(seq, n: int) -> list[int]:
 class SuffixProposer:
     kv = None
     needs_draft_model = False
+    feature_layers = ()  # reads no target features
     confidence = True  # the engine turns it off when the policy never reads it
 
     def __init__(self, suffix_depth: int = 24, suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,

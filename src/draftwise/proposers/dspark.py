@@ -1,0 +1,193 @@
+"""The DSpark drafter in the engine (`--method dspark --draft DIR`): a block drafted on the target's
+own features (model/dspark.py), with its own paged cache of context K/V.
+
+The sharing arrangement:
+
+- **Features.** The proposer declares the target layers it reads (`feature_layers`, from the
+  drafter's config.json); the engine's target forwards (prefill chunks, verification) return those
+  layers' outputs for every fed row, and postprocess hands each sequence's *committed* rows to
+  `commit_features`: a prefill chunk's rows, and in verification the rows of [last committed,
+  accepted proposals]. The recovered or bonus token has no features yet: it is the next anchor.
+- **The drafter's cache** holds each committed position's `context_kv` per backbone layer in a
+  paged pool of its own (`kv`, a `KVManager` over `cache [layers, 2, slots, Hkv, D]`; the scheduler
+  frees it with the sequence's other blocks on preemption and finish). Only committed rows are ever
+  written, so its length is the target's `num_computed` after every step (`seq.draft_computed`) and
+  rollback is bookkeeping: blocks reserved past it are truncated. A preempted sequence's prefill is
+  recomputed with features and refills it. Prefix caching: a cached prefix would skip the target's
+  forward and with it the features, so the engine keeps the target's prefix cache off for a
+  drafter that reads features (the simplest correct choice: every hit would have to be refused).
+- **Drafting** (`propose`): one forward for every drafting row: the block [anchor, mask x
+  (gamma-1)] at positions L .. L+gamma-1 (L = the row's committed context, the anchor its last
+  committed token), each row's context K/V gathered from its slots and padded to the longest
+  (padding never seen: `HIDDEN_POSITION`). Then `draw` left to right with `_Chooser`: at position k
+  `process_logits` (temperature, top-k/top-p, penalties over history + the tokens drafted before k,
+  a constrained row's grammar bitmask from a fork of its matcher) gives q_k; greedy rows take its
+  argmax, sampled rows draw from it with their own generator. q_k reads the drafted x_{k-1}
+  (the Markov head), and DraftBlock.probs carries exactly those q_k, so the rejection sampler stays
+  exact. A row drafts min(num_draft, gamma) tokens (a block is cut, never extended), fewer where its
+  grammar ends; its confidences are the confidence head's c_k (what the `dspark` policy admits by).
+  Grammar-forced proposals are left to the engine (`forced_tail`).
+
+p is the target, q the draft.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv import KVManager
+from ..model.dspark import HIDDEN_POSITION
+from ..model.pair import LoadedDSpark
+from ..sampling import process_logits
+from ..sampling.grammar import bitmask_width
+from ..sampling.processors import changes_logits
+from ..sampling.rejection import categorical_from_uniform
+from .base import DraftBlock, register_proposer
+
+
+class _Chooser:
+    """`choose(k, logits [B, V]) -> [B]` for `DSparkDrafter.draw`: q_k per row, the token drawn from
+    it, and what the row keeps (tokens, q_k of sampled rows) while it still drafts."""
+
+    def __init__(self, seqs, lengths: list[int], eos_ids: list[int]):
+        self.seqs, self.lengths, self.eos_ids = seqs, lengths, eos_ids
+        self.tokens: list[list[int]] = [[] for _ in seqs]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        self.cursors = {i: s.grammar.cursor() for i, s in enumerate(seqs) if s.grammar is not None}
+        # rows whose q is the raw logits for the whole round (greedy, nothing to process, no grammar)
+        self.raw = [s.params.is_greedy and i not in self.cursors and not changes_logits(s.params, len(s.output_ids))
+                    for i, s in enumerate(seqs)]
+
+    def active(self, i: int, k: int) -> bool:
+        return k < self.lengths[i] and not (i in self.cursors and self.cursors[i].done)
+
+    def __call__(self, k: int, logits: torch.Tensor) -> torch.Tensor:  # [B, V] float32 -> [B]
+        rows = [i for i in range(len(self.seqs)) if self.active(i, k)]
+        out = logits.argmax(-1)  # [B] (rows done drafting: unused)
+        todo = [i for i in rows if not self.raw[i]]
+        if todo:
+            seqs = [self.seqs[i] for i in todo]
+            q_logits = process_logits(
+                logits[todo], [s.params for s in seqs], [s.prompt_ids for s in seqs],
+                [s.output_ids + self.tokens[i] for s, i in zip(seqs, todo)],
+                eos_ids=[self.eos_ids] * len(todo), token_bitmask=self._bitmask(todo, logits.shape[1]),
+            )  # [T, V]
+            sampled = [r for r, i in enumerate(todo) if not self.seqs[i].params.is_greedy]
+            if sampled:
+                q = torch.softmax(q_logits[sampled], dim=-1)  # [S, V]
+                gens = [self.seqs[todo[r]].generator for r in sampled]
+                u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g,
+                                          device=g.device if g is not None else "cpu").cpu() for g in gens])
+                drawn = categorical_from_uniform(q, u)
+                for n, r in enumerate(sampled):
+                    self.probs[todo[r]].append(q[n])
+                    out[todo[r]] = drawn[n]
+            for r, i in enumerate(todo):
+                if self.seqs[i].params.is_greedy:
+                    out[i] = q_logits[r].argmax()
+        for i in rows:
+            tok = int(out[i])
+            self.tokens[i].append(tok)
+            if i in self.cursors:
+                self.cursors[i].accept(tok)
+        return out
+
+    def _bitmask(self, rows: list[int], vocab: int) -> torch.Tensor | None:  # [T, W] int32 or None
+        if not any(i in self.cursors for i in rows):
+            return None
+        out = torch.full((len(rows), bitmask_width(vocab)), -1, dtype=torch.int32)
+        for r, i in enumerate(rows):
+            if i in self.cursors:
+                self.cursors[i].fill(out[r])
+        return out
+
+
+@register_proposer("dspark")
+class DSparkProposer:
+    needs_draft_model = True
+
+    def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
+                 eos_ids: list[int] | None = None, **_):
+        if not isinstance(draft, LoadedDSpark):
+            where = f"; {draft.path} is a language model, not a DSpark drafter" if draft is not None else ""
+            raise ValueError("speculative method 'dspark' needs a DSpark drafter directory (--draft DIR: "
+                             f"config.json of architecture DSparkDrafter and model.safetensors){where}")
+        if target is not None:
+            if target.config.hybrid is not None:
+                raise ValueError("speculative method 'dspark' reads an attention-only target's features; "
+                                 f"{target.path} is a hybrid model")
+            draft.config.check(target.config)
+        self.drafter = draft.model
+        cfg = draft.config
+        self.feature_layers = tuple(cfg.target_feature_layers)
+        self.gamma = cfg.block_size
+        self.eos_ids = list(eos_ids or [])
+        self.kv = KVManager(num_blocks, block_size)
+        dtype = next(self.drafter.parameters()).dtype
+        self.device = next(self.drafter.parameters()).device
+        self.cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
+                                 cfg.head_dim, dtype=dtype, device=self.device)  # [layers, 2, slots, Hkv, D]
+        self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
+
+    @torch.inference_mode()
+    def commit_features(self, seq, start, features):
+        """The context K/V of committed positions start .. start + n - 1, written into the drafter's
+        cache; its length becomes start + n (blocks reserved past it are truncated)."""
+        n = features.shape[0]
+        if start != seq.draft_computed:
+            raise ValueError(f"dspark drafter: features from position {start}, but its cache holds "
+                             f"{seq.draft_computed} positions")
+        if n == 0:
+            return
+        end = start + n
+        self.kv.reserve(seq.seq_id, end)
+        self.kv.truncate(seq.seq_id, end)
+        slots = self.kv.slots([seq.seq_id], [end])[0, start:end].to(self.device)  # [n]
+        pos = torch.arange(start, end, device=self.device)[None]  # [1, n]
+        fused = self.drafter.fuse(features[None].to(self.device))  # [1, n, H]
+        for layer, (k, v) in enumerate(self.drafter.context_kv(fused, pos)):  # [1, n, Hkv, D] each
+            self.cache[layer, 0, slots] = k[0].to(self.cache.dtype)
+            self.cache[layer, 1, slots] = v[0].to(self.cache.dtype)
+        seq.draft_computed = end
+
+    def context(self, seq_ids: list[int], lengths: list[int]):
+        """Each drafter layer's context K/V of the rows, gathered from their slots and padded to the
+        longest: ([(k, v) [B, S, Hkv, D] per layer], positions [B, S], HIDDEN_POSITION = padding)."""
+        slots = self.kv.slots(seq_ids, lengths).to(self.device)  # [B, S]
+        S = slots.shape[1]
+        pos = torch.arange(S, device=self.device).expand(len(seq_ids), S)
+        lens = torch.tensor(lengths, device=self.device)[:, None]
+        pos = torch.where(pos < lens, pos, torch.full_like(pos, HIDDEN_POSITION))  # [B, S]
+        return [(self.cache[layer, 0][slots], self.cache[layer, 1][slots]) for layer in range(self.cache.shape[0])], pos
+
+    @torch.inference_mode()
+    def propose(self, seqs, num_draft, num_forced=None):
+        blocks = [DraftBlock([], None, []) for _ in seqs]
+        rows = [i for i, n in enumerate(num_draft) if n > 0]
+        if not rows:
+            return blocks
+        lengths = []
+        for i in rows:
+            s = seqs[i]
+            if s.draft_computed != s.num_tokens - 1:
+                raise ValueError(f"dspark drafter: its cache holds {s.draft_computed} positions, the committed "
+                                 f"context {s.num_tokens - 1}")
+            lengths.append(s.draft_computed)
+        kv, ctx_pos = self.context([seqs[i].seq_id for i in rows], lengths)
+        anchors = torch.tensor([seqs[i].all_ids[-1] for i in rows], device=self.device)  # [B]
+        anchor_pos = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]
+        hidden = self.drafter.block_hidden(anchors[:, None], anchor_pos, kv, ctx_pos)[:, 0]  # [B, gamma, H]
+        cut = [min(num_draft[i], self.gamma) for i in rows]
+        choose = _Chooser([seqs[i] for i in rows], cut, self.eos_ids)
+        drafted = self.drafter.draw(hidden[:, : max(cut)], anchors, choose)  # confidence [B, k]
+        conf = drafted.confidence.tolist()
+        for r, i in enumerate(rows):
+            toks = choose.tokens[r]
+            probs = torch.stack(choose.probs[r]) if choose.probs[r] else None  # [n, V]: q_k of a sampled row
+            blocks[i] = DraftBlock(toks, probs, conf[r][: len(toks)])
+        return blocks
+
+    def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        """Nothing to roll back: the cache holds committed rows only (`commit_features`)."""
+
+    def finish(self, seq):
+        """The scheduler frees the sequence's blocks of the drafter's cache."""

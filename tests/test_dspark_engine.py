@@ -1,0 +1,233 @@
+"""The DSpark drafter in the engine (`--method dspark`, proposers/dspark.py): greedy output equal to
+plain decoding at 1 and 16 in flight and under preemption, the drafter's cache equal to a fresh
+computation over the committed tokens after rollbacks and recomputes, q in each DraftBlock the
+Markov head's conditional on the drafted token before it, `draftwise check` PASS, a constrained
+request, the dspark policy reading the confidence head, and bad input.
+
+The drafter is random (few proposals accepted), so an oracle subclass (`test-dspark-oracle`) also
+runs the drafter's forward but proposes the plain greedy continuation with one token corrupted at
+a position that moves with the output: every accepted length 0..k occurs."""
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.cli.main import main
+from draftwise.lab import correctness
+from draftwise.lab.runner import parse_configs
+from draftwise.model import load_model
+from draftwise.model.config import ModelLoadError
+from draftwise.model.dspark import save_dspark
+from draftwise.proposers import DraftBlock, register_proposer
+from draftwise.proposers.dspark import DSparkProposer
+from draftwise.sampling import process_logits
+from draftwise.train.dspark import build_drafter
+from test_dspark_policy import COST
+
+ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output
+
+
+@register_proposer("test-dspark-oracle")
+class OracleDSpark(DSparkProposer):
+    def propose(self, seqs, num_draft, num_forced=None):
+        blocks = super().propose(seqs, num_draft, num_forced)  # the drafter's forward runs as ever
+        for i, (s, b) in enumerate(zip(seqs, blocks)):
+            plain = ORACLE.get(tuple(s.prompt_ids))
+            if plain is None or not b.token_ids or not s.params.is_greedy:
+                continue
+            j = len(s.output_ids)
+            n = len(b.token_ids)
+            toks = list(plain[j : j + n]) + b.token_ids[len(plain[j : j + n]):]
+            c = (3 * j + 1) % (n + 1)
+            if c < n:
+                toks[c] = (toks[c] + 1) % self.drafter.cfg.vocab_size
+            blocks[i] = DraftBlock(toks, None, b.confidence)
+        return blocks
+
+
+def make_dspark_dir(path, target_dir, block_size=5, seed=0):
+    lm = load_model(target_dir, fuse=False, load_tokenizer=False)
+    d = build_drafter(lm.config, lm.model, block_size, 8, [0, 1], seed)
+    with torch.no_grad():  # a trained Markov head and mask vector are not zero
+        d.markov.w2.weight.normal_(0, 0.5)
+        d.mask_embedding.normal_(0, 1.0)
+    save_dspark(d, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dspark_dir(tmp_path_factory, target_dir):
+    return make_dspark_dir(tmp_path_factory.mktemp("dspark"), target_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    llm = LLM(str(target_dir))
+    rng = random.Random(0)
+    vocab = llm.engine.vocab_size
+    ps = [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 30))] for _ in range(20)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(ps, sp)
+    for p, o in zip(ps, outs):
+        ORACLE[tuple(p)] = o.token_ids
+    return llm, ps, sp, [o.token_ids for o in outs]
+
+
+def assert_equal_but_near_ties(target, ps, got, want):
+    for p, g, w in zip(ps, got, want):
+        j = correctness.first_difference(w, g)
+        assert j is None or (j < len(w) and correctness.near_tie(target, p + w, len(p) + j)), (j, g, w)
+
+
+@pytest.mark.parametrize("method", ["dspark", "test-dspark-oracle"])
+@pytest.mark.parametrize("seqs,blocks", [(1, None), (16, None), (16, 14)])
+def test_greedy_equals_plain(target_dir, dspark_dir, plain, method, seqs, blocks):
+    """c = 1 and 16; 14 blocks of 16 tokens for 16 sequences of up to 54 tokens: preemptions."""
+    llm0, ps, sp, want = plain
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method=method, k=4), max_num_seqs=seqs,
+              num_kv_blocks=blocks, max_model_len=64)
+    outs = llm.generate(ps, sp)
+    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
+    st = llm.engine.stats
+    assert st.proposed_tokens > 0
+    if blocks:
+        assert st.preemptions > 0
+    if method != "dspark":  # the oracle's corrupted position moves: accepted lengths 0..k occur
+        assert 0 < st.accepted_tokens < st.proposed_tokens
+
+
+def fresh_context(proposer, target, ids):
+    """Each drafter layer's context K/V of `ids` from a fresh full target forward (no cache)."""
+    d = proposer.drafter
+    with torch.inference_mode():
+        _, feats = target(torch.tensor([ids]), feature_layers=proposer.feature_layers)
+        return d.context_kv(d.fuse(feats), torch.arange(len(ids))[None])
+
+
+@pytest.mark.parametrize("blocks", [None, 14])
+def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plain, blocks):
+    """After rounds with rejections (and recomputes after preemption), the drafter's cache holds
+    exactly the committed context: its length is the target's num_computed, its blocks no more
+    than that needs, its K/V those of a fresh forward over the committed tokens."""
+    _, ps, _, _ = plain
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="test-dspark-oracle", k=4),
+              num_kv_blocks=blocks, max_model_len=64)
+    eng = llm.engine
+    prop = eng.proposer
+    fresh_target = load_model(target_dir, fuse=False, load_tokenizer=False).model.eval()
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=30, ignore_eos=True)
+              for i in range(len(ps))]
+    seqs = [eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]
+    checked = 0
+    for _ in range(40):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+        for s in seqs:
+            if s.is_finished or s.is_prefilling or s.num_computed == 0:
+                continue
+            assert s.draft_computed == s.num_computed
+            assert len(prop.kv.tables[s.seq_id]) == -(-s.draft_computed // prop.kv.block_size)
+            got, _ = prop.context([s.seq_id], [s.draft_computed])
+            for (k, v), (fk, fv) in zip(got, fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])):
+                assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
+            checked += 1
+    assert checked > 20
+    st = eng.stats
+    assert st.proposed_tokens > st.accepted_tokens > 0
+    if blocks:
+        assert st.preemptions > 0
+
+
+def test_q_is_the_markov_heads_conditional_on_the_drafted_token(target_dir, dspark_dir):
+    """DraftBlock.probs[k] = softmax(process_logits(U_k + B(x_{k-1}))) for the x_{k-1} drafted,
+    recomputed from the block's hidden states; confidences are the head's c_k."""
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="dspark", k=4))
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, seed=1, max_tokens=40, ignore_eos=True)
+    seq = eng.add_request("q", [5, 9, 2, 7, 11], sp)
+    while seq.is_prefilling or seq.num_computed == 0:
+        eng.step()
+    prop = eng.proposer
+    block = prop.propose([seq], [4])[0]
+    assert len(block.token_ids) == 4 and block.probs.shape == (4, eng.vocab_size)
+    d = prop.drafter
+    with torch.inference_mode():
+        kv, pos = prop.context([seq.seq_id], [seq.draft_computed])
+        anchor = seq.all_ids[-1]
+        hidden = d.block_hidden(torch.tensor([[anchor]]), torch.tensor([[seq.draft_computed]]), kv, pos)[0, 0]
+        base = d.head(hidden)  # [gamma, V]
+        prev = [anchor] + block.token_ids
+        for k in range(4):
+            step = d.step_logits(base[k : k + 1], torch.tensor([prev[k]]))
+            q = torch.softmax(process_logits(step, [sp], [seq.prompt_ids], [seq.output_ids + block.token_ids[:k]]), -1)
+            assert torch.allclose(block.probs[k], q[0], atol=1e-6)
+            assert block.probs[k, block.token_ids[k]] > 0
+            c = torch.sigmoid(d.confidence_logit(hidden[k : k + 1], torch.tensor([prev[k]])))
+            assert abs(block.confidence[k] - float(c)) < 1e-6
+    # the Markov head makes q_2 depend on x_1: another x_1 gives another q_2
+    other = d.step_logits(base[1:2], torch.tensor([(prev[1] + 1) % eng.vocab_size]))
+    assert not torch.allclose(other, d.step_logits(base[1:2], torch.tensor([prev[1]])))
+
+
+def test_check_passes(target_dir, dspark_dir, capsys):
+    rc = main(["check", "--model", str(target_dir), "--method", "dspark", "--draft", str(dspark_dir), "--k", "4",
+               "--samples", "300", "--max-tokens", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for name in ("greedy equality", "distribution", "KV rollback", "stops inside accepted blocks"):
+        assert f"PASS {name}" in out
+
+
+def test_dspark_policy_reads_the_confidences(target_dir, dspark_dir, plain):
+    llm0, ps, sp, want = plain
+    (cfg,) = [c for c in parse_configs("dspark:k=4:policy=dspark") if c.method]
+    assert (cfg.method, cfg.k, cfg.policy) == ("dspark", 4, "dspark")
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="test-dspark-oracle", k=4,
+                                                                      policy="dspark", cost_model=COST))
+    outs = llm.generate(ps[:16], sp)
+    assert_equal_but_near_ties(llm0.engine.target.model, ps[:16], [o.token_ids for o in outs], want[:16])
+    st = llm.engine.stats
+    assert 0 < st.verified_tokens <= st.proposed_tokens
+
+
+def test_constrained_request(target_dir, dspark_dir, plain):
+    """A choice constraint: greedy output equal to plain under it; sampled outputs obey it."""
+    llm0 = plain[0]
+    choice = {"choice": ["def", "class", "import os"]}
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="dspark", k=4))
+    prompts = ["def add(a, b):", "for i in", "import"]
+    g = SamplingParams(temperature=0, max_tokens=16, structured_output=choice)
+    assert [o.token_ids for o in llm.generate(prompts, g)] == [o.token_ids for o in llm0.generate(prompts, g)]
+    s = SamplingParams(temperature=1.0, max_tokens=16, seed=3, structured_output=choice)
+    for o in llm.generate(prompts * 3, s):
+        assert o.finish_reason == "stop" and o.text in choice["choice"], o.text
+
+
+def test_bad_input(tmp_path, target_dir, draft_dir, dspark_dir, capsys):
+    with pytest.raises(ValueError, match="needs a DSpark drafter directory.*is a language model"):
+        LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="dspark", k=4))
+    with pytest.raises(ValueError, match="is a DSpark drafter, not a draft model: use --method dspark"):
+        LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="draft", k=4))
+    for change, match in (({"hidden_size": 32}, "differ from the target's"),
+                          ({"target_feature_layers": [0, 5]}, "the target has 2 layers")):
+        other = tmp_path / f"other{len(change)}{match[:3]}"
+        shutil.copytree(dspark_dir, other)
+        cfg = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ModelLoadError, match=f"{other.name}: not a DSpark drafter for the target.*{match}"):
+            LLM(str(target_dir), draft=str(other), spec=SpecConfig(method="dspark", k=4))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"architectures": ["DSparkDrafter"], "vocab_size": 5}))
+    with pytest.raises(ModelLoadError, match="broken: not a DSpark drafter.*'hidden_size' missing"):
+        LLM(str(target_dir), draft=str(broken), spec=SpecConfig(method="dspark", k=4))
+    assert main(["generate", "--model", str(target_dir), "--method", "dspark", "--draft", str(draft_dir),
+                 "x", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a DSpark drafter directory" in err and "Traceback" not in err
+    assert main(["generate", "--model", str(target_dir), "--method", "dspark", "x"]) == 2
+    assert "needs a draft model directory" in capsys.readouterr().err
