@@ -9,6 +9,7 @@ runs the drafter's forward but proposes the plain greedy continuation with one t
 a position that moves with the output: every accepted length 0..k occurs."""
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -180,6 +181,7 @@ def test_check_passes(target_dir, dspark_dir, capsys):
     assert rc == 0, out
     for name in ("greedy equality", "distribution", "KV rollback", "stops inside accepted blocks"):
         assert f"PASS {name}" in out
+    assert re.search(r"PASS KV rollback: .*, drafter [0-9.e+-]+ \(tolerance", out)  # its context K/V were compared
 
 
 def test_dspark_policy_reads_the_confidences(target_dir, dspark_dir, plain):

@@ -129,11 +129,12 @@ def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
     for _ in range(8):
         spec.step()
     drafter = getattr(spec.proposer, "runner", None)
+    features = bool(spec.feature_layers)  # a drafter on the target's features: its cache of context K/V
     def tolerance(model):  # bfloat16: the cached and the full forward round differently
         return 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
 
     tol_p = tolerance(s.target.model)
-    tol_q = tolerance(drafter.model) if drafter is not None else None
+    tol_q = tolerance(drafter.model) if drafter is not None else max(tol_p, tolerance(spec.proposer.drafter)) if features else None
     worst_p, worst_q, rejections, checked = 0.0, 0.0, 0, 0
     for seq in seqs:
         if seq.is_finished or seq.is_prefilling:
@@ -152,14 +153,16 @@ def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
                 fresh_q = correctness.full_logits(drafter.model, ids_q)
                 got_q = _cached_next_logits(drafter, seq.seq_id, ids_q, computed_q).float()
                 worst_q = max(worst_q, float((got_q - fresh_q).abs().max() / max(1.0, float(fresh_q.abs().max()))))
+            elif features:
+                worst_q = max(worst_q, spec.proposer.cache_error(seq, s.target.model))
     for seq in seqs:
         spec.abort(seq.request_id)
         if on_done:
             on_done()
     figs = {"sequences": checked, "rejected_proposals": rejections, "max_rel_err_target": f"{worst_p:.2e}",
-            "max_rel_err_drafter": f"{worst_q:.2e}" if drafter is not None else None,
+            "max_rel_err_drafter": f"{worst_q:.2e}" if tol_q is not None else None,
             "tolerance_target": tol_p, "tolerance_drafter": tol_q}
-    ok = checked > 0 and worst_p <= tol_p and (drafter is None or worst_q <= tol_q)
+    ok = checked > 0 and worst_p <= tol_p and (tol_q is None or worst_q <= tol_q)
     detail = "" if rejections else "no proposal was rejected, so no rollback was exercised"
     return CheckResult("KV rollback", ok, figs, detail, kind="rollback")
 

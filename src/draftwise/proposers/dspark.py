@@ -186,6 +186,22 @@ class DSparkProposer:
             blocks[i] = DraftBlock(toks, probs, conf[r][: len(toks)])
         return blocks
 
+    @torch.inference_mode()
+    def cache_error(self, seq, target) -> float:
+        """The largest difference, relative to the largest value, between the drafter's cached context
+        K/V of `seq` and those of a fresh forward of `target` (the LlamaModel, no cache) over its
+        committed tokens (`draftwise check`'s rollback check)."""
+        n = seq.draft_computed
+        _, feats = target(torch.tensor([seq.all_ids[:n]], device=self.device), feature_layers=self.feature_layers)
+        fresh = self.drafter.context_kv(self.drafter.fuse(feats), torch.arange(n, device=self.device)[None])
+        got, _ = self.context([seq.seq_id], [n])
+        worst = 0.0
+        for pair, fresh_pair in zip(got, fresh):
+            for a, b in zip(pair, fresh_pair):
+                b = b.float()
+                worst = max(worst, float((a.float() - b).abs().max() / max(1.0, float(b.abs().max()))))
+        return worst
+
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         """Nothing to roll back: the cache holds committed rows only (`commit_features`)."""
 
