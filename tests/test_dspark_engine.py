@@ -174,6 +174,28 @@ def test_q_is_the_markov_heads_conditional_on_the_drafted_token(target_dir, dspa
     assert not torch.allclose(other, d.step_logits(base[1:2], torch.tensor([prev[1]])))
 
 
+def test_batched_blocks_equal_the_uncached_reference(target_dir, dspark_dir, plain):
+    """One packed drafter forward for rows of different context lengths gives each row what
+    `DSparkDrafter.propose` gives over a fresh forward of its whole committed context."""
+    _, ps, _, _ = plain
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="dspark", k=5))
+    eng, prop = llm.engine, llm.engine.proposer
+    fresh_target = load_model(target_dir, fuse=False, load_tokenizer=False).model.eval()
+    seqs = [eng.add_request(f"b{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            for i, p in enumerate(ps[:6])]
+    while any(s.num_computed == 0 or s.is_prefilling for s in seqs):
+        eng.step()
+    blocks = prop.propose(seqs, [5, 3, 5, 1, 4, 5])
+    assert [len(b.token_ids) for b in blocks] == [5, 3, 5, 1, 4, 5]
+    for s, b in zip(seqs, blocks):
+        ctx = s.all_ids[: s.num_computed]
+        with torch.inference_mode():
+            _, feats = fresh_target(torch.tensor([ctx]), feature_layers=prop.feature_layers)
+            ref = prop.drafter.propose(feats, torch.tensor([s.all_ids[-1]]))
+        assert b.token_ids == ref.tokens[0, : len(b.token_ids)].tolist()
+        assert torch.allclose(torch.tensor(b.confidence), ref.confidence[0, : len(b.token_ids)], atol=1e-5)
+
+
 def test_check_passes(target_dir, dspark_dir, capsys):
     rc = main(["check", "--model", str(target_dir), "--method", "dspark", "--draft", str(dspark_dir), "--k", "4",
                "--samples", "300", "--max-tokens", "16"])
