@@ -1,8 +1,8 @@
 """Batch-1 speed of the Qwen2.5-Coder pair (make qwen-coder): plain, the 0.5B draft, n-gram; the
 cost of a verification block against a decode step; prefill.
 
-    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,ngram]
-        [--tokens 128] [--k 4] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
+    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,ngram,cross]
+        [--tokens 128] [--k 4] [--cross-k 4,2] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
 groups; `int8`: every block as int8 groups; a comma list runs them in one process, but each engine
@@ -11,7 +11,8 @@ holds its own copy of the models):
 - step cost: one target step of 1 token and of k + 1 tokens (logits for every row, as
   verification asks), after a 64-token context; the median of 7 means of 10 warm steps;
 - decode: the 6 code chat prompts of qwen_coder_prompts.py, `--tokens` greedy tokens each (EOS
-  ignored), plain / `--method draft` with the 0.5B (k = `--k`) / n-gram; tok/s counts the tokens
+  ignored), plain / `--method draft` with the 0.5B (k = `--k`) / n-gram / `cross`: SmolLM2-135M
+  (models/smollm2, another tokenizer) drafting across vocabularies, at each k of `--cross-k`; tok/s counts the tokens
   after the first over their seconds (prefill excluded); rounds alternate the settings, so the
   machine's noise falls on all; speculative greedy tokens are checked equal to plain's;
 - prefill: the seconds to the first token of the 182-token chat prompt (plain, not in the prefix
@@ -35,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET, chat_ids  # noqa: E402
+
+CROSS_DRAFT = "smollm2"  # SmolLM2-135M-Instruct: another tokenizer (vocabulary 49,152)
 
 
 CLOCK = time.perf_counter  # or time.process_time (--clock cpu)
@@ -77,7 +80,7 @@ def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) ->
     return sorted(means)[repeats // 2]
 
 
-def engines(quant: str, k: int, configs: list[str]) -> dict:
+def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = ()) -> dict:
     from draftwise import LLM, SpecConfig
 
     q = None if quant == "stored" else quant
@@ -88,6 +91,9 @@ def engines(quant: str, k: int, configs: list[str]) -> dict:
                                           **small)
     if "ngram" in configs:
         out[f"{quant} ngram"] = LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small)
+    for ck in cross_ks if "cross" in configs else ():
+        out[f"{quant} smollm2 k={ck}"] = LLM(TARGET, draft=CROSS_DRAFT, spec=SpecConfig(method="draft", k=ck),
+                                             quantization=q, **small)
     return out
 
 
@@ -100,6 +106,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
     ap.add_argument("--configs", default="plain,draft,ngram")
+    ap.add_argument("--cross-k", default="4,2", help="the cross config's k values")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     global CLOCK
@@ -111,7 +118,7 @@ def main() -> int:
               "decode": {}, "prefill": {}}
     llms = {}
     for quant in args.quant.split(","):
-        llms.update(engines(quant, args.k, args.configs.split(",")))
+        llms.update(engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")]))
         plain = llms[f"{quant} plain"]
         runner = plain.engine.runner
         ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]
@@ -129,6 +136,8 @@ def main() -> int:
     prompts = [chat_ids(TARGET, tok, p) for p in PROMPTS]
     for llm in llms.values():
         decode(llm, prompts[0], 8)  # warm-up
+    before = {label: (llm.engine.stats.accepted_tokens, llm.engine.stats.verified_tokens, llm.engine.stats.rounds,
+                      llm.engine.stats.committed_tokens) for label, llm in llms.items()}
     sums = {label: [0, 0.0] for label in llms}
     texts = {label: [] for label in llms}
     for r in range(args.rounds):
@@ -144,8 +153,15 @@ def main() -> int:
         rate = sums[label][0] / sums[label][1]
         base = sums[f"{quant} plain"][0] / sums[f"{quant} plain"][1]
         same = texts[label] == texts[f"{quant} plain"]
-        result["decode"][label] = {"tok/s": round(rate, 2), "vs plain": round(rate / base, 3), "greedy equal": same}
-        print(f"{label:22s} {rate:6.2f} tok/s  {rate / base:4.2f}x plain  greedy equal to plain: {same}", flush=True)
+        st = llms[label].engine.stats
+        acc, ver, rounds, com = (a - b for a, b in zip((st.accepted_tokens, st.verified_tokens, st.rounds,
+                                                          st.committed_tokens), before[label]))
+        acceptance = round(acc / ver, 3) if ver else None  # accepted / verified proposals (warm-up left out)
+        per_round = round(com / rounds, 3) if rounds else None  # tokens committed per verification round
+        result["decode"][label] = {"tok/s": round(rate, 2), "vs plain": round(rate / base, 3), "greedy equal": same,
+                                   "acceptance": acceptance, "tokens per round": per_round}
+        print(f"{label:22s} {rate:6.2f} tok/s  {rate / base:4.2f}x plain  acceptance {acceptance}  "
+              f"tokens/round {per_round}  greedy equal to plain: {same}", flush=True)
     print(f"load at end: {os.getloadavg()}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
