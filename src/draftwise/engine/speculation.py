@@ -17,6 +17,7 @@ import torch
 from ..model.loader import LoadedModel
 from ..policies import CostModel, StepTiming, policy_class
 from ..proposers import DraftBlock, proposer_for
+from ..proposers.tree_budget import SizedTrees, TreeBudget
 from ..sampling.grammar import forced_tail
 from .config import EngineConfig, SpecConfig
 from .scheduler import ScheduledSeq
@@ -73,6 +74,7 @@ class Speculation:
             self.proposer.confidence = self.policy.needs_confidence
         # a policy that may read the confidences says after each plan whether this step does
         self._confidence_per_step = bool(getattr(self.proposer, "confidence", False))
+        self._sized_trees = spec.tree > 0 and isinstance(self.proposer, SizedTrees)
         self.catch_up_seconds = 0.0  # this step's drafter catch-ups fed on their own (the proposer times them)
 
     def propose(self, decoding: list[ScheduledSeq]) -> tuple[dict[int, DraftBlock], dict[int, DraftBlock]]:
@@ -86,8 +88,11 @@ class Speculation:
         k = self.spec.max_draft  # (a multi-step row's num_draft is the tokens after its first, up to multi_step - 1)
         caps = [min(s.num_draft, k) for s in decoding]  # the scheduler's (a request's own cap included)
         plan = [max(0, min(n, cap)) for n, cap in zip(self.policy.plan(seqs, caps), caps)]  # whatever the policy
+        hints = self.policy.hints()
         if self._confidence_per_step:
-            self.proposer.confidence = self.policy.hints().reads_confidence
+            self.proposer.confidence = hints.reads_confidence
+        if self._sized_trees:  # a tree's nodes pay the planned step's price of a row, up to the row's cap
+            self.proposer.set_tree_budget(TreeBudget(hints.node_price, caps))
         forced = [s.num_forced for s in decoding]
         if not any(plan) and not any(forced):  # no row drafts nor verifies: no drafter, nothing to admit
             none = dict.fromkeys([s.seq_id for s in seqs], NO_DRAFT)  # (a coasting plain step: cold

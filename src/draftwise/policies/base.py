@@ -21,7 +21,7 @@ is the helper every built-in policy uses: it reads only confidences.
    the step cost (`StepTiming`); `forget` when a request finishes.
 
 Around them, typed hints: `hints` (after `plan`: `StepHints`, e.g. whether the step reads the
-drafted blocks' confidences) and `plain_next` (the scheduler: the next step drafts nothing, for certain).
+drafted blocks' confidences, the price of a verified row that sizes drafted trees) and `plain_next` (the scheduler: the next step drafts nothing, for certain).
 `StatelessPolicy` gives every method a default; a policy overrides what it uses.
 
 A new policy is a new file that registers itself with `register_policy`; the package's
@@ -43,6 +43,10 @@ class StepHints:
 
     reads_confidence: bool  # `admit` and `observe` read DraftBlock.confidence (the drafter computes max q_j only then)
     arm: str | None = None  # how the step runs, for statistics and tests (goodput: "spec", "full" or "plain")
+    # the expected committed tokens a verified row must add to pay for its marginal seconds at the
+    # planned rate (goodput: lambda * dcost/dtoken); a tree drafter sizes its trees by it
+    # (proposers/tree_budget.py); 0: no price, the planned lengths
+    node_price: float = 0.0
 
 
 @dataclass(frozen=True)

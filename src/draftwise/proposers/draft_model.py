@@ -25,6 +25,9 @@ most N nodes instead (draft_tree.py): a greedy row W children per expanded node 
 "expand the most probable, keep the best N", candidates as point masses), a sampled row a drawn
 spine with W - 1 more draws without replacement where q is unsure; constrained rows draft chains (their
 grammar fork walks one path), and so does a hybrid drafter (its recurrent state is a chain).
+A greedy tree's size comes from the step's `TreeBudget` (tree_budget.py, `set_tree_budget`): with a
+price, up to the row's node cap, the nodes whose calibrated gain pays it; the calibration learns
+from every verified greedy tree.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ from ..sampling.rejection import categorical_from_uniform
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
-from .draft_tree import draft_spines, draft_trees, keep_path
+from .draft_tree import TreeRecord, draft_spines, draft_trees, keep_path
+from .tree_budget import NodeCalibration, TreeBudget
 
 
 @dataclass
@@ -90,11 +94,23 @@ class DraftModelProposer:
         # greedy_steps_rows for several rows): the same proposals; False keeps the step-by-step loop (tests)
         self.fused_steps = True
         self.tree = tree if draft.config.hybrid is None else 0  # children per expanded node (0: chains)
-        self._tree_fed: dict[int, list[int]] = {}  # seq_id -> each tree node's fed order (-1: not fed)
+        self._tree_fed: dict[int, TreeRecord] = {}  # seq_id -> the drafted tree's record
+        self.budget = TreeBudget()  # this step's (`set_tree_budget`)
+        self.calibration = NodeCalibration()  # greedy trees' node acceptance from q(token)
+
+    def set_tree_budget(self, budget: TreeBudget) -> None:
+        self.budget = budget
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
-        trees = [i for i, n in enumerate(num_draft) if self.tree and n >= 2 and getattr(seqs[i], "grammar", None) is None]
+        price, caps = self.budget.price, self.budget.caps
+        # a greedy row's node budget: with a price, up to its cap (the gains then decide, one node too);
+        # else as planned
+        priced = [price > 0 and n > 0 and len(caps) == len(num_draft) and seqs[i].params.is_greedy
+                  for i, n in enumerate(num_draft)]
+        nodes = [max(n, caps[i]) if p else n for i, (n, p) in enumerate(zip(num_draft, priced))]
+        trees = [i for i, n in enumerate(nodes)
+                 if self.tree and (n >= 2 or priced[i]) and getattr(seqs[i], "grammar", None) is None]
         if not trees:
             return self._propose_chains(seqs, num_draft, num_forced)
         tree_set = set(trees)
@@ -108,16 +124,18 @@ class DraftModelProposer:
             rows = [i for i in trees if (not seqs[i].params.is_greedy) == sampled]
             if not rows:
                 continue
-            args = ([seqs[i] for i in rows], [num_draft[i] for i in rows], self.tree, self.eos_ids,
+            args = ([seqs[i] for i in rows], [nodes[i] for i in rows], self.tree, self.eos_ids,
                     [feeds[i] for i in rows], [starts[i] for i in rows])
             if sampled:
                 got = draft_spines(self.runner, *args)
             else:
                 got = draft_trees(self.runner, *args, raw=not any(
-                    changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows))
-            for i, (blk, fed) in zip(rows, got):
+                    changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows),
+                    calibration=self.calibration, price=price)
+            for i, (blk, record) in zip(rows, got):
                 blocks[i] = blk
-                self._tree_fed[seqs[i].seq_id] = fed
+                if record is not None:
+                    self._tree_fed[seqs[i].seq_id] = record
         return blocks
 
     def _propose_chains(self, seqs, num_draft, num_forced=None):
@@ -266,10 +284,12 @@ class DraftModelProposer:
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         if block.nodes is not None:  # a tree's accepted path (`DraftBlock.along`)
-            fed = self._tree_fed.pop(seq.seq_id, None)
-            if fed is not None:
-                m = keep_path(self.runner, seq.seq_id, num_tokens_before, fed, block.nodes)
+            record = self._tree_fed.pop(seq.seq_id, None)
+            if record is not None:
+                m = keep_path(self.runner, seq.seq_id, num_tokens_before, record.fed, block.nodes)
                 self._roll_back(seq, num_tokens_before + m)
+                if record.qs is not None:
+                    self.calibration.observe(record.parents, record.qs, block.nodes)
             return
         n = len(block.token_ids)
         if n == 0:

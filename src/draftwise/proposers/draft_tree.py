@@ -4,13 +4,17 @@ A row that may verify N proposals drafts a tree of at most N nodes instead of a 
 
 - the drafter's catch-up step gives q at the root (after the last committed token); its `width`
   most probable tokens become the root's children;
+- a node's score is the log of its gain, the estimated probability that its whole path is
+  accepted: the product along the path of `NodeCalibration.rate(q(token))` (tree_budget.py;
+  before any verification, the product of q as in EAGLE-2); only nodes whose gain pays the step's
+  price (`TreeBudget.price`) count;
 - each further step feeds, in one forward with tree attention (model/tree_attention.py), the
-  nodes of the newest depth whose path score (log of the product of q along the path) ranks
-  among the best N nodes so far, at most `width` of them, and adds each one's `width` most
-  probable children; a node outside the best N cannot bring a child into them (a child's score is
-  at most its parent's), so drafting stops when no frontier node ranks, or after N - 1 fed nodes
-  (the drafter K/V the scheduler reserves, as for a chain of N);
-- the tree is the best N nodes by score (ancestors first on ties, so the set holds every
+  nodes of the newest depth whose score ranks among the best N counting nodes so far, at most
+  `width` of them, and adds each one's `width` most probable children; a node outside the best N
+  cannot bring a child into them (a child's score is at most its parent's), so drafting stops
+  when no frontier node ranks, or after N - 1 fed nodes (the drafter K/V the scheduler reserves,
+  as for a chain of N);
+- the tree is the best N counting nodes by score (ancestors first on ties, so the set holds every
   ancestor of its nodes), in creation order: parents before children, siblings by decreasing q.
 
 For greedy rows (`draft_trees`) the candidates are the top tokens of q, a deterministic
@@ -32,6 +36,7 @@ drafter's cache follows the committed path as a chain's does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +46,7 @@ from ..model.tree_attention import TreeSpec
 from ..sampling import process_logits
 from ..sampling.rejection import categorical_from_uniform
 from .base import DraftBlock
+from .tree_budget import NodeCalibration
 
 # sampled rows branch at a spine slot where the drafter's max_x q(x) is below this (a stated choice,
 # not tuned: such a slot's first draw is rejected often enough for a second one to pay)
@@ -51,17 +57,29 @@ BRANCH_BELOW = 0.5
 class _Node:
     parent: int  # index into the row's nodes; -1: the root
     token: int
-    score: float  # log of the product of q along the path
+    score: float  # log of the gain: the product of the calibrated acceptances along the path
     depth: int
     conf: float  # max_x q(x) at the parent's slot
+    q: float  # q(token) at the parent's slot
     fed: int = -1  # order in which the drafter fed it (its key is root + 1 + fed); -1: a leaf
+
+
+@dataclass
+class TreeRecord:
+    """What the drafter keeps of a drafted tree until verification: each node's fed order (-1: not
+    fed) for `keep_path`, and for a greedy tree its parents and q(token) (NodeCalibration.observe)."""
+
+    fed: list[int]
+    parents: tuple[int, ...] = ()
+    qs: list[float] | None = None  # None: not calibrated from (a sampled row's spine)
 
 
 @dataclass
 class _TreeRow:
     seq: object  # the History
     base: int  # key of the last committed token (the root)
-    budget: int  # nodes to keep (num_draft)
+    budget: int  # nodes to keep at most (num_draft)
+    floor: float = -math.inf  # log of the price: nodes scoring below it do not count
     nodes: list[_Node] = field(default_factory=list)
     zone: list[int] = field(default_factory=lambda: [-1])  # TreeSpec parents of keys base.. (fed nodes)
     frontier: list[int] = field(default_factory=list)  # nodes added by the last step
@@ -73,40 +91,48 @@ class _TreeRow:
             i = self.nodes[i].parent
         return out[::-1]
 
-    def ranked(self) -> list[int]:
-        """Node indices, best first (ties: shallower, then older: ancestors before descendants)."""
-        return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+    def best(self) -> list[int]:
+        """The best `budget` nodes that pay the price, best first (ties: shallower, then older:
+        ancestors before descendants)."""
+        ranked = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+        return [i for i in ranked if self.nodes[i].score >= self.floor][: self.budget]
 
-    def add_children(self, parent: int, logq: torch.Tensor, width: int) -> None:
+    def add_children(self, parent: int, logq: torch.Tensor, width: int, calibration: NodeCalibration) -> None:
         vals, idx = torch.topk(logq, min(width, logq.shape[0]))
         conf = float(vals[0].exp())
         score = self.nodes[parent].score if parent >= 0 else 0.0
         depth = self.nodes[parent].depth + 1 if parent >= 0 else 0
         for v, t in zip(vals.tolist(), idx.tolist()):
             if v > -float("inf"):  # never a token q cannot produce
+                q = math.exp(v)
                 self.frontier.append(len(self.nodes))
-                self.nodes.append(_Node(parent, t, score + v, depth, conf))
+                self.nodes.append(_Node(parent, t, score + math.log(calibration.rate(q)), depth, conf, q))
 
-    def block(self) -> tuple[DraftBlock, list[int]]:
-        """The best `budget` nodes as a tree block, and each one's fed order (-1: not fed)."""
-        keep = sorted(self.ranked()[: self.budget])
+    def block(self) -> tuple[DraftBlock, TreeRecord | None]:
+        """The best nodes as a tree block and its record; none pays: an empty chain, no record."""
+        keep = sorted(self.best())
+        if not keep:
+            return DraftBlock([], None, []), None
         new = {old: j for j, old in enumerate(keep)}
         nodes = [self.nodes[i] for i in keep]
         parents = tuple(-1 if n.parent < 0 else new[n.parent] for n in nodes)
         blk = DraftBlock([n.token for n in nodes], None, [n.conf for n in nodes], parents=parents, drafting="point")
-        return blk, [n.fed for n in nodes]
+        return blk, TreeRecord([n.fed for n in nodes], parents, [n.q for n in nodes])
 
 
 def draft_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
-                feeds: list[list[int]], starts: list[int], raw: bool) -> list[tuple[DraftBlock, list[int]]]:
-    """One tree per sequence (see the module docstring): feeds[i] at starts[i] is its catch-up,
-    ending with the last committed token. Returns (block, fed order per node) per sequence."""
-    rows = [_TreeRow(s, st + len(f) - 1, n) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
+                feeds: list[list[int]], starts: list[int], raw: bool, calibration: NodeCalibration,
+                price: float = 0.0) -> list[tuple[DraftBlock, TreeRecord | None]]:
+    """One tree per sequence (see the module docstring) of at most num_draft[i] nodes whose gains
+    are at least `price`: feeds[i] at starts[i] is its catch-up, ending with the last committed
+    token. Returns (block, record) per sequence."""
+    floor = math.log(price) if price > 0 else -math.inf
+    rows = [_TreeRow(s, st + len(f) - 1, n, floor) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
     logq = _log_q(runner, rows, [[] for _ in rows], feeds, starts, [None] * len(rows), raw, eos_ids)
     for row, lq in zip(rows, logq):
-        row.add_children(-1, lq[0], width)
+        row.add_children(-1, lq[0], width, calibration)
     while True:
-        expand = [_to_expand(row, width) for row in rows]
+        expand = [_to_expand(row, width, calibration) for row in rows]
         active = [i for i, e in enumerate(expand) if e]
         if not active:
             break
@@ -127,18 +153,28 @@ def draft_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: in
         logq = _log_q(runner, sub, nodes, fds, sts, specs, raw, eos_ids)
         for row, js, lq in zip(sub, nodes, logq):
             for j, l in zip(js, lq):
-                row.add_children(j, l, width)
+                row.add_children(j, l, width, calibration)
     return [row.block() for row in rows]
 
 
-def _to_expand(row: _TreeRow, width: int) -> list[int]:
+def _to_expand(row: _TreeRow, width: int, calibration: NodeCalibration) -> list[int]:
     """The frontier nodes to feed next: among the best `budget` nodes, at most `width`, within the
-    drafter K/V left (budget - 1 fed nodes in all)."""
+    drafter K/V left (budget - 1 fed nodes in all), and only those whose child may rank: a fed node
+    spends K/V a deeper node needs, so a node is fed when its first child, projected at the rate of
+    its own slot's confidence (calibrated), ranks among the best `budget` of the nodes there are and
+    every frontier node's chain of such projected descendants."""
     left = row.budget - 1 - (len(row.zone) - 1)
     if left <= 0 or not row.frontier:
         return []
-    best = set(row.ranked()[: row.budget])
-    ranked = sorted((j for j in row.frontier if j in best), key=lambda j: (-row.nodes[j].score, j))
+    best = set(row.best())
+    step = {j: math.log(calibration.rate(row.nodes[j].conf)) for j in row.frontier}
+    projected = [n.score for n in row.nodes]
+    for j in row.frontier:
+        projected += [row.nodes[j].score + m * step[j] for m in range(1, row.budget)]
+    projected = sorted((v for v in projected if v >= row.floor), reverse=True)
+    cut = projected[row.budget - 1] if len(projected) >= row.budget else -math.inf
+    ranked = sorted((j for j in row.frontier if j in best and row.nodes[j].score + step[j] >= cut),
+                    key=lambda j: (-row.nodes[j].score, j))
     return ranked[: min(width, left)]
 
 
@@ -178,9 +214,9 @@ def keep_path(runner: ModelRunner, seq_id: int, num_tokens_before: int, fed: lis
 
 
 def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
-                 feeds: list[list[int]], starts: list[int]) -> list[tuple[DraftBlock, list[int]]]:
-    """Sampled rows' trees (see the module docstring): per sequence (block with q per slot, fed
-    order per node: the spine node j was fed j-th, the extra siblings are leaves)."""
+                 feeds: list[list[int]], starts: list[int]) -> list[tuple[DraftBlock, TreeRecord]]:
+    """Sampled rows' trees (see the module docstring): per sequence (block with q per slot, its
+    record: the spine node j was fed j-th, the extra siblings are leaves)."""
     n_rows = len(seqs)
     tokens = [[] for _ in range(n_rows)]
     parents = [[] for _ in range(n_rows)]
@@ -221,7 +257,8 @@ def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: i
         probs = torch.zeros(len(tokens[i]) + 1, q.shape[-1])
         for slot, qs in slot_q[i].items():
             probs[slot] = qs
-        out.append((DraftBlock(tokens[i], probs, conf[i], parents=tuple(parents[i]), drafting="distinct"), fed[i]))
+        out.append((DraftBlock(tokens[i], probs, conf[i], parents=tuple(parents[i]), drafting="distinct"),
+                    TreeRecord(fed[i])))
     return out
 
 

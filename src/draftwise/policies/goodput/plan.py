@@ -22,6 +22,9 @@ whole step, learned online (cost.py).
   probe that accepts nothing multiplies its interval by `probe_backoff` (up to `max_probe_every`),
   one that accepts resets it; the engine-wide one resets only while the measured check does not
   rate plain steps ahead of fixed speculation (there the load, not the estimate, stops drafting).
+- A tree drafter sizes its trees by the same price (`row_price`, `StepHints.node_price`): a node
+  is drafted while its path's estimated acceptance pays for its row (proposers/tree_budget.py), and
+  `admit` keeps such a greedy tree whole.
 - `admit` (after drafting, `admitted_lengths`) keeps proposal j of row i while its gain
   prod_{m<=j} a_{i,m}, now from the confidences of q_1..q_j, pays for its marginal verification
   time at the planned rate: gain >= lambda * dcost/dtoken. This is the optimality condition of the
@@ -102,7 +105,9 @@ def admitted_lengths(seqs: Sequence[History], blocks: Sequence[DraftBlock], cali
         gain[i] *= calibration.rate(s.seq_id, s.params.is_greedy, conf)
         return gain[i] >= threshold or (j == 0 and s.seq_id in probes)
 
-    return causal_lengths(blocks, keep)
+    lengths = causal_lengths(blocks, keep)
+    # a greedy tree (point masses) was sized at drafting by the same price (`StepHints.node_price`)
+    return [len(b.token_ids) if b.is_tree and b.drafting == "point" else n for b, n in zip(blocks, lengths)]
 
 
 @dataclass
@@ -228,11 +233,13 @@ class Planner:
         """The tokens the proposer will feed in forwards of their own this step (`learn_catch_up`)."""
         self.long_catch_up = sum(n - 1 for n, m in zip(lags, lengths) if m and n > LONG_CATCH_UP)
 
-    def admit(self, seqs: Sequence[History], blocks: Sequence[DraftBlock]) -> list[int]:
+    def row_price(self, seqs: Sequence[History]) -> float:
+        """The expected tokens a verified row must add: its marginal seconds at the planned rate."""
         b, ctx = len(seqs), self.context(seqs)
-        # marginal seconds of one more verified token, and the rate it must pay for
-        threshold = self.rate * (self.model.step_seconds(b, b + 1, ctx) - self.model.step_seconds(b, b, ctx))
-        return admitted_lengths(seqs, blocks, self.calibration, threshold, self.probes)
+        return self.rate * (self.model.step_seconds(b, b + 1, ctx) - self.model.step_seconds(b, b, ctx))
+
+    def admit(self, seqs: Sequence[History], blocks: Sequence[DraftBlock]) -> list[int]:
+        return admitted_lengths(seqs, blocks, self.calibration, self.row_price(seqs), self.probes)
 
     def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int,
                 calibrate: bool, plain_leads: Callable[[], bool]) -> None:

@@ -33,13 +33,14 @@ class GoodputPolicy:
         self.config = config or GoodputConfig()
         self.core = Planner(self.config, cost, has_draft_model)
         self.check = MeasuredCheck(self.config)
+        self.node_price = 0.0  # the planned step's price of a verified row ("spec" steps only)
 
     def plain_next(self, num_seqs: int) -> bool:
         return self.check.plain_next(num_seqs)
 
     def hints(self) -> StepHints:
         # a coasting "full" step that only counts its tokens (thin) reads no confidence
-        return StepHints(reads_confidence=not self.check.thin, arm=self.check.mode)
+        return StepHints(reads_confidence=not self.check.thin, arm=self.check.mode, node_price=self.node_price)
 
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         t = time.perf_counter()
@@ -48,6 +49,12 @@ class GoodputPolicy:
         return lengths
 
     def _plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
+        lengths = self._lengths(seqs, max_draft)
+        # "full" and "plain" steps put no price on a row (every row its maximum; probes only)
+        self.node_price = self.core.row_price(seqs) if self.check.mode == "spec" and any(lengths) else 0.0
+        return lengths
+
+    def _lengths(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         core, check, b = self.core, self.check, len(seqs)
         arms = check.enter(b)
         coast = check.coast(arms)

@@ -1,0 +1,72 @@
+"""How big a drafted tree is: the price of a verified row, and each node's estimated gain.
+
+A node of a tree adds one verified row; it pays when the tokens it is expected to add (the
+probability that its whole path is accepted, its *gain*) are worth that row's marginal seconds at
+the step's planned rate: gain >= lambda * dcost/dtoken, the goodput policy's own admission rule
+(policies/goodput/plan.py). The policy states that price for the step it planned (`StepHints.
+node_price`), the engine hands it with each row's node cap to a drafter that sizes its trees
+(`SizedTrees.set_tree_budget`), and the drafter expands its most probable nodes while they pay:
+at high load the price rises, siblings (less probable than the main chain) drop out first, then
+the chain's tail; a plan of 0 for a row is plain decoding. Price 0 (the fixed policy, goodput's
+"full" arm): the planned number of nodes.
+
+A node's gain is the product along its path of P(accepted | parent accepted), estimated from
+q(token) at its parent's slot by `NodeCalibration`: 20 bins of q, each a decayed count of tested /
+accepted nodes with a weak prior (acceptance = the bin's centre), q scaled by its bin's observed /
+prior ratio (q itself, EAGLE-2's score, before any verification). A
+greedy tree's tested nodes are the children of the root and of every accepted node: accepted
+if on the accepted path, rejected otherwise (the target's argmax at their parent's slot is known).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+NUM_BINS = 20
+PRIOR_WEIGHT = 2.0
+DECAY = 0.999  # per observation: follows drift slowly
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """What a step allows a tree-drafting proposer (set before `propose`)."""
+
+    price: float = 0.0  # a node is drafted while its gain is at least this (0: up to the planned count)
+    caps: Sequence[int] = ()  # [B] the most nodes row i may hold (the K/V reserved); (): the planned counts
+
+
+@runtime_checkable
+class SizedTrees(Protocol):
+    """A proposer whose trees take their size from the step's `TreeBudget`."""
+
+    def set_tree_budget(self, budget: TreeBudget) -> None: ...
+
+
+@dataclass
+class NodeCalibration:
+    """P(node accepted | parent accepted) from q(node's token), learned from verified trees."""
+
+    # [bin] -> [accepted, tested], the prior: acceptance = the bin's centre
+    table: list[list[float]] = field(default_factory=lambda: [
+        [(b + 0.5) / NUM_BINS * PRIOR_WEIGHT, PRIOR_WEIGHT] for b in range(NUM_BINS)])
+
+    @staticmethod
+    def _bin(q: float) -> int:
+        return min(NUM_BINS - 1, max(0, int(q * NUM_BINS)))
+
+    def rate(self, q: float) -> float:
+        """q times its bin's observed / prior acceptance: q itself before any observation, and in
+        the order of q within a bin (siblings of close q keep their order)."""
+        b = self._bin(q)
+        acc, n = self.table[b]
+        return min(0.999, max(1e-6, q * (acc / n) / ((b + 0.5) / NUM_BINS)))
+
+    def observe(self, parents: Sequence[int], qs: Sequence[float], path: Sequence[int]) -> None:
+        """A greedy tree verified: node i (under parents[i], token probability qs[i]) was tested if
+        its parent is the root (-1) or on the accepted `path`, and accepted if on the path."""
+        on_path = set(path)
+        for i, (p, q) in enumerate(zip(parents, qs)):
+            if p < 0 or p in on_path:
+                row = self.table[self._bin(q)]
+                row[0] = row[0] * DECAY + (1.0 if i in on_path else 0.0)
+                row[1] = row[1] * DECAY + 1.0

@@ -1,0 +1,107 @@
+"""Trees sized by the price of a verified row (proposers/tree_budget.py): the calibration of node
+acceptance from verified trees, trees that shrink to chains and to nothing as the price rises,
+the price a policy states reaching the drafter through the engine, and the goodput policy's
+price."""
+import random
+
+import pytest
+
+from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.engine.sequence import Sequence
+from draftwise.model import load_model
+from draftwise.policies import CostModel, StepHints, policy_class, register_policy
+from draftwise.policies.fixed import FixedPolicy
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.tree_budget import NUM_BINS, PRIOR_WEIGHT, NodeCalibration, TreeBudget
+from tiny_models import make_model_dir
+
+
+@pytest.fixture(scope="module")
+def near_draft_dir(tmp_path_factory, tokenizer):
+    # (peaked distributions: q's top tokens differ enough for prices to tell them apart)
+    return make_model_dir(tmp_path_factory.mktemp("near-draft-budget"), seed=0, tokenizer=tokenizer, perturb=0.15,
+                          init_std=3.0)
+
+
+def test_calibration_counts_the_tested_nodes_only():
+    cal = NodeCalibration()
+    # 0, 1 under the root; 2 under 0; 3 under 1; 4 under 2. Accepted path: 0 then 2.
+    # Tested: 0, 1 (the root's children), 2 (under accepted 0), 4 (under accepted 2); 3 is not.
+    qs = [0.93, 0.33, 0.63, 0.13, 0.43]
+    cal.observe((-1, -1, 0, 1, 2), qs, [0, 2])
+    prior = [(b + 0.5) / NUM_BINS for b in range(NUM_BINS)]
+    for q, accepted in ((0.93, 1.0), (0.63, 1.0), (0.33, 0.0), (0.43, 0.0)):
+        b = int(q * NUM_BINS)
+        acc, n = cal.table[b]
+        assert n == pytest.approx(PRIOR_WEIGHT * 0.999 + 1.0)
+        assert acc == pytest.approx(prior[b] * PRIOR_WEIGHT * 0.999 + accepted)
+    assert cal.table[int(0.13 * NUM_BINS)] == [prior[int(0.13 * NUM_BINS)] * PRIOR_WEIGHT, PRIOR_WEIGHT]
+    assert cal.rate(0.93) > prior[int(0.93 * NUM_BINS)] and cal.rate(0.33) < prior[int(0.33 * NUM_BINS)]
+
+
+def drafted_tree(target_dir, near_draft_dir, price: float, cap: int = 6):
+    target = load_model(target_dir)
+    draft = load_model(near_draft_dir, load_tokenizer=False)
+    prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=3)
+    rng = random.Random(4)
+    prompt = [rng.randrange(1, target.config.vocab_size) for _ in range(9)]
+    seq = Sequence("r", prompt, SamplingParams(temperature=0, max_tokens=8))
+    prop.kv.reserve(seq.seq_id, len(prompt) + cap)
+    prop.set_tree_budget(TreeBudget(price, [cap]))
+    return prop.propose([seq], [1 if price > 0 else cap])[0]
+
+
+def test_trees_shrink_to_chains_and_to_nothing_as_the_price_rises(target_dir, near_draft_dir):
+    """Before any verification a node's gain is the product of q along its path: as the price
+    rises past the gains, nodes drop (never added), down to the best node alone (a chain) and to
+    none (plain decoding)."""
+    sizes, shapes = [], []
+    for price in [0.0] + [10 ** (-4 + e / 15) for e in range(61)]:
+        blk = drafted_tree(target_dir, near_draft_dir, price)
+        sizes.append(len(blk.token_ids))
+        shapes.append(blk.parents or ())
+    assert sizes[0] == 6 and sizes[-1] == 0, sizes
+    assert all(a >= b for a, b in zip(sizes, sizes[1:])), sizes  # a higher price, never more nodes
+    assert any(p != tuple(range(-1, len(p) - 1)) for p in shapes), "some price drafts a real tree"
+    assert (-1,) in shapes, "some price keeps the best node alone"
+
+
+@register_policy("priced-test")
+class PricedPolicy(FixedPolicy):
+    """The fixed policy stating a price too high for any node: trees shrink to nothing."""
+
+    def hints(self) -> StepHints:
+        return StepHints(reads_confidence=False, node_price=2.0)
+
+
+def test_a_policys_price_reaches_the_drafter_through_the_engine(target_dir, near_draft_dir):
+    plain = LLM(str(target_dir))
+    rng = random.Random(2)
+    ps = [[rng.randrange(1, plain.engine.vocab_size) for _ in range(rng.randint(3, 12))] for _ in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = plain.generate(ps, sp)
+    outs = {}
+    for policy in ("fixed", "priced-test"):
+        llm = LLM(str(target_dir), draft=str(near_draft_dir), spec=SpecConfig(method="draft", k=4, tree=2, policy=policy),
+                  draft_dtype="float32")
+        outs[policy] = llm.generate(ps, sp)
+        assert [o.token_ids for o in outs[policy]] == [b.token_ids for b in base]
+    assert sum(o.stats.proposed_tokens for o in outs["fixed"]) > 0
+    assert sum(o.stats.proposed_tokens for o in outs["priced-test"]) == 0
+
+
+def test_goodput_prices_a_row_by_its_marginal_seconds_at_the_planned_rate():
+    """At one row and at sixteen the first plan is a "spec" step here; the stated price is lambda *
+    dcost/dtoken of the planned step, and more rows (a higher rate, the same seconds per token)
+    price a row higher."""
+    cost = CostModel((0.005, 0.002, 0.001, 1e-6), (0.0005, 0.0001, 0.0))
+    prices = {}
+    for b in (1, 16):
+        policy = policy_class("goodput")(k=4, cost=cost, has_draft_model=True)
+        seqs = [Sequence(f"r{i}", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=64)) for i in range(b)]
+        lengths = policy.plan(seqs, [4] * b)
+        hints = policy.hints()
+        assert hints.arm == "spec" and any(lengths)
+        assert hints.node_price == pytest.approx(policy.core.row_price(seqs))
+        prices[b] = hints.node_price
+    assert 0 < prices[1] < prices[16]
