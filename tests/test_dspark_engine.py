@@ -21,12 +21,14 @@ from draftwise.lab import correctness
 from draftwise.lab.runner import parse_configs
 from draftwise.model import load_model
 from draftwise.model.config import ModelLoadError
-from draftwise.model.dspark import save_dspark
+from draftwise.model.dspark import DSparkDrafter, save_dspark
+from draftwise.model.dspark_config import DSparkConfig
 from draftwise.proposers import DraftBlock, register_proposer
 from draftwise.proposers.dspark import DSparkProposer
 from draftwise.sampling import process_logits
 from draftwise.train.dspark import build_drafter
 from test_dspark_policy import COST
+from tiny_hybrid import make_hybrid_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output
 
@@ -231,7 +233,7 @@ def test_constrained_request(target_dir, dspark_dir, plain):
         assert o.finish_reason == "stop" and o.text in choice["choice"], o.text
 
 
-def test_bad_input(tmp_path, target_dir, draft_dir, dspark_dir, capsys):
+def test_bad_input(tmp_path, tokenizer, target_dir, draft_dir, dspark_dir, capsys):
     with pytest.raises(ValueError, match="needs a DSpark drafter directory.*is a language model"):
         LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="dspark", k=4))
     with pytest.raises(ValueError, match="is a DSpark drafter, not a draft model: use --method dspark"):
@@ -249,6 +251,11 @@ def test_bad_input(tmp_path, target_dir, draft_dir, dspark_dir, capsys):
     (broken / "config.json").write_text(json.dumps({"architectures": ["DSparkDrafter"], "vocab_size": 5}))
     with pytest.raises(ModelLoadError, match="broken: not a DSpark drafter.*'hidden_size' missing"):
         LLM(str(target_dir), draft=str(broken), spec=SpecConfig(method="dspark", k=4))
+    hybrid = make_hybrid_dir(tmp_path / "hybrid", seed=5, tokenizer=tokenizer)
+    cfg = DSparkConfig.for_target(load_model(hybrid, fuse=False, load_tokenizer=False).config, feature_layers=[0])
+    save_dspark(DSparkDrafter(cfg), tmp_path / "hybrid-dspark")
+    with pytest.raises(ValueError, match="reads an attention-only target's features; .* is a hybrid model"):
+        LLM(str(hybrid), draft=str(tmp_path / "hybrid-dspark"), spec=SpecConfig(method="dspark", k=4))
     assert main(["generate", "--model", str(target_dir), "--method", "dspark", "--draft", str(draft_dir),
                  "x", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
