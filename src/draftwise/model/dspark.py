@@ -13,8 +13,10 @@ head, a confidence head.
   W2 (rank r) to U_k, drawn left to right: q_k = softmax(U_k + B(x_{k-1})) depends on the token
   actually drafted before it (x_0 = the anchor), so a block is a left-to-right distribution
   q(x_1..x_gamma) = prod_k q_k(x_k | x_{k-1}) and verification against it stays exact.
-- **Confidence head.** c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b), trained to the acceptance
-  probability 1 - TV(q_k, p_k) of position k (train/dspark.py).
+- **Confidence head.** c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k), trained to the acceptance
+  probability 1 - TV(q_k, p_k) of position k (train/dspark.py) with T_k = 1; the temperatures T_k
+  (`confidence_temperatures`, Sequential Temperature Scaling: train/dspark_calibration.py) are
+  fitted afterwards and apply wherever a confidence is read (`draw`).
 
 p is the target, q the draft. Shapes: B rows, N blocks per row, gamma positions per block, S
 context positions, H the target's width, V its vocabulary.
@@ -179,9 +181,14 @@ class DSparkDrafter(nn.Module):
         feats = hidden if self.markov is None else torch.cat((hidden, self.markov.prev(prev_ids).to(hidden.dtype)), -1)
         return self.confidence(feats).squeeze(-1).float()
 
+    def confidence_temperature(self, k: int) -> float:
+        """T_k of block position k (0-based): 1 until Sequential Temperature Scaling sets them."""
+        temps = self.cfg.confidence_temperatures
+        return float(temps[k]) if temps else 1.0
+
     def teacher_forced(self, hidden: torch.Tensor, prev_ids: torch.Tensor):
         """Training: hidden [B, N, gamma, H], prev_ids [B, N, gamma] (the anchor, then the true
-        tokens) -> logits [B, N, gamma, V] float32, confidence logits [B, N, gamma]."""
+        tokens) -> logits [B, N, gamma, V] float32, confidence logits [B, N, gamma] (before T_k)."""
         return self.step_logits(self.head(hidden), prev_ids), self.confidence_logit(hidden, prev_ids)
 
     def draw(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
@@ -193,7 +200,7 @@ class DSparkDrafter(nn.Module):
         prev, tokens, logits, conf = anchor_ids, [], [], []
         for k in range(hidden.shape[1]):
             step = self.step_logits(base[:, k], prev)
-            conf.append(torch.sigmoid(self.confidence_logit(hidden[:, k], prev)))
+            conf.append(torch.sigmoid(self.confidence_logit(hidden[:, k], prev) / self.confidence_temperature(k)))
             prev = choose(k, step)
             tokens.append(prev)
             logits.append(step)

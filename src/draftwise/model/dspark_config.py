@@ -46,6 +46,8 @@ class DSparkConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     target: str = ""  # the target's directory (informational; the caller loads the pair)
+    # Sequential Temperature Scaling (train/dspark_calibration.py): c_k = sigmoid(logit_k / T_k); empty: 1
+    confidence_temperatures: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # unknown keys, kept on a round trip
 
     @staticmethod
@@ -69,6 +71,10 @@ class DSparkConfig:
         if self.block_size < 1 or self.markov_rank < 0 or self.num_hidden_layers < 1:
             raise ModelLoadError("config.json: 'block_size' and 'num_hidden_layers' must be >= 1, "
                                  "'markov_rank' >= 0")
+        temps = self.confidence_temperatures
+        if temps and (len(temps) != self.block_size or not all(t > 0 for t in temps)):
+            raise ModelLoadError(f"config.json 'confidence_temperatures': {self.block_size} positive numbers "
+                                 f"(one per block position) or none, got {temps}")
         if tcfg is not None:
             if (tcfg.vocab_size, tcfg.hidden_size) != (self.vocab_size, self.hidden_size):
                 raise ModelLoadError(f"drafter vocab/hidden {self.vocab_size}/{self.hidden_size} differ from the "
