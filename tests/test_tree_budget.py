@@ -28,15 +28,17 @@ def test_calibration_counts_the_tested_nodes_only():
     # 0, 1 under the root; 2 under 0; 3 under 1; 4 under 2. Accepted path: 0 then 2.
     # Tested: 0, 1 (the root's children), 2 (under accepted 0), 4 (under accepted 2); 3 is not.
     qs = [0.93, 0.33, 0.63, 0.13, 0.43]
-    cal.observe((-1, -1, 0, 1, 2), qs, [0, 2])
+    cal.observe((-1, -1, 0, 1, 2), qs, [True, False, True, True, True], [0, 2])
     prior = [(b + 0.5) / NUM_BINS for b in range(NUM_BINS)]
-    for q, accepted in ((0.93, 1.0), (0.63, 1.0), (0.33, 0.0), (0.43, 0.0)):
+    for q, first, accepted in ((0.93, True, 1.0), (0.63, True, 1.0), (0.33, False, 0.0), (0.43, True, 0.0)):
         b = int(q * NUM_BINS)
-        acc, n = cal.table[b]
+        acc, n = cal.tables[first][b]
         assert n == pytest.approx(PRIOR_WEIGHT * 0.999 + 1.0)
         assert acc == pytest.approx(prior[b] * PRIOR_WEIGHT * 0.999 + accepted)
-    assert cal.table[int(0.13 * NUM_BINS)] == [prior[int(0.13 * NUM_BINS)] * PRIOR_WEIGHT, PRIOR_WEIGHT]
-    assert cal.rate(0.93) > prior[int(0.93 * NUM_BINS)] and cal.rate(0.33) < prior[int(0.33 * NUM_BINS)]
+        assert cal.tables[not first][b] == [prior[b] * PRIOR_WEIGHT, PRIOR_WEIGHT]  # the other kind: its prior
+    assert cal.tables[True][int(0.13 * NUM_BINS)] == [prior[int(0.13 * NUM_BINS)] * PRIOR_WEIGHT, PRIOR_WEIGHT]
+    assert cal.rate(0.93, True) > 0.93 == pytest.approx(cal.rate(0.93, False))
+    assert cal.rate(0.33, False) < 0.33
 
 
 def drafted_tree(target_dir, near_draft_dir, price: float, cap: int = 6):

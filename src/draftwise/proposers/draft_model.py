@@ -289,7 +289,7 @@ class DraftModelProposer:
                 m = keep_path(self.runner, seq.seq_id, num_tokens_before, record.fed, block.nodes)
                 self._roll_back(seq, num_tokens_before + m)
                 if record.qs is not None:
-                    self.calibration.observe(record.parents, record.qs, block.nodes)
+                    self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
             return
         n = len(block.token_ids)
         if n == 0:

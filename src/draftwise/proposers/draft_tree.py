@@ -61,6 +61,7 @@ class _Node:
     depth: int
     conf: float  # max_x q(x) at the parent's slot
     q: float  # q(token) at the parent's slot
+    first: bool  # the most probable token there
     fed: int = -1  # order in which the drafter fed it (its key is root + 1 + fed); -1: a leaf
 
 
@@ -72,6 +73,7 @@ class TreeRecord:
     fed: list[int]
     parents: tuple[int, ...] = ()
     qs: list[float] | None = None  # None: not calibrated from (a sampled row's spine)
+    firsts: list[bool] | None = None
 
 
 @dataclass
@@ -102,11 +104,11 @@ class _TreeRow:
         conf = float(vals[0].exp())
         score = self.nodes[parent].score if parent >= 0 else 0.0
         depth = self.nodes[parent].depth + 1 if parent >= 0 else 0
-        for v, t in zip(vals.tolist(), idx.tolist()):
+        for r, (v, t) in enumerate(zip(vals.tolist(), idx.tolist())):
             if v > -float("inf"):  # never a token q cannot produce
                 q = math.exp(v)
                 self.frontier.append(len(self.nodes))
-                self.nodes.append(_Node(parent, t, score + math.log(calibration.rate(q)), depth, conf, q))
+                self.nodes.append(_Node(parent, t, score + math.log(calibration.rate(q, r == 0)), depth, conf, q, r == 0))
 
     def block(self) -> tuple[DraftBlock, TreeRecord | None]:
         """The best nodes as a tree block and its record; none pays: an empty chain, no record."""
@@ -117,7 +119,7 @@ class _TreeRow:
         nodes = [self.nodes[i] for i in keep]
         parents = tuple(-1 if n.parent < 0 else new[n.parent] for n in nodes)
         blk = DraftBlock([n.token for n in nodes], None, [n.conf for n in nodes], parents=parents, drafting="point")
-        return blk, TreeRecord([n.fed for n in nodes], parents, [n.q for n in nodes])
+        return blk, TreeRecord([n.fed for n in nodes], parents, [n.q for n in nodes], [n.first for n in nodes])
 
 
 def draft_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
@@ -167,7 +169,7 @@ def _to_expand(row: _TreeRow, width: int, calibration: NodeCalibration) -> list[
     if left <= 0 or not row.frontier:
         return []
     best = set(row.best())
-    step = {j: math.log(calibration.rate(row.nodes[j].conf)) for j in row.frontier}
+    step = {j: math.log(calibration.rate(row.nodes[j].conf, True)) for j in row.frontier}
     projected = [n.score for n in row.nodes]
     for j in row.frontier:
         projected += [row.nodes[j].score + m * step[j] for m in range(1, row.budget)]

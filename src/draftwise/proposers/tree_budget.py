@@ -11,9 +11,12 @@ the chain's tail; a plan of 0 for a row is plain decoding. Price 0 (the fixed po
 "full" arm): the planned number of nodes.
 
 A node's gain is the product along its path of P(accepted | parent accepted), estimated from
-q(token) at its parent's slot by `NodeCalibration`: 20 bins of q, each a decayed count of tested /
+q(token) at its parent's slot and whether it is its slot's most probable token by
+`NodeCalibration`: per kind (first, other), 20 bins of q, each a decayed count of tested /
 accepted nodes with a weak prior (acceptance = the bin's centre), q scaled by its bin's observed /
-prior ratio (q itself, EAGLE-2's score, before any verification). A
+prior ratio (q itself, EAGLE-2's score, before any verification). The two kinds apart: a drafter
+distilled from the target is right about its argmax far more often than its q says, and about
+the runner-up far less. A
 greedy tree's tested nodes are the children of the root and of every accepted node: accepted
 if on the accepted path, rejected otherwise (the target's argmax at their parent's slot is known).
 """
@@ -46,27 +49,29 @@ class SizedTrees(Protocol):
 class NodeCalibration:
     """P(node accepted | parent accepted) from q(node's token), learned from verified trees."""
 
-    # [bin] -> [accepted, tested], the prior: acceptance = the bin's centre
-    table: list[list[float]] = field(default_factory=lambda: [
-        [(b + 0.5) / NUM_BINS * PRIOR_WEIGHT, PRIOR_WEIGHT] for b in range(NUM_BINS)])
+    # [first?][bin] -> [accepted, tested], the prior: acceptance = the bin's centre
+    tables: list[list[list[float]]] = field(default_factory=lambda: [
+        [[(b + 0.5) / NUM_BINS * PRIOR_WEIGHT, PRIOR_WEIGHT] for b in range(NUM_BINS)] for _ in range(2)])
 
     @staticmethod
     def _bin(q: float) -> int:
         return min(NUM_BINS - 1, max(0, int(q * NUM_BINS)))
 
-    def rate(self, q: float) -> float:
-        """q times its bin's observed / prior acceptance: q itself before any observation, and in
-        the order of q within a bin (siblings of close q keep their order)."""
+    def rate(self, q: float, first: bool) -> float:
+        """q times its bin's observed / prior acceptance (`first`: the slot's most probable token):
+        q itself before any observation, and in the order of q within a bin."""
         b = self._bin(q)
-        acc, n = self.table[b]
+        acc, n = self.tables[int(first)][b]
         return min(0.999, max(1e-6, q * (acc / n) / ((b + 0.5) / NUM_BINS)))
 
-    def observe(self, parents: Sequence[int], qs: Sequence[float], path: Sequence[int]) -> None:
-        """A greedy tree verified: node i (under parents[i], token probability qs[i]) was tested if
-        its parent is the root (-1) or on the accepted `path`, and accepted if on the path."""
+    def observe(self, parents: Sequence[int], qs: Sequence[float], firsts: Sequence[bool],
+                path: Sequence[int]) -> None:
+        """A greedy tree verified: node i (under parents[i], token probability qs[i], its slot's
+        most probable token or not) was tested if its parent is the root (-1) or on the accepted
+        `path`, and accepted if on the path."""
         on_path = set(path)
-        for i, (p, q) in enumerate(zip(parents, qs)):
+        for i, (p, q, f) in enumerate(zip(parents, qs, firsts)):
             if p < 0 or p in on_path:
-                row = self.table[self._bin(q)]
+                row = self.tables[int(f)][self._bin(q)]
                 row[0] = row[0] * DECAY + (1.0 if i in on_path else 0.0)
                 row[1] = row[1] * DECAY + 1.0
