@@ -94,7 +94,7 @@ def _add_dspark_args(p) -> None:
                                             "comma-separated, 0-based (default: 1, L/2, L-2)")
     p.add_argument("--anchors", type=positive_int, default=S["anchors"],
                    help=f"dspark: blocks drawn per training window (default {S['anchors']}; batch 4 x 256 tokens, "
-                        f"lr 2e-3, warm-up 20 unless set)")
+                        f"lr {S['lr']:g}, warm-up {S['warmup_steps']} unless set)")
 
 
 def _log(msg: str) -> None:
