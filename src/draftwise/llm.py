@@ -53,13 +53,16 @@ class LLM:
         device: str = "cpu",
         draft_dtype: str | None = None,
         quantization: str | None = None,
+        draft_quantization: str | None = None,
+        draft_vocab: int | None = None,
         **engine_kwargs,
     ):
         spec = spec or SpecConfig()
         needs_draft = bool(spec.method) and proposer_class(spec.method).needs_draft_model
         target, draft_model = load_pair(model, draft, needs_draft=needs_draft, dtype=dtype, draft_dtype=draft_dtype,
                                         device=device, method=spec.method or "", draft_option="draft=...",
-                                        quantization=quantization)
+                                        quantization=quantization, draft_quantization=draft_quantization,
+                                        draft_vocab=draft_vocab)
         self.engine = LLMEngine(target, draft_model, spec, EngineConfig(dtype=dtype, device=device, **engine_kwargs))
         # what was loaded, as a server reports it about itself (bench --url records it)
         self.models = {"target": target.path.name, "draft": draft_model.path.name if draft_model is not None else None,

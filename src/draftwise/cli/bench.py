@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from .common import add_progress_arg, add_quantization_arg, positive_int
+from .common import add_progress_arg, add_quantization_arg, draft_load_args, positive_int
 
 
 def _option(name: str, fn, *args):
@@ -172,7 +172,7 @@ def _plan(args):
         workloads=workloads, configs=configs, levels=levels, model=args.model, draft=args.draft, url=args.url,
         reference_url=args.reference_url, prefix_caching=args.prefix_caching,
         served_model=args.served_model, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-        quantization=args.quantization,
+        quantization=args.quantization, **draft_load_args(args),
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,

@@ -5,7 +5,7 @@ import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
-from .common import METHOD_HELP_CHECK, add_model_args, add_progress_arg, spec_from_args
+from .common import METHOD_HELP_CHECK, add_model_args, add_progress_arg, draft_load_args, spec_from_args
 
 
 # --quick: a run of well under a minute on the embedded pair, for a first look; the price is power
@@ -105,7 +105,7 @@ def run(args) -> int:
                          "(with --model alone the method defaults to none)")
     target, draft = load_pair(args.model, args.draft, needs_draft=proposer_class(spec.method).needs_draft_model,
                               dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-                              method=spec.method, quantization=args.quantization)
+                              method=spec.method, quantization=args.quantization, **draft_load_args(args))
     max_len = target.config.max_position_embeddings
     if draft is not None:
         max_len = min(max_len, draft.config.max_position_embeddings)

@@ -34,6 +34,19 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the target and the draft, made at load time: int8 = one "
                         "symmetric scale per output channel; int4 = groups of 32 with a float16 step and minimum "
                         "each (Q4_1's layout; the LM head int8); activations in --dtype (default none)")
+    p.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
+                   help="the draft model's weight-only quantization when it should differ from --quantization "
+                        "(e.g. int4 for a cheaper draft beside a target run as stored; default: --quantization)")
+    p.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
+                   help="the draft's LM head over its N most frequent tokens only (counted over the training "
+                        "corpus; special tokens always kept): a cheaper draft step for large vocabularies, "
+                        "output unchanged (default: the whole vocabulary)")
+
+
+def draft_load_args(args) -> dict:
+    """The draft's own load options (--draft-quantization, --draft-vocab) as load_pair's keywords."""
+    dq = getattr(args, "draft_quantization", None)
+    return {"draft_quantization": dq, "draft_vocab": getattr(args, "draft_vocab", None)}
 
 
 # --method's default depends on --model and --draft (spec_from_args); each command says what follows
@@ -124,6 +137,7 @@ def build_llm(args):
         torch.set_num_threads(args.threads)
     spec = spec_from_args(args)
     return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype, device=args.device,
-               draft_dtype=args.draft_dtype, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+               draft_dtype=args.draft_dtype, quantization=args.quantization, **draft_load_args(args),
+               kv_cache_memory=args.kv_cache_memory,
                enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback,
                multi_step=args.multi_step)

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import add_model_args, add_multi_step_arg, positive_int, spec_from_args
+from .common import add_model_args, add_multi_step_arg, draft_load_args, positive_int, spec_from_args
 
 
 def _non_negative(text: str) -> float:
@@ -109,7 +109,8 @@ def run(args) -> int:
     def build():
         torch.set_num_threads(threads)
         return LLM(args.model, draft=args.draft, spec=spec, dtype=args.dtype,
-                   device=args.device, draft_dtype=args.draft_dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                   device=args.device, draft_dtype=args.draft_dtype, quantization=args.quantization,
+                   **draft_load_args(args), max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                    enable_prefix_caching=args.prefix_caching, recurrent_rollback=args.recurrent_rollback,
                    multi_step=args.multi_step)

@@ -113,6 +113,8 @@ class BenchPlan:
     dtype: str = "float32"
     draft_dtype: str | None = None  # None: draft_dtype_for's default (bfloat16 on a CPU with native bfloat16)
     quantization: str | None = None  # "int8" or "int4": weight-only, both models (model/quantize.py)
+    draft_quantization: str | None = None  # the draft's own, when it differs ("none": float weights)
+    draft_vocab: int | None = None  # the draft's head over its N most frequent tokens (model/draft_vocab.py)
     device: str = "cpu"
     slo: dict = field(default_factory=dict)
     dollars_per_hour: float | None = None
@@ -149,7 +151,8 @@ def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
     uses_draft = [c.label for c in plan.configs if _uses_draft(c)]
     target, draft = load_pair(plan.model, plan.draft, needs_draft=bool(uses_draft), dtype=plan.dtype,
                               draft_dtype=plan.draft_dtype, device=plan.device,
-                              method=uses_draft[0] if uses_draft else "draft", quantization=plan.quantization)
+                              method=uses_draft[0] if uses_draft else "draft", quantization=plan.quantization,
+                              draft_quantization=plan.draft_quantization, draft_vocab=plan.draft_vocab)
     return [_run_workload(plan, w, target, draft, console) for w in plan.workloads]
 
 

@@ -8,7 +8,9 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
   target and the embedded draft would not share a tokenizer); a method that needs a draft and
   has none fails before anything is loaded;
 - the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`;
-- `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes;
+- `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes,
+  unless `draft_quantization` names the draft's own ("none" for float weights);
+- `draft_vocab` N keeps the draft's LM head over its N most frequent tokens (draft_vocab.py);
 - a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
   beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
   unless `draft_dtype` says otherwise: a `LoadedDSpark` (the `dspark` method reads it).
@@ -25,6 +27,7 @@ from typing import NamedTuple
 from ..paths import default_draft, default_target, resolve_model
 from . import cpu_kernels
 from .config import ModelLoadError
+from .draft_vocab import kept_tokens, prune_head, token_ranking
 from .dspark import DSparkDrafter, load_dspark
 from .dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkConfig
 from .loader import LoadedModel, load_model, resolve_dtype
@@ -93,6 +96,8 @@ def load_pair(
     method: str = "draft",
     draft_option: str = "--draft DIR",
     quantization: str | None = None,
+    draft_quantization: str | None = None,
+    draft_vocab: int | None = None,
 ) -> ModelPair:
     """Load the target (and the draft when `needs_draft`).
 
@@ -111,6 +116,19 @@ def load_pair(
         return ModelPair(target, None)
     if is_dspark_dir(resolve_model(draft_dir)):
         return ModelPair(target, _load_dspark(resolve_model(draft_dir), target, draft_dtype or dtype, device))
+    dq = quantization if draft_quantization is None else (None if draft_quantization == "none" else draft_quantization)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
-                             load_tokenizer=False, quantization=quantization)
+                             load_tokenizer=False, quantization=dq)
+    if draft_vocab is not None:
+        _prune_draft_head(draft_model, target, draft_vocab)
     return ModelPair(target, draft_model)
+
+
+def _prune_draft_head(draft: LoadedModel, target: LoadedModel, n: int) -> None:
+    """`--draft-vocab N`: the draft's head over its N most frequent tokens (draft_vocab.py)."""
+    tok = draft.tokenizer or target.tokenizer
+    if tok is None or draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError("--draft-vocab: the draft must share the target's vocabulary")
+    always = list(tok.get_added_tokens_decoder()) + target.eos_token_ids + draft.eos_token_ids
+    kept = kept_tokens(token_ranking(tok), n, draft.config.vocab_size, always)
+    prune_head(draft.model, kept)
