@@ -1,7 +1,7 @@
 """Batch-1 speed of the Qwen2.5-Coder pair (make qwen-coder): plain, the 0.5B draft, n-gram; the
 cost of a verification block against a decode step; prefill.
 
-    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,ngram,cross]
+    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
         [--tokens 128] [--k 4] [--cross-k 4,2] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
@@ -40,6 +40,7 @@ from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET, chat_ids  # 
 CROSS_DRAFT = "smollm2"  # SmolLM2-135M-Instruct: another tokenizer (vocabulary 49,152)
 
 
+CHEAP_VOCAB = 32768  # --draft-vocab of the draft-vocab / draft-cheap configs
 CLOCK = time.perf_counter  # or time.process_time (--clock cpu)
 
 
@@ -89,6 +90,12 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = ()) ->
     if "draft" in configs:
         out[f"{quant} draft k={k}"] = LLM(TARGET, draft=DRAFT, spec=SpecConfig(method="draft", k=k), quantization=q,
                                           **small)
+    cheap = {"draft-int4": dict(draft_quantization="int4"), "draft-vocab": dict(draft_vocab=CHEAP_VOCAB),
+             "draft-cheap": dict(draft_quantization="int4", draft_vocab=CHEAP_VOCAB)}
+    for name, kw in cheap.items():
+        if name in configs:  # a cheaper draft step: int4 layers, a head over the frequent tokens, or both
+            out[f"{quant} {name} k={k}"] = LLM(TARGET, draft=DRAFT, spec=SpecConfig(method="draft", k=k),
+                                               quantization=q, **kw, **small)
     if "ngram" in configs:
         out[f"{quant} ngram"] = LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small)
     for ck in cross_ks if "cross" in configs else ():
@@ -105,7 +112,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
-    ap.add_argument("--configs", default="plain,draft,ngram")
+    ap.add_argument("--configs", default="plain,draft,ngram",
+                    help="plain, draft, draft-int4 (the draft's layers int4), draft-vocab (its head over the "
+                         f"{CHEAP_VOCAB} most frequent tokens), draft-cheap (both), ngram, cross (SmolLM2)")
     ap.add_argument("--cross-k", default="4,2", help="the cross config's k values")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
