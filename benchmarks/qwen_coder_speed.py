@@ -2,7 +2,7 @@
 cost of a verification block against a decode step; prefill.
 
     .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
-        [--tokens 128] [--k 4] [--cross-k 4,2] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
+        [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
 groups; `int8`: every block as int8 groups; a comma list runs them in one process, but each engine
@@ -81,7 +81,7 @@ def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) ->
     return sorted(means)[repeats // 2]
 
 
-def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = ()) -> dict:
+def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cross_quant: str = "none") -> dict:
     from draftwise import LLM, SpecConfig
 
     q = None if quant == "stored" else quant
@@ -98,9 +98,11 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = ()) ->
                                                quantization=q, **kw, **small)
     if "ngram" in configs:
         out[f"{quant} ngram"] = LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small)
+    cq = None if cross_quant == "none" else cross_quant
     for ck in cross_ks if "cross" in configs else ():
-        out[f"{quant} smollm2 k={ck}"] = LLM(TARGET, draft=CROSS_DRAFT, spec=SpecConfig(method="draft", k=ck),
-                                             quantization=q, **small)
+        out[f"{quant} smollm2{'-' + cq if cq else ''} k={ck}"] = LLM(
+            TARGET, draft=CROSS_DRAFT, spec=SpecConfig(method="draft", k=ck), quantization=q,
+            draft_quantization=cq, **small)
     return out
 
 
@@ -116,6 +118,8 @@ def main() -> int:
                     help="plain, draft, draft-int4 (the draft's layers int4), draft-vocab (its head over the "
                          f"{CHEAP_VOCAB} most frequent tokens), draft-cheap (both), ngram, cross (SmolLM2)")
     ap.add_argument("--cross-k", default="4,2", help="the cross config's k values")
+    ap.add_argument("--cross-quant", default="none", choices=["none", "int8", "int4"],
+                    help="the cross config's draft quantization (--draft-quantization)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     global CLOCK
@@ -127,7 +131,8 @@ def main() -> int:
               "decode": {}, "prefill": {}}
     llms = {}
     for quant in args.quant.split(","):
-        llms.update(engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")]))
+        llms.update(engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")],
+                            args.cross_quant))
         plain = llms[f"{quant} plain"]
         runner = plain.engine.runner
         ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]
