@@ -77,7 +77,7 @@ class _Chooser:
                 gens = [self.seqs[todo[r]].generator for r in sampled]
                 u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g,
                                           device=g.device if g is not None else "cpu").cpu() for g in gens])
-                drawn = categorical_from_uniform(q, u)
+                drawn = categorical_from_uniform(q, u.to(q.device))
                 for n, r in enumerate(sampled):
                     self.probs[todo[r]].append(q[n])
                     out[todo[r]] = drawn[n]
