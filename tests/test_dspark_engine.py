@@ -262,3 +262,18 @@ def test_bad_input(tmp_path, tokenizer, target_dir, draft_dir, dspark_dir, capsy
     assert "needs a DSpark drafter directory" in err and "Traceback" not in err
     assert main(["generate", "--model", str(target_dir), "--method", "dspark", "x"]) == 2
     assert "needs a draft model directory" in capsys.readouterr().err
+
+
+def test_generate_and_bench_from_the_command_line(tmp_path, target_dir, dspark_dir, capsys):
+    assert main(["generate", "--model", str(target_dir), "--method", "dspark", "--draft", str(dspark_dir),
+                 "--json", "--max-tokens", "6", "--ignore-eos", "def f():"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["proposed_tokens"] > 0
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", str(target_dir), "--draft", str(dspark_dir), "--configs", "none,dspark:k=4",
+                 "--workload", "grounded", "--concurrency", "2", "--num-requests", "3", "--max-tokens", "8",
+                 "--out", str(out), "--no-progress"]) == 0
+    runs = json.loads((out / "results.json").read_text())["workloads"][0]["runs"]
+    (spec,) = [r for r in runs if r["config"] == "dspark:k=4"]
+    assert spec["method"] == "dspark" and spec["completed"] == 3 and spec["speculation"]["proposed_tokens"] > 0
+    assert spec["correctness"]["compared"] == 3 and spec["correctness"]["mismatching_requests"] == 0
