@@ -160,3 +160,40 @@ def test_fused_steps_of_several_rows_equal_the_loop(pair, dtype, ks):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-6)
     for a, b in zip(runs[True][2], runs[False][2]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_steps_give_each_slots_runner_up(pair, dtype):
+    """`runners_up`: with the same proposals and confidences, each step's second most probable token
+    and its probability, as the loop's logits give them (what a greedy tree's sibling leaves are)."""
+    draft = load_model(pair[False][1], dtype=dtype, load_tokenizer=False)
+    feeds, ks = [[3, 17, 200], [45, 9]], [4, 3]
+    got = {}
+    for fused in (True, False):
+        r = ModelRunner(draft, 64, 16)
+        for b, f in enumerate(feeds):
+            r.kv.reserve(b, 40)
+            r.run([b], [[5 + b] * 20], [0], [1])
+        if fused:
+            got[fused] = r.greedy_steps_rows([0, 1], feeds, [20, 20], ks, confidence=True, runners_up=True)
+            continue
+        rows = []
+        for b, (f, k) in enumerate(zip(feeds, ks)):
+            toks, conf, tok2, p2, feed, start = [], [], [], [], f, 20
+            for _ in range(k):
+                logits = r.run([b], [feed], [start], [1])[0].float()
+                probs = torch.softmax(logits, -1)
+                top = torch.topk(logits, 2)
+                toks.append(int(top.indices[0]))
+                conf.append(float(probs[toks[-1]]))
+                tok2.append(int(top.indices[1]))
+                p2.append(float(probs[tok2[-1]]))
+                start += len(feed)
+                feed = [toks[-1]]
+            rows.append((toks, conf, tok2, p2))
+        got[fused] = rows
+    toks, conf, runners = got[True]
+    for b, (t, c, t2, p2) in enumerate(got[False]):
+        assert toks[b] == t and runners[b][0] == t2
+        assert conf[b] == pytest.approx(c, rel=1e-4) and runners[b][1] == pytest.approx(p2, rel=1e-4)
+        assert all(x < y for x, y in zip(runners[b][1], conf[b]))

@@ -41,10 +41,11 @@ def test_calibration_counts_the_tested_nodes_only():
     assert cal.rate(0.33, False) < 0.33
 
 
-def drafted_tree(target_dir, near_draft_dir, price: float, cap: int = 6):
+def drafted_tree(target_dir, near_draft_dir, price: float, cap: int = 6, fused: bool = True):
     target = load_model(target_dir)
     draft = load_model(near_draft_dir, load_tokenizer=False)
     prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=3)
+    prop.fused_steps = fused  # True: a spine and its runners-up from the fused steps; False: depth by depth
     rng = random.Random(4)
     prompt = [rng.randrange(1, target.config.vocab_size) for _ in range(9)]
     seq = Sequence("r", prompt, SamplingParams(temperature=0, max_tokens=8))
@@ -53,13 +54,14 @@ def drafted_tree(target_dir, near_draft_dir, price: float, cap: int = 6):
     return prop.propose([seq], [1 if price > 0 else cap])[0]
 
 
-def test_trees_shrink_to_chains_and_to_nothing_as_the_price_rises(target_dir, near_draft_dir):
+@pytest.mark.parametrize("fused", [True, False], ids=["spine", "depth-by-depth"])
+def test_trees_shrink_to_chains_and_to_nothing_as_the_price_rises(target_dir, near_draft_dir, fused):
     """Before any verification a node's gain is the product of q along its path: as the price
     rises past the gains, nodes drop (never added), down to the best node alone (a chain) and to
     none (plain decoding)."""
     sizes, shapes = [], []
     for price in [0.0] + [10 ** (-4 + e / 15) for e in range(61)]:
-        blk = drafted_tree(target_dir, near_draft_dir, price)
+        blk = drafted_tree(target_dir, near_draft_dir, price, fused=fused)
         sizes.append(len(blk.token_ids))
         shapes.append(blk.parents or ())
     assert sizes[0] == 6 and sizes[-1] == 0, sizes
@@ -84,8 +86,8 @@ def test_a_policys_price_reaches_the_drafter_through_the_engine(target_dir, near
     base = plain.generate(ps, sp)
     outs = {}
     for policy in ("fixed", "priced-test"):
-        llm = LLM(str(target_dir), draft=str(near_draft_dir), spec=SpecConfig(method="draft", k=4, tree=2, policy=policy),
-                  draft_dtype="float32")
+        spec = SpecConfig(method="draft", k=4, tree=2, policy=policy)
+        llm = LLM(str(target_dir), draft=str(near_draft_dir), spec=spec, draft_dtype="float32")
         outs[policy] = llm.generate(ps, sp)
         assert [o.token_ids for o in outs[policy]] == [b.token_ids for b in base]
     assert sum(o.stats.proposed_tokens for o in outs["fixed"]) > 0

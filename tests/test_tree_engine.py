@@ -26,8 +26,9 @@ def prompts(vocab: int, n: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 24))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("n", [1, 16])
-def test_greedy_tree_equals_plain(target_dir, near_draft_dir, monkeypatch, n):
+@pytest.mark.parametrize("n,fused", [(1, True), (16, True), (6, False)])
+def test_greedy_tree_equals_plain(target_dir, near_draft_dir, monkeypatch, n, fused):
+    """fused: greedy rows draft a spine with runners-up in one kernel call; else depth by depth."""
     paths = []
     keep = engine_module.keep_accepted_path
 
@@ -50,6 +51,7 @@ def test_greedy_tree_equals_plain(target_dir, near_draft_dir, monkeypatch, n):
     base = plain.generate(ps, sp)
     llm = LLM(str(target_dir), draft=str(near_draft_dir), spec=SpecConfig(method="draft", k=6, tree=3),
               draft_dtype="float32")
+    llm.engine.proposer.fused_steps = fused
     outs = llm.generate(ps, sp)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert sum(o.stats.accepted_tokens for o in outs) > 0

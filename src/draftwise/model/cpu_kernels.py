@@ -171,8 +171,8 @@ class Kernels:
             "dw_attend_batch": [p, i, i, i, i, i, p, p, p, i, p, p, p, i, f, p, ctypes.c_int, ctypes.c_int, p],
             "dw_decoder": [p, p, args],
             "dw_forward": [io, p, p, i, p, args],
-            "dw_draft_greedy": [io, args, p, i, i, i, p, p],
-            "dw_draft_greedy_rows": [io, args, p, p, p, p, i, i, p, p],
+            "dw_draft_greedy": [io, args, p, i, i, i, p, p, p, p],
+            "dw_draft_greedy_rows": [io, args, p, p, p, p, i, i, p, p, p, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

@@ -315,20 +315,21 @@ class NativeForward:
         toks = (ctypes.c_int64 * k)()
         conf = (ctypes.c_float * k)() if confidence else None
         rc = kern.draft_greedy(ctypes.byref(io), ctypes.byref(args), ctypes.addressof(feed_c), n0, start, k,
-                               ctypes.addressof(toks), 0 if conf is None else ctypes.addressof(conf))
+                               ctypes.addressof(toks), 0 if conf is None else ctypes.addressof(conf), 0, 0)
         if rc != 0:
             raise MemoryError("fused draft steps: no scratch memory")
         return list(toks), (list(conf) if conf is not None else None)
 
     def greedy_steps_rows(self, feeds: list[list[int]], starts: list[int], ks: list[int], kv_cache: torch.Tensor,
-                          slots: torch.Tensor, confidence: bool = False):
+                          slots: torch.Tensor, confidence: bool = False, runners_up: bool = False):
         """`greedy_steps` for B sequences at once (`dw_draft_greedy_rows`): sequence b feeds feeds[b]
         at positions starts[b].., then its proposals, ks[b] of them; each step is one packed forward
         of the sequences still drafting (what the drafter's loop runs for such rows, with the same
         values). slots [B, L]: each sequence's slot per position, reaching starts[b] + len(feeds[b])
         + ks[b] - 1. Returns (tokens per sequence, confidences per sequence or None), or None where
         this model's forward is not one call (as greedy_steps), or the first step's rows exceed
-        what the kernels take."""
+        what the kernels take. `runners_up`: a third entry, per sequence each step's runner-up token
+        and its probability ((tokens, probabilities); confidences then computed too)."""
         fused = self._fused_steps(kv_cache, feeds, ks)
         if fused is None:
             return None
@@ -344,12 +345,20 @@ class NativeForward:
         feed_c = (ctypes.c_int64 * n0)(*flat)
         meta_c = (ctypes.c_int64 * (3 * B + 1))(*offs, *starts, *ks)  # offsets, starts, ks
         toks = (ctypes.c_int64 * (B * kmax))()
-        conf = (ctypes.c_float * (B * kmax))() if confidence else None
+        conf = (ctypes.c_float * (B * kmax))() if confidence or runners_up else None
+        tok2 = (ctypes.c_int64 * (B * kmax))() if runners_up else None
+        p2 = (ctypes.c_float * (B * kmax))() if runners_up else None
         base = ctypes.addressof(meta_c)
         rc = kern.draft_greedy_rows(ctypes.byref(io), ctypes.byref(args), ctypes.addressof(feed_c), base,
                                     base + 8 * (B + 1), base + 8 * (2 * B + 1), B, kmax, ctypes.addressof(toks),
-                                    0 if conf is None else ctypes.addressof(conf))
+                                    0 if conf is None else ctypes.addressof(conf),
+                                    0 if tok2 is None else ctypes.addressof(tok2),
+                                    0 if p2 is None else ctypes.addressof(p2))
         if rc != 0:
             raise MemoryError("fused draft steps: no scratch memory")
         out = [list(toks[b * kmax : b * kmax + k]) for b, k in enumerate(ks)]
-        return out, ([list(conf[b * kmax : b * kmax + k]) for b, k in enumerate(ks)] if conf is not None else None)
+        confs = [list(conf[b * kmax : b * kmax + k]) for b, k in enumerate(ks)] if conf is not None else None
+        if not runners_up:
+            return out, confs
+        return out, confs, [(list(tok2[b * kmax : b * kmax + k]), list(p2[b * kmax : b * kmax + k]))
+                            for b, k in enumerate(ks)]

@@ -154,15 +154,16 @@ class ModelRunner:
         return fn(feed, start, k, self.cache, first, slots, confidence)
 
     def greedy_steps_rows(self, seq_ids: list[int], feeds: list[list[int]], starts: list[int], ks: list[int],
-                          confidence: bool = False):
+                          confidence: bool = False, runners_up: bool = False):
         """`greedy_steps` for several sequences in one call (`LlamaModel.greedy_steps_rows`): ks[b]
-        greedy proposals of sequence b, each step one packed forward of the sequences still drafting.
-        None where the model cannot: then `run`."""
+        greedy proposals of sequence b, each step one packed forward of the sequences still drafting
+        (`runners_up`: each step's runner-up token and probability too). None where the model
+        cannot: then `run`."""
         fn = getattr(self.model, "greedy_steps_rows", None)
         if fn is None or self.state is not None or self.device.type != "cpu":
             return None
         ends = [s + len(f) + k - 1 for s, f, k in zip(starts, feeds, ks)]  # keys at each one's last step
-        return fn(feeds, starts, ks, self.cache, self.kv.slots(seq_ids, ends), confidence)
+        return fn(feeds, starts, ks, self.cache, self.kv.slots(seq_ids, ends), confidence, runners_up)
 
     def _run_split(self, seq_ids, new_tokens, starts, num_logits, return_hidden, feature_layers=()):
         """`run` one sequence at a time: prefill chunks of different lengths, too long for the

@@ -44,7 +44,7 @@ from ..sampling.rejection import categorical_from_uniform
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
-from .draft_tree import TreeRecord, draft_spines, draft_trees, keep_path
+from .draft_tree import TreeRecord, draft_spines, draft_trees, keep_path, spine_trees
 from .tree_budget import NodeCalibration, TreeBudget
 
 
@@ -126,12 +126,16 @@ class DraftModelProposer:
                 continue
             args = ([seqs[i] for i in rows], [nodes[i] for i in rows], self.tree, self.eos_ids,
                     [feeds[i] for i in rows], [starts[i] for i in rows])
+            raw = not any(changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows)
+            got = None
             if sampled:
                 got = draft_spines(self.runner, *args)
-            else:
-                got = draft_trees(self.runner, *args, raw=not any(
-                    changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows),
-                    calibration=self.calibration, price=price)
+            elif raw and self.fused_steps:  # the chain's fused call, with each slot's runner-up
+                got = spine_trees(self.runner, [seqs[i] for i in rows], [max(1, num_draft[i]) for i in rows],
+                                  [nodes[i] for i in rows], [feeds[i] for i in rows], [starts[i] for i in rows],
+                                  self.calibration, price)
+            if got is None:
+                got = draft_trees(self.runner, *args, raw=raw, calibration=self.calibration, price=price)
             for i, (blk, record) in zip(rows, got):
                 blocks[i] = blk
                 if record is not None:

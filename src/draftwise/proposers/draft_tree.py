@@ -20,6 +20,10 @@ A row that may verify N proposals drafts a tree of at most N nodes instead of a 
 For greedy rows (`draft_trees`) the candidates are the top tokens of q, a deterministic
 function of the history: point masses for verification (`drafting="point"`, sampling/tree.py),
 verified by following the target's argmax. A node's confidence is max_x q(x) at its parent's slot.
+Where the drafter's greedy steps run fused (raw logits, the kernels), greedy rows take
+`spine_trees` instead: the chain's one kernel call also returns each slot's runner-up, and the
+tree is the best nodes among the spine and one runner-up leaf per slot (what a tree of a few
+nodes holds when siblings rarely carry children of their own), for a chain's drafting time.
 
 Sampled rows (`draft_spines`) cannot prune by score: a sibling kept because its own q is high is
 no longer a draw from q, and recursive rejection sampling would lose exactness. Their tree is a
@@ -108,7 +112,8 @@ class _TreeRow:
             if v > -float("inf"):  # never a token q cannot produce
                 q = math.exp(v)
                 self.frontier.append(len(self.nodes))
-                self.nodes.append(_Node(parent, t, score + math.log(calibration.rate(q, r == 0)), depth, conf, q, r == 0))
+                gain = score + math.log(calibration.rate(q, r == 0))
+                self.nodes.append(_Node(parent, t, gain, depth, conf, q, r == 0))
 
     def block(self) -> tuple[DraftBlock, TreeRecord | None]:
         """The best nodes as a tree block and its record; none pays: an empty chain, no record."""
@@ -202,6 +207,52 @@ def _log_q(runner: ModelRunner, rows: list[_TreeRow], nodes: list[list[int]], fe
         out.append(logq[off : off + c])
         off += c
     return out
+
+
+def spine_trees(runner: ModelRunner, seqs: list, spine: list[int], budget: list[int], feeds: list[list[int]],
+                starts: list[int], calibration: NodeCalibration,
+                price: float = 0.0) -> list[tuple[DraftBlock, TreeRecord | None]] | None:
+    """Greedy rows' trees from one fused call of the drafter's greedy steps (`greedy_steps_rows`
+    with runners-up): sequence i's spine of spine[i] argmax tokens, and at each spine slot its
+    runner-up as a sibling leaf; the tree is the best budget[i] of these nodes by gain that pay
+    `price` (a node's parent always ranks above it: rates are below 1). The drafter runs a chain's
+    forwards, in one kernel call. None where the fused steps cannot run (then `draft_trees`)."""
+    got = runner.greedy_steps_rows([s.seq_id for s in seqs], feeds, starts, spine, confidence=True,
+                                   runners_up=True)
+    if got is None:
+        return None
+    return [_spine_block(toks, conf, tok2, p2, n, calibration, price)
+            for toks, conf, (tok2, p2), n in zip(got[0], got[1], got[2], budget)]
+
+
+def _spine_block(toks: list[int], conf: list[float], tok2: list[int], p2: list[float], budget: int,
+                 calibration: NodeCalibration, price: float) -> tuple[DraftBlock, TreeRecord | None]:
+    """(slot, first?) candidates ranked by gain: the spine node at slot j (gain G_j, the product of
+    the first-kind rates up to j) and the runner-up there (G_{j-1} times its other-kind rate)."""
+    cands = []  # (log gain, slot, 0: spine / 1: runner-up)
+    g = 0.0
+    for j, (c, q2) in enumerate(zip(conf, p2)):
+        if not (c == c and q2 == q2):  # a NaN row: nothing from here on
+            break
+        if q2 > 0:
+            cands.append((g + math.log(calibration.rate(q2, False)), j, 1))
+        g += math.log(calibration.rate(c, True))
+        cands.append((g, j, 0))
+    floor = math.log(price) if price > 0 else -math.inf
+    keep = sorted((j, kind) for v, j, kind in sorted(cands, key=lambda t: (-t[0], t[1], t[2]))[:budget] if v >= floor)
+    if not keep:
+        return DraftBlock([], None, []), None
+    index, parents, tokens, confs, qs, firsts, fed = {}, [], [], [], [], [], []
+    for j, kind in keep:  # slot order, the spine node before its sibling: parents come first
+        index[(j, kind)] = len(tokens)
+        parents.append(index[(j - 1, 0)] if j > 0 else -1)
+        tokens.append(toks[j] if kind == 0 else tok2[j])
+        confs.append(conf[j])
+        qs.append(conf[j] if kind == 0 else p2[j])
+        firsts.append(kind == 0)
+        fed.append(j if kind == 0 and j < len(toks) - 1 else -1)  # the spine's last node is not fed
+    blk = DraftBlock(tokens, None, confs, parents=tuple(parents), drafting="point")
+    return blk, TreeRecord(fed, tuple(parents), qs, firsts)
 
 
 def keep_path(runner: ModelRunner, seq_id: int, num_tokens_before: int, fed: list[int], path: tuple[int, ...]) -> int:

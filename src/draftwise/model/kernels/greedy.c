@@ -66,6 +66,26 @@ static long argmax_conf_row(const float *logits, long V, float *conf) {
     return best;
 }
 
+/* The runner-up of a row whose first maximum `best` (value top) and confidence conf (1 / sum exp(l -
+ * top)) are known: *tok2 the first maximum of the other logits, *p2 its softmax probability. The
+ * row is scratch: logits[best] is set aside for the scan and put back. */
+static void runner_up_row(float *logits, long V, long best, float top, float conf, int64_t *tok2, float *p2) {
+    float keep = logits[best], v2;
+    logits[best] = -INFINITY;
+    *tok2 = argmax_first(logits, V, &v2);
+    logits[best] = keep;
+    *p2 = exp1(v2 - top) * conf;
+}
+
+/* argmax_conf_row, and with tok2 not NULL the runner-up (runner_up_row; conf then computed). */
+static long argmax_conf2_row(float *logits, long V, float *conf, int64_t *tok2, float *p2) {
+    float c;
+    long best = argmax_conf_row(logits, V, (conf || tok2) ? &c : NULL);
+    if (conf) *conf = c;
+    if (tok2) runner_up_row(logits, V, best, logits[best], c, tok2, p2);
+    return best;
+}
+
 /* k greedy proposals of one sequence: the calls the drafter's Python loop makes for such a row
  * (runner.run of the fed tokens, the LM head on the last row, the argmax), in one call. Step 0
  * feeds the n0 tokens of `feed` at positions start..start+n0-1, step s > 0 feeds step s-1's token
@@ -73,10 +93,11 @@ static long argmax_conf_row(const float *logits, long V, float *conf) {
  * The model's fields of `args` as dw_decoder takes them (its rows' fields B, T, pos, L, lens, news
  * and offs are set here, step by step); args->slot0 >= 0: positions 0.. on consecutive slots from
  * slot0; else args->slots gives each position's slot (one row of args->Lmax slots). out_tok [k];
- * out_conf [k] (may be NULL): max softmax probability of each step's logits. Returns 0, or -1 when
- * scratch memory was not available. */
+ * out_conf [k] (may be NULL): max softmax probability of each step's logits; out_tok2, out_p2 [k] (NULL:
+ * not computed): each step's runner-up token and its probability. Returns 0, or -1 when scratch
+ * memory was not available. */
 int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, const int64_t *feed, long n0,
-                    long start, long k, int64_t *out_tok, float *out_conf) {
+                    long start, long k, int64_t *out_tok, float *out_conf, int64_t *out_tok2, float *out_p2) {
     long es = args->bf ? 2 : 4, hid = args->hid, V = io->V;
     char *x = (char *)malloc(es * n0 * hid * 2 + sizeof(float) * V + sizeof(int64_t) * n0 + 64);
     if (!x) return -1;
@@ -102,7 +123,8 @@ int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, 
         if (rc != 0) break;
         const char *last = h + es * (T - 1) * hid;
         dw_head_rows(io, last, 1, hid, logits, args->threads);
-        prev = argmax_conf_row(logits, V, out_conf ? out_conf + s : NULL);
+        prev = argmax_conf2_row(logits, V, out_conf ? out_conf + s : NULL, out_tok2 ? out_tok2 + s : NULL,
+                                out_p2 ? out_p2 + s : NULL);
         out_tok[s] = prev;
     }
     free(x);
@@ -115,11 +137,11 @@ int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, 
  * dw_forward of those rows with the head on each sequence's last row, then each row's first maximum
  * (argmax_conf_row: the calls and values of the drafter's Python loop for such rows). args: the
  * model's fields, and slots [B, Lmax]: each sequence's slot per position (reaching start[b] + n0 +
- * ks[b] - 1). out_tok / out_conf [B, kmax] (out_conf may be NULL): row b's first ks[b] entries
- * written. Returns 0, or -1 (no scratch memory). */
+ * ks[b] - 1). out_tok / out_conf / out_tok2 / out_p2 [B, kmax] (all but out_tok may be NULL, as for
+ * dw_draft_greedy): row b's first ks[b] entries written. Returns 0, or -1 (no scratch memory). */
 int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *args, const int64_t *feed,
                          const int64_t *offs0, const int64_t *start, const int64_t *ks, long B, long kmax,
-                         int64_t *out_tok, float *out_conf) {
+                         int64_t *out_tok, float *out_conf, int64_t *out_tok2, float *out_p2) {
     long R0 = offs0[B], n = (R0 > B ? R0 : B), Lmax = args->Lmax, V = io->V;
     const int64_t *slots = args->slots;
     int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (2 * n + 5 * B + 2 + B * Lmax) + sizeof(float) * B * V);
@@ -159,7 +181,9 @@ int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a
         rc = dw_forward(io, ids, sel, A, logits, &step);
         for (long a = 0; a < A && rc == 0; a++) {
             long b = act[a];
-            out_tok[b * kmax + s] = argmax_conf_row(logits + a * V, V, out_conf ? out_conf + b * kmax + s : NULL);
+            long o = b * kmax + s;
+            out_tok[o] = argmax_conf2_row(logits + a * V, V, out_conf ? out_conf + o : NULL,
+                                          out_tok2 ? out_tok2 + o : NULL, out_p2 ? out_p2 + o : NULL);
         }
     }
     free(ids);

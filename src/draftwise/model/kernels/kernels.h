@@ -229,10 +229,10 @@ __attribute__((visibility("hidden"))) void dw_head_rows(const struct dw_io *io, 
 
 /* greedy.c: a drafter's greedy steps and the argmax with confidence */
 int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *a, const int64_t *feed, long n0,
-                    long start, long k, int64_t *out_tok, float *out_conf);
+                    long start, long k, int64_t *out_tok, float *out_conf, int64_t *out_tok2, float *out_p2);
 int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a, const int64_t *feed,
                          const int64_t *offs0, const int64_t *start, const int64_t *ks, long B, long kmax,
-                         int64_t *out_tok, float *out_conf);
+                         int64_t *out_tok, float *out_conf, int64_t *out_tok2, float *out_p2);
 void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads);
 
 #endif
