@@ -21,6 +21,7 @@ from draftwise.lab import correctness
 from draftwise.lab.runner import parse_configs
 from draftwise.model import load_model
 from draftwise.model.config import ModelLoadError
+from draftwise.policies import StatelessPolicy, register_policy
 from draftwise.model.dspark import DSparkDrafter, save_dspark
 from draftwise.model.dspark_config import DSparkConfig
 from draftwise.proposers import DraftBlock, register_proposer
@@ -29,6 +30,7 @@ from draftwise.sampling import process_logits
 from draftwise.train.dspark import build_drafter
 from test_dspark_policy import COST
 from tiny_hybrid import make_hybrid_dir
+from tiny_models import make_model_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output
 
@@ -218,6 +220,47 @@ def test_dspark_policy_reads_the_confidences(target_dir, dspark_dir, plain):
     assert_equal_but_near_ties(llm0.engine.target.model, ps[:16], [o.token_ids for o in outs], want[:16])
     st = llm.engine.stats
     assert 0 < st.verified_tokens <= st.proposed_tokens
+
+
+@register_policy("test-every-other-step")
+class EveryOtherStep(StatelessPolicy):
+    """Drafts on every other step only: the steps between are plain, which a lone greedy row could
+    otherwise take in one multi-token kernel call (no features)."""
+
+    def __init__(self, **_):
+        self.steps = 0
+
+    def plan(self, seqs, max_draft):
+        self.steps += 1
+        return [0 if self.steps % 2 else n for n in max_draft]
+
+    def admit(self, seqs, blocks, draft_seconds):
+        return [len(b.token_ids) for b in blocks]
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory, tokenizer):
+    """A target whose head is packed for the fused greedy steps (vocabulary 2048), and a drafter."""
+    d = tmp_path_factory.mktemp("wide")
+    target = make_model_dir(d / "target", seed=0, tokenizer=tokenizer, vocab_size=2048, layers=2, hidden=64)
+    return target, make_dspark_dir(d / "dspark", target)
+
+
+@pytest.mark.parametrize("policy", ["test-every-other-step", "dspark"])
+def test_a_lone_row_with_plain_steps_keeps_the_features(wide_pair, plain, policy):
+    """A lone greedy row's plain steps are one token a step (the multi-token kernel call would
+    commit tokens whose features the drafter never sees)."""
+    target, dspark = wide_pair
+    _, ps, sp, _ = plain
+    ref = LLM(str(target))
+    llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=4, policy=policy, cost_model=COST))
+    for p in ps[:4]:
+        (w,) = ref.generate([p], sp)
+        (o,) = llm.generate([p], sp)
+        assert o.finish_reason == "length" and o.error is None, o.error
+        assert_equal_but_near_ties(ref.engine.target.model, [p], [o.token_ids], [w.token_ids])
+    st = llm.engine.stats
+    assert st.decode_steps > st.speculative_steps > 0  # plain steps and drafting steps both ran
 
 
 def test_constrained_request(target_dir, dspark_dir, plain):

@@ -294,9 +294,10 @@ class LLMEngine:
         one-token steps compute: each token the argmax of the logits after the ones before). The
         tokens are committed one at a time with the stop checks, as every step's are; K/V written
         past a stop is dropped by bookkeeping. None: the usual step (a sampled or processed row,
-        a prefill, several rows, proposals to verify, a model without the fused steps)."""
+        a prefill, several rows, proposals to verify, a model without the fused steps, a drafter
+        that reads the features of every committed token)."""
         self._multi_stepped = False
-        if len(scheduled) != 1:
+        if len(scheduled) != 1 or self.feature_layers:  # (a drafter on features needs every forward's)
             return None
         s = scheduled[0]
         seq = s.seq
