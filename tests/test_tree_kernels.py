@@ -146,3 +146,34 @@ def test_kernel_layout():
     assert kernel_trees([None, None], [3, 4]) is None
     with pytest.raises(ValueError):
         kernel_trees([TreeSpec(4, (-1, 0))], [7])
+
+
+def test_greedy_tree_verification_on_raw_logits_equals_the_general_path(monkeypatch):
+    """Rows greedy on raw logits take one argmax per slot (`tree_verify._verify_argmax`): the
+    tokens, accepted paths and p rows are those of process_logits + tree_rejection_sample, for
+    trees and chains in one batch, a tree whose sibling is accepted, and a row with a NaN slot."""
+    from types import SimpleNamespace
+
+    from draftwise import SamplingParams
+    from draftwise.engine import tree_verify
+    from draftwise.engine.sequence import Sequence
+    from draftwise.proposers import DraftBlock
+
+    V = 50
+    g = torch.Generator().manual_seed(5)
+    blocks = [DraftBlock([7, 9, 3, 4], None, parents=(-1, -1, 1, 2)), DraftBlock([5, 6], None),
+              DraftBlock([1, 2, 8], None, parents=(-1, 0, 0)), DraftBlock([], None)]
+    logits = torch.randn(sum(1 + len(b.token_ids) for b in blocks), V, generator=g)
+    logits[0, 9] = logits[2, 3] = 9.0  # tree 0: its second root child, then that child's child accepted
+    logits[5, 5] = 9.0  # the chain: its first proposal accepted
+    logits[8, 5] = float("nan")  # tree 2: a NaN slot, nothing committed
+    seqs = [SimpleNamespace(seq=Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0))) for i in range(4)]
+    fast = tree_verify.verify_with_trees(seqs, blocks, logits, [0], V)
+    monkeypatch.setattr(tree_verify, "_takes_argmax", lambda seq: False)
+    slow = tree_verify.verify_with_trees(seqs, blocks, logits, [0], V)
+    assert fast.tokens == slow.tokens and fast.accepted == slow.accepted and fast.valid == slow.valid
+    assert fast.paths == slow.paths and fast.paths[0] == [1, 2] and fast.valid[2] is False
+    assert fast.tokens[1][0] == 5 and fast.accepted[1] >= 1
+    for b in range(4):
+        if fast.valid[b]:
+            assert torch.equal(fast.committed(b).logits.argmax(-1), slow.committed(b).logits.argmax(-1))

@@ -18,12 +18,15 @@ them: the grammar's fork walks one path).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..model.runner import ModelRunner
 from ..model.tree_attention import TreeSpec
 from ..proposers import DraftBlock
 from ..sampling import process_logits
+from ..sampling.processors import changes_logits
 from ..sampling.grammar import grammar_bitmask
 from ..sampling.tree import DraftTree, tree_rejection_sample
 from ..sampling.verify import VerifyMetadata, flat_draft_probs
@@ -53,6 +56,8 @@ def verify_with_trees(sampling: list, drafts: list[DraftBlock], logits: torch.Te
                       vocab: int) -> Verification:
     """`LLMEngine.verify` for a batch with tree rows (`sampling`: ScheduledSeqs; logits `[N, V]`,
     1 + n rows each)."""
+    if all(_takes_argmax(s.seq) for s in sampling):
+        return _verify_argmax(sampling, drafts, logits)
     params, prompts, hists = [], [], []
     for s, blk in zip(sampling, drafts):
         for h in slot_histories(blk):
@@ -90,6 +95,53 @@ def verify_with_trees(sampling: list, drafts: list[DraftBlock], logits: torch.Te
     rows_of = {s.seq.seq_id: b for b, s in enumerate(sampling)}
     return Verification(rows_of, [tokens[b] for b in order], [accepted[b] for b in order], [valid[b] for b in order],
                         offs[:-1], torch.cat([pieces[b] for b in order]), paths)
+
+
+def _takes_argmax(seq) -> bool:
+    """p is the argmax of the raw logits at every slot (as for a chain: greedy, nothing that changes
+    the logits, no grammar, no logprobs to report)."""
+    return not changes_logits(seq.params, len(seq.output_ids)) and seq.grammar is None and seq.logprobs is None
+
+
+def _verify_argmax(sampling: list, drafts: list[DraftBlock], logits: torch.Tensor) -> Verification:
+    """Every row greedy on raw logits: one argmax per slot (numpy's first maximum, as
+    `verify_argmax`), then each row follows its proposals while they equal the argmax at their
+    parent's slot (a chain: the next proposal; a tree: the child holding it, siblings being
+    distinct); a row with a NaN or an all -inf slot commits nothing. What `process_logits` and
+    `tree_rejection_sample` decide for such rows, without their tensors."""
+    raw = logits if logits.dtype == torch.float32 else logits.float()
+    a = raw.detach().cpu().numpy()
+    am = a.argmax(axis=-1).tolist()  # [N]
+    tokens, accepted, valid, pieces, paths, base = [], [], [], [], {}, 0
+    for b, blk in enumerate(drafts):
+        n = len(blk.token_ids)
+        ok = all(float(a[r, am[r]]) > -math.inf for r in range(base, base + n + 1))  # (NaN compares False)
+        path: list[int] = []
+        if ok:
+            parents = blk.parents if blk.parents is not None else tuple(range(-1, n - 1))
+            slot = -1  # the slot after the accepted path: -1 the root, else a node
+            while True:
+                want = am[base + slot + 1]
+                nxt = next((i for i in range(slot + 1, n) if parents[i] == slot and blk.token_ids[i] == want), None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                slot = nxt
+            tokens.append([blk.token_ids[i] for i in path] + [am[base + slot + 1]])
+        else:
+            tokens.append([])
+        accepted.append(len(path))
+        valid.append(ok)
+        pieces.append([base] + [base + i + 1 for i in path])
+        if blk.is_tree:
+            paths[b] = path
+        base += n + 1
+    sel = [r for rows in pieces for r in rows]
+    starts = [0]
+    for rows in pieces[:-1]:
+        starts.append(starts[-1] + len(rows))
+    rows_of = {s.seq.seq_id: b for b, s in enumerate(sampling)}
+    return Verification(rows_of, tokens, accepted, valid, starts, raw[sel], paths)
 
 
 def _sample_tree(rows: torch.Tensor, blk: DraftBlock, seq, vocab: int) -> tuple[list[int], int, bool]:
