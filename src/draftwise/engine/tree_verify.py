@@ -77,7 +77,7 @@ def verify_with_trees(sampling: list, drafts: list[DraftBlock], logits: torch.Te
         ids = [drafts[b].token_ids for b in chains]
         meta = VerifyMetadata.build(ids, [sampling[b].seq.params.is_greedy for b in chains])
         q = flat_draft_probs(ids, [drafts[b].probs for b in chains], vocab)
-        res = verify_proposals(p_logits[idx], meta, q, [sampling[b].seq.generator for b in chains])
+        res = verify_proposals(p_logits.index_select(0, idx), meta, q, [sampling[b].seq.generator for b in chains])
         for r, b in enumerate(chains):
             tokens[b], accepted[b], valid[b] = res.tokens(r), int(res.num_accepted[r]), bool(res.valid[r])
             pieces[b] = p_logits[starts[b] : starts[b + 1]]
@@ -87,7 +87,7 @@ def verify_with_trees(sampling: list, drafts: list[DraftBlock], logits: torch.Te
             path, last, ok = _sample_tree(rows, blk, sampling[b].seq, vocab)
             tokens[b] = [blk.token_ids[i] for i in path] + [last] if ok else []
             accepted[b], valid[b], paths[b] = len(path), ok, path
-            pieces[b] = rows[[0] + [i + 1 for i in path]]
+            pieces[b] = rows.index_select(0, torch.tensor([0] + [i + 1 for i in path]))
     order = range(len(drafts))
     offs = [0]
     for b in order:
@@ -141,7 +141,8 @@ def _verify_argmax(sampling: list, drafts: list[DraftBlock], logits: torch.Tenso
     for rows in pieces[:-1]:
         starts.append(starts[-1] + len(rows))
     rows_of = {s.seq.seq_id: b for b, s in enumerate(sampling)}
-    return Verification(rows_of, tokens, accepted, valid, starts, raw[sel], paths)
+    # (index_select: indexing by a list forks torch's thread team, milliseconds on a busy machine)
+    return Verification(rows_of, tokens, accepted, valid, starts, raw.index_select(0, torch.tensor(sel)), paths)
 
 
 def _sample_tree(rows: torch.Tensor, blk: DraftBlock, seq, vocab: int) -> tuple[list[int], int, bool]:
