@@ -26,7 +26,8 @@ def add_parser(sub):
                         "chat-open, file-edit, json-edit; comma-separated) or a JSONL path "
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, suffix:k=N, "
-                                                    "dspark:k=N, with an optional :policy=fixed|adaptive|goodput|dspark (e.g. draft:k=4:policy=goodput), "
+                                                    "dspark:k=N, with an optional "
+                                                    ":policy=fixed|adaptive|goodput|dspark (e.g. draft:k=4:policy=goodput), "
                                                     ":forced=N, :tree=N (draft: a tree of at most k nodes, N children per expanded node), "
                                                     ":rollback=snapshot|replay and :copy=2 (the same config "
                                                     "again in its own engine: an A/A control of the machine's noise); "
