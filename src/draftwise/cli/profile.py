@@ -68,8 +68,6 @@ def run(args) -> int:
     plot = _check_writable("--plot", args.plot) if args.plot else None
 
     import torch
-    from rich.console import Console
-    from rich.table import Table
 
     from ..lab.progress import make_progress, stderr_console
 
@@ -106,6 +104,20 @@ def run(args) -> int:
     except OSError as e:
         raise ValueError(f"--out: cannot write {out} ({e.strerror or e})") from None
 
+    _print_profile(prof, out)
+    if plot is not None:
+        from ..lab.profile_plot import plot_profile
+
+        plot_profile(prof, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+def _print_profile(prof, out) -> None:
+    """The measured grid, the fitted cost model and its error, on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
     stdout = Console()
     c0 = min(p.context for p in prof.grid)
     ts = sorted({p.tokens_per_seq for p in prof.grid})
@@ -137,9 +149,3 @@ def run(args) -> int:
     stdout.print(f"measured in {prof.measured_seconds:.1f} s"
                  + (f"; {len(prof.skipped)} points skipped to stay within the budget" if prof.skipped else "")
                  + f"; wrote {out}")
-    if plot is not None:
-        from ..lab.profile_plot import plot_profile
-
-        plot_profile(prof, plot)
-        stdout.print(f"wrote {plot}")
-    return 0
