@@ -46,15 +46,11 @@ class GoodputPolicy:
         t = time.perf_counter()
         lengths = self._plan(seqs, max_draft)
         self.check.plan_seconds = time.perf_counter() - t
-        return lengths
-
-    def _plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
-        lengths = self._lengths(seqs, max_draft)
         # "full" and "plain" steps put no price on a row (every row its maximum; probes only)
         self.node_price = self.core.row_price(seqs) if self.check.mode == "spec" and any(lengths) else 0.0
         return lengths
 
-    def _lengths(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
+    def _plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         core, check, b = self.core, self.check, len(seqs)
         arms = check.enter(b)
         coast = check.coast(arms)
