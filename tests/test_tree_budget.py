@@ -109,3 +109,40 @@ def test_goodput_prices_a_row_by_its_marginal_seconds_at_the_planned_rate():
         assert hints.node_price == pytest.approx(policy.core.row_price(seqs))
         prices[b] = hints.node_price
     assert 0 < prices[1] < prices[16]
+
+
+def test_sampled_draws_are_tested_in_turn_until_one_is_accepted():
+    cal = NodeCalibration()
+    # the root's draws 0, 1, 2 (slot max q 0.33); 3, 4 under 1 (0.63). Path: 1 then 4: draw 0
+    # rejected, 1 accepted, 2 never tested; under 1, draw 3 rejected, 4 accepted.
+    before = [row[:] for kind in cal.tables for row in kind]
+    cal.observe_draws((-1, -1, -1, 1, 1), [0.33, 0.33, 0.33, 0.63, 0.63], [1, 4])
+    b1, b2 = int(0.33 * NUM_BINS), int(0.63 * NUM_BINS)
+    prior = [(b + 0.5) / NUM_BINS * PRIOR_WEIGHT for b in range(NUM_BINS)]
+    assert cal.tables[True][b1] == pytest.approx([prior[b1] * 0.999, PRIOR_WEIGHT * 0.999 + 1])  # draw 0: rejected
+    assert cal.tables[False][b1] == pytest.approx([prior[b1] * 0.999 + 1, PRIOR_WEIGHT * 0.999 + 1])  # draw 1 only
+    assert cal.tables[True][b2] == pytest.approx([prior[b2] * 0.999, PRIOR_WEIGHT * 0.999 + 1])
+    assert cal.tables[False][b2] == pytest.approx([prior[b2] * 0.999 + 1, PRIOR_WEIGHT * 0.999 + 1])
+    changed = sum(a != b for a, b in zip(before, [row for kind in cal.tables for row in kind]))
+    assert changed == 4
+
+
+def test_sampled_trees_stop_branching_where_later_draws_are_never_accepted(target_dir, near_draft_dir):
+    target = load_model(target_dir)
+    draft = load_model(near_draft_dir, load_tokenizer=False)
+    prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=3)
+    rng = random.Random(5)
+    V = target.config.vocab_size
+    seqs = [Sequence(f"r{i}", [rng.randrange(1, V) for _ in range(8)], SamplingParams(temperature=1.0, seed=i))
+            for i in range(3)]
+    for s in seqs:
+        prop.kv.reserve(s.seq_id, 8 + 6)
+    first = prop.propose(seqs, [6] * 3)
+    assert any(len(set(b.parents)) < len(b.parents) for b in first), "unsure slots branch at first"
+    for n in range(400):  # verified trees where a slot's first draw is accepted, a later one never
+        prop.draw_calibration.observe_draws((-1, -1, 1, 1), [0.05 * (n % 20)] * 4, [0, 2])
+        prop.draw_calibration.observe_draws((-1, -1), [0.05 * (n % 20)] * 2, [])
+    for s in seqs:
+        prop.finish(s)
+    again = prop.propose(seqs, [6] * 3)
+    assert all(b.parents == tuple(range(-1, len(b.parents) - 1)) for b in again), [b.parents for b in again]

@@ -97,6 +97,7 @@ class DraftModelProposer:
         self._tree_fed: dict[int, TreeRecord] = {}  # seq_id -> the drafted tree's record
         self.budget = TreeBudget()  # this step's (`set_tree_budget`)
         self.calibration = NodeCalibration()  # greedy trees' node acceptance from q(token)
+        self.draw_calibration = NodeCalibration()  # sampled trees' first and later draws, from max q
 
     def set_tree_budget(self, budget: TreeBudget) -> None:
         self.budget = budget
@@ -129,7 +130,7 @@ class DraftModelProposer:
             raw = not any(changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows)
             got = None
             if sampled:
-                got = draft_spines(self.runner, *args)
+                got = draft_spines(self.runner, *args, calibration=self.draw_calibration)
             elif raw and self.fused_steps:  # the chain's fused call, with each slot's runner-up
                 got = spine_trees(self.runner, [seqs[i] for i in rows], [max(1, num_draft[i]) for i in rows],
                                   [nodes[i] for i in rows], [feeds[i] for i in rows], [starts[i] for i in rows],
@@ -292,7 +293,9 @@ class DraftModelProposer:
             if record is not None:
                 m = keep_path(self.runner, seq.seq_id, num_tokens_before, record.fed, block.nodes)
                 self._roll_back(seq, num_tokens_before + m)
-                if record.qs is not None:
+                if record.draws:
+                    self.draw_calibration.observe_draws(record.parents, record.qs, block.nodes)
+                elif record.qs is not None:
                     self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
             return
         n = len(block.token_ids)

@@ -27,10 +27,12 @@ nodes holds when siblings rarely carry children of their own), for a chain's dra
 
 Sampled rows (`draft_spines`) cannot prune by score: a sibling kept because its own q is high is
 no longer a draw from q, and recursive rejection sampling would lose exactness. Their tree is a
-spine drawn from q as a chain is, and at a spine slot whose confidence max_x q(x) is below
-`BRANCH_BELOW` (known before its tokens are drawn) `width` - 1 more siblings drawn from q without
-replacement after the spine token, all kept (`drafting="distinct"`); the extra siblings are leaves,
-so the drafter runs the chain's forwards. Every choice of the tree's shape depends only on tokens
+spine drawn from q as a chain is, and at a spine slot up to `width` - 1 more siblings drawn from q
+without replacement after the spine token, all kept (`drafting="distinct"`): one more while its
+expected gain beats that of the spine's last node, which it displaces (`_draws`: both from the
+slot's confidence max_x q(x), known before its tokens are drawn, through a calibration of first
+and later draws learned from verified sampled trees); the extra siblings are leaves, so the
+drafter runs the chain's forwards. Every choice of the tree's shape depends only on tokens
 drawn before it, never on the tokens it includes: each slot's siblings are i.i.d.-without-
 replacement draws from the q verification is given, as the exactness argument needs.
 
@@ -52,10 +54,6 @@ from ..sampling.rejection import categorical_from_uniform
 from .base import DraftBlock
 from .tree_budget import NodeCalibration
 
-# sampled rows branch at a spine slot where the drafter's max_x q(x) is below this (a stated choice,
-# not tuned: such a slot's first draw is rejected often enough for a second one to pay)
-BRANCH_BELOW = 0.5
-
 
 @dataclass
 class _Node:
@@ -76,8 +74,10 @@ class TreeRecord:
 
     fed: list[int]
     parents: tuple[int, ...] = ()
-    qs: list[float] | None = None  # None: not calibrated from (a sampled row's spine)
+    qs: list[float] | None = None  # None: not calibrated from
     firsts: list[bool] | None = None
+    # a sampled tree (siblings tried in turn: NodeCalibration.observe_draws; qs then the slots' max q)
+    draws: bool = False
 
 
 @dataclass
@@ -266,8 +266,21 @@ def keep_path(runner: ModelRunner, seq_id: int, num_tokens_before: int, fed: lis
     return m
 
 
+def _draws(conf: float, left: int, width: int, calibration: NodeCalibration) -> int:
+    """Draws at a spine slot whose max q is conf, with `left` nodes left: the first, then one more
+    while its gain, P(every earlier draw rejected) times a later draw's acceptance, is at least the
+    gain of the spine's last node it displaces (the spine's s nodes from here projected at the
+    first draw's rate: rate^s), all relative to the slot's own gain."""
+    a1, a2 = calibration.rate(conf, True), calibration.rate(conf, False)
+    d = 1
+    while d < min(width, left) and (1 - a1) * (1 - a2) ** (d - 1) * a2 >= a1 ** (left - d + 1):
+        d += 1
+    return d
+
+
 def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
-                 feeds: list[list[int]], starts: list[int]) -> list[tuple[DraftBlock, TreeRecord]]:
+                 feeds: list[list[int]], starts: list[int],
+                 calibration: NodeCalibration) -> list[tuple[DraftBlock, TreeRecord]]:
     """Sampled rows' trees (see the module docstring): per sequence (block with q per slot, its
     record: the spine node j was fed j-th, the extra siblings are leaves)."""
     n_rows = len(seqs)
@@ -290,7 +303,7 @@ def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: i
         for row, i in enumerate(active):
             left = num_draft[i] - len(tokens[i])
             top = float(q[row].max())
-            c = min(left, width if top < BRANCH_BELOW else 1)
+            c = _draws(top, left, width, calibration)
             slot_q[i][spine[i] + 1] = q[row]
             first = len(tokens[i])
             for x in _draw_distinct(q[row], c, seqs[i].generator):
@@ -311,7 +324,7 @@ def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: i
         for slot, qs in slot_q[i].items():
             probs[slot] = qs
         out.append((DraftBlock(tokens[i], probs, conf[i], parents=tuple(parents[i]), drafting="distinct"),
-                    TreeRecord(fed[i])))
+                    TreeRecord(fed[i], tuple(parents[i]), conf[i], draws=True)))
     return out
 
 

@@ -64,6 +64,23 @@ class NodeCalibration:
         acc, n = self.tables[int(first)][b]
         return min(0.999, max(1e-6, q * (acc / n) / ((b + 0.5) / NUM_BINS)))
 
+    def _count(self, q: float, first: bool, accepted: bool) -> None:
+        row = self.tables[int(first)][self._bin(q)]
+        row[0] = row[0] * DECAY + (1.0 if accepted else 0.0)
+        row[1] = row[1] * DECAY + 1.0
+
+    def observe_draws(self, parents: Sequence[int], confs: Sequence[float], path: Sequence[int]) -> None:
+        """A sampled tree verified (siblings: draws without replacement, tried in turn): at the
+        root and at every accepted node, its children were tested in order until one was accepted
+        (the rest never were). Kinds: a slot's first draw and its later ones; bins: the slot's
+        max q (`confs`, known before drawing, what the drafter decides by)."""
+        on_path = set(path)
+        for slot in [-1, *path]:
+            for m, i in enumerate(j for j, p in enumerate(parents) if p == slot):
+                self._count(confs[i], m == 0, i in on_path)
+                if i in on_path:
+                    break
+
     def observe(self, parents: Sequence[int], qs: Sequence[float], firsts: Sequence[bool],
                 path: Sequence[int]) -> None:
         """A greedy tree verified: node i (under parents[i], token probability qs[i], its slot's
@@ -72,6 +89,4 @@ class NodeCalibration:
         on_path = set(path)
         for i, (p, q, f) in enumerate(zip(parents, qs, firsts)):
             if p < 0 or p in on_path:
-                row = self.tables[int(f)][self._bin(q)]
-                row[0] = row[0] * DECAY + (1.0 if i in on_path else 0.0)
-                row[1] = row[1] * DECAY + 1.0
+                self._count(q, f, i in on_path)
