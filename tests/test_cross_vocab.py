@@ -8,6 +8,8 @@ the context's rollback, greedy output equal to plain at one and four concurrent 
 distribution on shared target ids, and `draftwise check` (greedy, sampled distribution, rollback,
 stops) PASS.
 """
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -130,6 +132,25 @@ def test_greedy_equals_plain(pair, concurrent, capsys):
         if draft is mapped:
             assert llm.engine.stats.accepted_tokens > 0  # the mapped draft is right often
     assert "drafting across vocabularies over the" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("constraint", [{"regex": r"[a-c]{2,5}x"}, {"choice": ["yes", "no", "maybe so"]}])
+def test_grammar_masks_q_on_target_ids(pair, constraint):
+    """Constrained rows draft under the target's grammar mask: greedy output equals plain, and
+    sampled output follows the constraint."""
+    target, _, mapped = pair
+    plain = LLM(str(target))
+    cross = LLM(str(target), draft=str(mapped), spec=SpecConfig(method="draft", k=3))
+    prompts = ["def add(a, b):", "class Point:"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, structured_output=constraint)
+    assert [o.token_ids for o in cross.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, seed=5, structured_output=constraint)
+    for o in cross.generate(prompts, sampled):
+        assert o.finish_reason == "stop"
+        if "regex" in constraint:
+            assert re.fullmatch(constraint["regex"], o.text), o.text
+        else:
+            assert o.text in constraint["choice"], o.text
 
 
 def test_q_is_a_distribution_on_shared_target_ids(pair):

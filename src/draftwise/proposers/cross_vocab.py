@@ -47,6 +47,7 @@ POOL_FACTOR = 2
 # an intersection below this fraction of the draft's vocabulary (or empty) is refused: such a
 # draft could propose almost nothing the target would accept
 MIN_SHARED_FRACTION = 0.05
+LONG_CATCH_UP = 32  # context tokens a row feeds with its first proposal step; more: fed before the round
 
 
 @dataclass
@@ -104,7 +105,7 @@ class CrossVocabProposer:
                 ctx = self.contexts[seqs[i].seq_id]
                 feeds[i], starts[i] = ctx.ids[ctx.computed:], ctx.computed
         self._catch_up_long(seqs, feeds, starts)
-        cursors = {i: seqs[i].grammar.cursor() for i in feeds if getattr(seqs[i], "grammar", None) is not None}
+        cursors = {i: seqs[i].grammar.cursor() for i in feeds if seqs[i].grammar is not None}
         raw = not any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in feeds)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in feeds}
         active = [i for i in feeds if feeds[i]]
@@ -136,7 +137,7 @@ class CrossVocabProposer:
         one forward each, so that the round's steps are not padded to their length."""
         t0 = time.perf_counter()
         for i, feed in feeds.items():
-            if len(feed) > 32:
+            if len(feed) > LONG_CATCH_UP:
                 self.runner.run([seqs[i].seq_id], [feed[:-1]], [starts[i]], [1])
                 ctx = self.contexts[seqs[i].seq_id]
                 ctx.computed = starts[i] + len(feed) - 1
