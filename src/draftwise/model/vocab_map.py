@@ -41,7 +41,8 @@ def byte_alphabet() -> dict[str, int]:
 
 def _is_byte_level(tokenizer) -> bool:
     """Does the tokenizer decode with GPT-2's byte-level decoder (alone or in a sequence)?"""
-    dec = json.loads(tokenizer.to_str()).get("decoder") or {}
+    # (the decoder's own JSON, as pickling serialises it: not the whole tokenizer's)
+    dec = json.loads(tokenizer.decoder.__getstate__()) if tokenizer.decoder is not None else {}
     kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", []) or []]
     return "ByteLevel" in kinds
 
