@@ -49,3 +49,27 @@ def test_check_fails_on_a_lossy_sampler(target_dir, draft_dir, capsys, monkeypat
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAIL greedy equality" in out and "FAIL distribution" in out
+
+
+def test_rollback_reference_for_quantized_weights_takes_the_runners_products(target_dir, draft_dir, capsys):
+    """Quantized weights: the fresh reference is the runner's own prefill (the same products as the
+    cached path); a stale cache still shows (its K/V zeroed: far outside the tolerance)."""
+    from draftwise import LLM, SamplingParams
+    from draftwise.lab.check import _cached_next_logits, _fresh_next_logits
+
+    rc = main(["check", "--model", str(target_dir), "--draft", str(draft_dir), "--k", "3", "--samples", "100",
+               "--max-tokens", "16", "--quantization", "int8"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS KV rollback" in out, out
+    llm = LLM(str(target_dir), quantization="int8")
+    eng = llm.engine
+    seq = eng.add_request("r", [5, 17, 42, 99, 7, 60], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while not seq.is_finished and len(seq.output_ids) < 5:
+        eng.step()
+    ids = seq.all_ids
+    fresh = _fresh_next_logits(eng.runner, eng.target.model, ids)
+    got = _cached_next_logits(eng.runner, seq.seq_id, ids, seq.num_computed).float()
+    assert float((got - fresh).abs().max()) <= 1e-4 * max(1.0, float(fresh.abs().max()))
+    eng.runner.cache.zero_()
+    stale = _cached_next_logits(eng.runner, seq.seq_id, ids, seq.num_computed).float()
+    assert float((stale - fresh).abs().max()) > 1e-2 * max(1.0, float(fresh.abs().max()))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import EngineConfig, LLMEngine, SpecConfig
+from ..model.quantize import quantization_of
 from ..proposers import proposer_class
 from ..proposers.cross_vocab import CrossVocabProposer
 from ..sampling import SamplingParams
@@ -120,6 +121,24 @@ def _cached_next_logits(runner, seq_id: int, ids: list[int], computed: int) -> t
     return runner.run([seq_id], [ids[computed:]], [computed], [1])[0]
 
 
+FRESH_SEQ = -7  # the sequence id of a reference forward in the runner's own pool
+
+
+def _fresh_next_logits(runner, model, ids: list[int]) -> torch.Tensor:
+    """The logits after `ids` from a forward over all of them with nothing cached. Float weights:
+    the full causal forward without a cache. Quantized weights: the runner's own prefill in fresh
+    blocks, so that both sides take the same products (int8 activations are quantized per row the
+    same way; a full forward without the kernels dequantizes the weights and keeps float
+    activations, which differs by the quantization itself, not by the cache)."""
+    if quantization_of(model) is None or not runner.kv.can_reserve(FRESH_SEQ, len(ids)):
+        return correctness.full_logits(model, ids)
+    runner.kv.reserve(FRESH_SEQ, len(ids))
+    try:
+        return runner.run([FRESH_SEQ], [ids], [0], [1])[0].float()
+    finally:
+        runner.kv.free(FRESH_SEQ)
+
+
 def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
     n = min(3, len(s.prompts))
     temps = [0.0, s.temperature or 1.0, 0.0][:n]
@@ -143,14 +162,14 @@ def check_rollback(s: CheckSetup, spec: LLMEngine, on_done=None) -> CheckResult:
         rejections += seq.stats.proposed_tokens - seq.stats.accepted_tokens
         ids = seq.all_ids
         with torch.inference_mode():
-            fresh_p = correctness.full_logits(s.target.model, ids)
+            fresh_p = _fresh_next_logits(spec.runner, s.target.model, ids)
             got_p = _cached_next_logits(spec.runner, seq.seq_id, ids, seq.num_computed).float()
             worst_p = max(worst_p, float((got_p - fresh_p).abs().max() / max(1.0, float(fresh_p.abs().max()))))
             if drafter is not None:
                 ids_q, computed_q = ids, seq.draft_computed
                 if isinstance(spec.proposer, CrossVocabProposer):  # the drafter's own tokens and positions
                     ids_q, computed_q = spec.proposer.draft_view(seq)
-                fresh_q = correctness.full_logits(drafter.model, ids_q)
+                fresh_q = _fresh_next_logits(drafter, drafter.model, ids_q)
                 got_q = _cached_next_logits(drafter, seq.seq_id, ids_q, computed_q).float()
                 worst_q = max(worst_q, float((got_q - fresh_q).abs().max() / max(1.0, float(fresh_q.abs().max()))))
             elif features:
