@@ -84,3 +84,13 @@ def test_draft_quantization_applies_to_the_draft_only(target_dir, draft_dir):
 def test_draft_vocab_below_the_minimum_is_a_clear_error(small_count, target_dir, draft_dir):
     with pytest.raises(ValueError, match="--draft-vocab 8: keep at least"):
         load_pair(target_dir, draft_dir, needs_draft=True, draft_vocab=8)
+
+
+def test_draft_options_without_a_draft_model_are_clear_errors(target_dir, capsys):
+    from draftwise.cli.main import main
+
+    with pytest.raises(ValueError, match="--draft-vocab applies to a draft model; method 'ngram' loads none"):
+        load_pair(target_dir, None, needs_draft=False, method="ngram", draft_vocab=1024)
+    assert main(["generate", "--model", str(target_dir), "--method", "ngram", "--draft-quantization", "int4",
+                 "hello", "--max-tokens", "2"]) != 0
+    assert "--draft-quantization applies to a draft model" in capsys.readouterr().err

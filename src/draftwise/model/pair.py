@@ -110,11 +110,16 @@ def load_pair(
         if draft_dir is None:
             raise ValueError(f"speculative method {method!r} needs a draft model directory ({draft_option}); "
                              "the embedded draft is the default only with the embedded target")
+    draft_own = [f for f, v in (("--draft-quantization", draft_quantization), ("--draft-vocab", draft_vocab)) if v]
+    if draft_dir is None and draft_own:  # (before the target loads: an error, not a minute's wait)
+        raise ValueError(f"{draft_own[0]} applies to a draft model; method {method or 'none'!r} loads none")
     target = load_model(Path(model) if model else default_target(), dtype=dtype, device=device,
                         quantization=quantization)
     if draft_dir is None:
         return ModelPair(target, None)
     if is_dspark_dir(resolve_model(draft_dir)):
+        if draft_own:
+            raise ValueError(f"{draft_own[0]} applies to a draft model, not to a DSpark drafter")
         return ModelPair(target, _load_dspark(resolve_model(draft_dir), target, draft_dtype or dtype, device))
     dq = quantization if draft_quantization is None else (None if draft_quantization == "none" else draft_quantization)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
