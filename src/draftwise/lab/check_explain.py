@@ -97,7 +97,8 @@ def _rollback(r: CheckResult, f: dict) -> tuple[str, list[str]]:
              "fresh forward over the committed tokens" + (", for the target and the drafter's own cache." if
                                                            drafter is not None else ", for the target."),
              "threshold: PASS when the largest difference, relative to the largest logit, is within the tolerance: "
-             "1e-4 in float32, 5e-2 in bfloat16 (the cached and the full forward round differently)."]
+             "1e-4 in float32, 5e-2 in bfloat16 (the cached and the full forward round differently); quantized "
+             "weights are compared with a fresh prefill through the same kernels (same products)."]
     if r.passed:
         lines.append("why PASS: the cache after rollbacks holds what a fresh computation gives."
                      + (f" ({r.detail})" if r.detail else ""))
