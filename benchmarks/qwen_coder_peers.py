@@ -27,21 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_llamacpp import find_binary, llamacpp_decode, llamacpp_speculative, run_llamacpp  # noqa: E402
-from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET  # noqa: E402
+from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET, render  # noqa: E402
 from qwen_coder_speed import CHEAP_VOCAB, decode  # noqa: E402
 
 GGUF = Path(os.environ.get("DRAFTWISE_CACHE", "~/.cache/draftwise")).expanduser() / "gguf"
 TARGET_GGUF = GGUF / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT_GGUF = GGUF / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 PROMPT_LINE = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
-
-
-def render(text: str) -> str:
-    from draftwise.model.chat_template import ChatTemplate
-    from draftwise.paths import resolve_model
-
-    cfg = json.loads((resolve_model(TARGET) / "tokenizer_config.json").read_text())
-    return ChatTemplate(cfg).render([{"role": "user", "content": text}])
 
 
 def llamacpp_prefill(binary: Path, prompt: str, threads: int) -> float:
@@ -93,7 +85,7 @@ def main() -> int:
     print(f"load at start: {os.getloadavg()}", flush=True)
     llms = draftwise_engines(args.configs.split(","), args.k)
     tok = next(iter(llms.values())).tokenizer
-    texts = [render(p) for p in PROMPTS[: args.prompts]]
+    texts = [render(TARGET, p) for p in PROMPTS[: args.prompts]]
     ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     spec = binary.parent / "llama-speculative-simple"
     ks = [int(x) for x in args.llamacpp_k.split(",")]
@@ -133,7 +125,7 @@ def main() -> int:
         same = f"  greedy = plain: {outs[e] == plain}" if e in outs and plain else ""
         print(f"  {e:28s} {rate[e]:6.2f} tok/s  {rate[e] / rate['llama.cpp plain']:4.2f}x llama.cpp plain  "
               f"{rate[e] / rate[best_spec]:4.2f}x {best_spec}{same}", flush=True)
-    long_text = render(LONG_PROMPT)
+    long_text = render(TARGET, LONG_PROMPT)
     if "draftwise plain" in llms:
         long_ids = tok.encode(long_text, add_special_tokens=False).ids
         ttft = decode(llms["draftwise plain"], long_ids, 2)[3]

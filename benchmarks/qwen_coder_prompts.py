@@ -36,15 +36,18 @@ LONG_PROMPT = (
 )
 
 
-def chat_ids(model: str, tokenizer, text: str) -> list[int]:
-    """The token ids of `text` as one user message to `model` (a name under models/ or a
-    directory), rendered with its chat template and the generation prompt (the template adds
-    Qwen's default system message)."""
+def render(model: str, text: str) -> str:
+    """`text` as one user message to `model` (a name under models/ or a directory), rendered with
+    its chat template and the generation prompt (the template adds Qwen's default system message)."""
     import json
 
     from draftwise.model.chat_template import ChatTemplate
     from draftwise.paths import resolve_model
 
     cfg = json.loads((resolve_model(model) / "tokenizer_config.json").read_text())
-    prompt = ChatTemplate(cfg).render([{"role": "user", "content": text}])
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return ChatTemplate(cfg).render([{"role": "user", "content": text}])
+
+
+def chat_ids(model: str, tokenizer, text: str) -> list[int]:
+    """The token ids of `render(model, text)`."""
+    return tokenizer.encode(render(model, text), add_special_tokens=False).ids

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .. import corpus
-from .quantize import GROUP, Int4Linear, Int8Linear
+from .quantize import Int4Linear, Int8Linear
 
 FLOOR = -1e9  # the logit of a token outside the kept set (finite: see the module's docstring)
 COUNT_CHARS = 8_000_000  # the corpus characters counted for the ranking
@@ -93,8 +93,8 @@ def kept_tokens(ranking: list[int], n: int, vocab_size: int, always: list[int]) 
 def _rows(head: nn.Module, kept: torch.Tensor, head_rows: torch.Tensor | None) -> nn.Module:
     """A head module over the `kept` rows of `head`: the same values, fewer outputs."""
     if isinstance(head, Int8Linear) and head.group:
-        gs = head.scale.permute(0, 2, 1).reshape(-1, head.in_features // GROUP)[: head.out_features]
-        return Int8Linear([], blocks=[(head.qweight[kept].contiguous(), gs[kept].contiguous())], float_out=True)
+        blocks = [(head.qweight[kept].contiguous(), head.group_scales()[kept].contiguous())]
+        return Int8Linear([], blocks=blocks, float_out=True)
     if isinstance(head, Int8Linear):
         return Int8Linear([head.dequantized()[kept]], float_out=True)
     if isinstance(head, Int4Linear):

@@ -121,7 +121,7 @@ def load_pair(
         if draft_own:
             raise ValueError(f"{draft_own[0]} applies to a draft model, not to a DSpark drafter")
         return ModelPair(target, _load_dspark(resolve_model(draft_dir), target, draft_dtype or dtype, device))
-    dq = quantization if draft_quantization is None else (None if draft_quantization == "none" else draft_quantization)
+    dq = quantization if draft_quantization is None else draft_quantization  # ("none": load_model's float weights)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
                              load_tokenizer=False, quantization=dq)
     if draft_vocab is not None:

@@ -138,12 +138,15 @@ class Int8Linear(nn.Module):
         """(dw_decoder's product kind, the weight it reads): see kernels/decoder.c."""
         return (6 if self.act8 else 5 if self.group else 3), self.qpacked
 
+    def group_scales(self) -> torch.Tensor:
+        """The group scales [O, N/GROUP] float16 (kept blocks only), out of the kernels' layout."""
+        return self.scale.permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [O, N] the products use."""
         if not self.group:
             return dequantize_int8(self.qweight, self.scale)
-        gs = self.scale.permute(0, 2, 1).reshape(-1, self.in_features // self.group)[: self.out_features]
-        return dequantize_q8_groups(self.qweight, gs)  # (group is always GROUP: a GGUF's Q8_0 blocks)
+        return dequantize_q8_groups(self.qweight, self.group_scales())  # (group is always GROUP: Q8_0 blocks)
 
     @staticmethod
     def of(*linears: nn.Linear, float_out: bool = False) -> "Int8Linear":
