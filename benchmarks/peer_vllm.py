@@ -46,12 +46,25 @@ VLLM_MAIN = (
 )
 
 
-def _tcmalloc() -> str | None:
+def tcmalloc() -> str | None:
+    """The tcmalloc library vLLM's CPU backend wants preloaded, or None."""
     hits = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4") + glob.glob("/usr/lib/libtcmalloc_minimal.so.4")
     return hits[0] if hits else None
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def vllm_env(venv: str | Path, threads: int) -> dict[str, str]:
+    """The environment vLLM's CPU server runs in: tcmalloc and the venv's libiomp5 preloaded,
+    2 GiB of K/V cache, its OpenMP threads bound to the first `threads` cores, offline."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    pre = [p for p in (tcmalloc(), *glob.glob(str(Path(venv) / "lib" / "libiomp5.so"))) if p]
+    if pre:
+        env["LD_PRELOAD"] = ":".join(pre)
+    return env
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Return once `url` lists its models; raise if `proc` exits first or `timeout` s pass."""
     end = time.time() + timeout
     while time.time() < end:
         if proc.poll() is not None:
@@ -69,12 +82,7 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float) -> None:
 def _start(engine: str, setup: str, a, port: int, log: Path) -> subprocess.Popen:
     model, draft = str(Path(a.model).resolve()), str(Path(a.draft).resolve())
     if engine == "vllm":
-        py = Path(a.vllm_venv) / "bin" / "python"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{a.threads - 1}",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        pre = [p for p in (_tcmalloc(), *glob.glob(str(Path(a.vllm_venv) / "lib" / "libiomp5.so"))) if p]
-        if pre:
-            env["LD_PRELOAD"] = ":".join(pre)
+        py, env = Path(a.vllm_venv) / "bin" / "python", vllm_env(a.vllm_venv, a.threads)
         cmd = [str(py), "-c", VLLM_MAIN, "serve", model, "--port", str(port), "--dtype", "float32",
                "--max-model-len", "1024", "--no-enable-prefix-caching", "--served-model-name", "m"]
         if setup == "draft":
@@ -131,7 +139,7 @@ def main() -> None:
                 name = f"{engine}-{setup}-{rnd}"
                 proc = _start(engine, setup, a, port, out / f"{name}.log")
                 try:
-                    _wait(url, proc, 600)
+                    wait_ready(url, proc, 600)
                     t = time.time()
                     res.setdefault((engine, setup), []).append(_bench(url, a, out / name))
                     print(f"{name}: {res[(engine, setup)][-1]} ({time.time() - t:.0f} s)", flush=True)
