@@ -93,8 +93,9 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help:
     add_quantization_arg(p)
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="memory for the K/V cache pools, e.g. 2GiB or 512MB (default: room for every running "
-                        "sequence's full context, at most 131072 tokens, within max(512 MiB, the weights' size) "
-                        "and half the free memory)")
+                        "sequence's full context, at most 131072 tokens, within max(512 MiB, half the weights' "
+                        "size) and half the free memory); without --max-model-len, a model context the pools "
+                        "cannot hold becomes what they hold, at least 4096 tokens")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share cached blocks of committed prompt tokens between requests")
     p.add_argument("--recurrent-rollback", default="snapshot", choices=["snapshot", "replay"],

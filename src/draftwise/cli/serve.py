@@ -65,7 +65,8 @@ def add_parser(sub):
     p.add_argument("--max-queue", type=_queue, default=256,
                    help="requests waiting beyond the running ones before answering 429 (default 256)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="cap the context length (default: the target's, or the draft model's if shorter)")
+                   help="cap the context length (default: the target's, or the draft model's if shorter, "
+                        "or what the K/V pools hold if less: see --kv-cache-memory)")
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV cache blocks per model (default: sized from --kv-cache-memory)")
     p.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY") or None,
@@ -124,6 +125,8 @@ def run(args) -> int:
     print(f"draftwise serve: {name} ({model_dir}), speculation={spec.method or 'none'}"
           f"{f' k={spec.k}' if spec.method else ''}, http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
+    # the pools are resident from the start (engine/kv_sizing.py): say what they take, and the context
+    print(f"draftwise serve: {llm.engine.kv_plan.describe()}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     _server_class()(config).run()

@@ -38,7 +38,7 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
-from ..proposers import DraftBlock, proposer_class
+from ..proposers import DraftBlock, drafting_class, proposer_class
 from ..sampling import SamplingParams, process_logits
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
@@ -47,7 +47,7 @@ from ..sampling.verify import verify as verify_proposals
 from .config import EngineConfig, SpecConfig
 from .detokenizer import Detokenizer, find_stop
 from .isolation import FailureIsolation
-from .kv_sizing import num_kv_blocks
+from .kv_sizing import plan_kv
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprob
 from .speculation import NO_DRAFT, Speculation
@@ -88,8 +88,11 @@ class LLMEngine:
             max_len = min(max_len, draft.config.max_position_embeddings)
         if cfg.max_model_len:
             max_len = min(max_len, cfg.max_model_len)
-        self.max_model_len = max_len
-        num_blocks = self._num_blocks(max_len, draft if cls is not None and cls.needs_draft_model else None)
+        # the K/V pools, and the context they hold (kv_sizing: the model's own, or what fits them)
+        drafter = drafting_class(self.spec.method, target, draft) if cls is not None and cls.needs_draft_model else None
+        self.kv_plan = self._plan_kv(max_len, drafter, draft)
+        self.max_model_len = max_len = self.kv_plan.max_model_len
+        num_blocks = self.kv_plan.num_blocks
         self.stats = EngineStats(accepted_per_position=[0] * self.spec.max_draft)
         # the proposer and the verification policy (None: plain decoding)
         self.speculation = Speculation(self.spec, cfg, target, draft, num_blocks, self.stats) if cls else None
@@ -125,10 +128,12 @@ class LLMEngine:
         self.detok = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
 
-    def _num_blocks(self, max_len: int, draft: LoadedModel | None) -> int:
-        """Blocks per K/V pool (target's, and the draft model's of the same size): see kv_sizing."""
+    def _plan_kv(self, max_len: int, drafter, draft: LoadedModel | None):
+        """Blocks per K/V pool (the target's; a draft model's `drafter.kv_pool_factor` times as
+        many) and the context they hold: see kv_sizing."""
         lookahead = self.spec.max_draft + 1  # forced proposals stay within the context (num_forced_for)
-        return num_kv_blocks(self.config, max_len + lookahead, [self.target] + ([draft] if draft else []))
+        pools = [(self.target, 1)] + ([(draft, drafter.kv_pool_factor)] if drafter is not None else [])
+        return plan_kv(self.config, max_len, lookahead, pools)
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:

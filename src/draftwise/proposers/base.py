@@ -114,6 +114,7 @@ class Proposer(Protocol):
 
     name: str
     needs_draft_model: bool  # the engine must be given a draft model directory
+    kv_pool_factor: int  # a draft model's pool: blocks per block of the target's (the K/V budget counts them)
     kv: KVManager | None  # the drafter's own paged cache, if it has one
     # the target layers whose outputs the drafter reads (() : none). When set, the target's forwards
     # return them and the engine hands each sequence's committed rows to `commit_features`

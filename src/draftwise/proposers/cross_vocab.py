@@ -77,6 +77,7 @@ class DraftContext:
 @register_proposer("cross-vocab")
 class CrossVocabProposer:
     needs_draft_model = True
+    kv_pool_factor = POOL_FACTOR
     feature_layers: tuple[int, ...] = ()  # reads no target features
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
@@ -87,7 +88,7 @@ class CrossVocabProposer:
             raise ValueError("tree: a draft whose vocabulary differs from the target's drafts chains only "
                              "(drop --tree)")
         self.vmap = vocab_map if vocab_map is not None else build_vocab_map(target, draft)
-        self.runner = ModelRunner(draft, num_blocks * POOL_FACTOR, block_size)
+        self.runner = ModelRunner(draft, num_blocks * self.kv_pool_factor, block_size)
         self.kv = None  # (the draft's own positions: reserved here, not by the scheduler)
         self.eos_ids = list(eos_ids or [])
         self.vocab = target.config.vocab_size  # q lives on target ids
@@ -265,13 +266,22 @@ def same_vocabulary(target, draft) -> bool:
     return target.tokenizer is None or count_differing_tokens(target.tokenizer, tok)[0] == 0
 
 
-def proposer_for(method: str, target, draft):
-    """The proposer class for `method`: the draft model's (`draft`) becomes drafting across
-    vocabularies when the draft's tokenizer differs from the target's (said on stderr)."""
+def drafting_class(method: str, target, draft):
+    """The proposer class `method` runs as for this pair: the draft model's (`draft`) becomes
+    drafting across vocabularies when the draft's tokenizer differs from the target's."""
     from .base import proposer_class
 
-    cls = proposer_class(method)
     if method != "draft" or draft is None or target is None or same_vocabulary(target, draft):
+        return proposer_class(method)
+    return proposer_class("cross-vocab")
+
+
+def proposer_for(method: str, target, draft):
+    """(`drafting_class`, and the vocabulary map where it drafts across vocabularies: said on stderr)."""
+    from .base import proposer_class
+
+    cls = drafting_class(method, target, draft)
+    if cls is proposer_class(method):
         return cls, None
     vmap = build_vocab_map(target, draft)
     print(f"draftwise: the draft ({draft.path}) has another vocabulary than the target: drafting across "

@@ -66,6 +66,7 @@ class _Round:
 @register_proposer("draft")
 class DraftModelProposer:
     needs_draft_model = True
+    kv_pool_factor = 1  # the draft's pool: as many blocks as the target's
     feature_layers = ()  # reads no target features
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,

@@ -104,6 +104,7 @@ class _Chooser:
 @register_proposer("dspark")
 class DSparkProposer:
     needs_draft_model = True
+    kv_pool_factor = 1  # the drafter's pool: as many blocks as the target's
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
                  eos_ids: list[int] | None = None, **_):
