@@ -294,12 +294,31 @@ static int attend_group(const void *qkv, long T, long H, long Hkv, long D, void 
  * large enough. Returns 0, or -1 when scratch memory was not available. */
 int dw_attend(const void *qkv, long T, long H, long Hkv, long D, void *kc, void *vc, long slot0, long L,
               long window, float scale, void *out, int bf, int threads) {
+    if (dw_team_nt) { /* inside dw_decoder's team: thread 0 writes the keys, then the heads are shared */
+        int rc = 0;
+        if (dw_team_tid == 0) attend_write(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, bf);
+        dw_team_barrier();
+        for (long g = dw_team_tid; g < Hkv; g += dw_team_nt)
+            rc |= attend_group(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf, g, NULL);
+        return rc;
+    }
     attend_write(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, bf);
     long nt = (threads > 1 && T * H * L * D >= ATT_MIN_PARALLEL) ? (threads < Hkv ? threads : Hkv) : 1;
     int rc = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
     for (long g = 0; g < Hkv; g++) rc |= attend_group(qkv, T, H, Hkv, D, kc, vc, slot0, NULL, L, window, scale, out, bf, g, NULL);
     return rc;
+}
+
+/* dw_attend_batch's work item `it`: sequence it / Hkv, K/V head it % Hkv */
+static int attend_item(const void *qkv, long it, long H, long Hkv, long D, long T, void *kc, void *vc,
+                       const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news, const int64_t *offs,
+                       long window, float scale, void *out, int bf, const int64_t *tree) {
+    long b = it / Hkv, g = it % Hkv, es = bf ? 2 : 4;
+    long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
+    const int64_t *tz = (tree && tree[b] >= 0) ? tree + tree[b] : NULL;
+    return attend_group((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                        lens[b], window, scale, (char *)out + r0 * H * D * es, bf, g, tz);
 }
 
 /* B sequences on paged slots, T rows each: sequence b's key position j is at slots[b * Lmax + j],
@@ -317,7 +336,7 @@ int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, v
     /* offs NULL: sequence b's rows are b*T.. (padded to T, the padding rows zeroed); else packed:
      * its news[b] rows start at row offs[b] (offs[B] rows in all, no padding) */
     long es = bf ? 2 : 4, work = 0;
-    for (long b = 0; b < B; b++) {
+    for (long b = 0; b < B && dw_team_tid == 0; b++) { /* (inside dw_decoder's team: thread 0) */
         long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
         char *ob = (char *)out + r0 * H * D * es;
         attend_write((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
@@ -325,16 +344,19 @@ int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, v
         if (!offs) memset(ob + n * H * D * es, 0, (T - n) * H * D * es);
         work += n * H * lens[b] * D;
     }
-    /* work items: (sequence, K/V head), longest contexts spread by the dynamic schedule */
-    long items = B * Hkv, nt = (threads > 1 && work >= ATT_MIN_PARALLEL) ? (threads < items ? threads : items) : 1;
+    long items = B * Hkv;
     int rc = 0;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
-    for (long it = 0; it < items; it++) {
-        long b = it / Hkv, g = it % Hkv;
-        long n = news ? news[b] : T, r0 = offs ? offs[b] : b * T;
-        const int64_t *tz = (tree && tree[b] >= 0) ? tree + tree[b] : NULL;
-        rc |= attend_group((const char *)qkv + r0 * (H + 2 * Hkv) * D * es, n, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
-                           lens[b], window, scale, (char *)out + r0 * H * D * es, bf, g, tz);
+    if (dw_team_nt) { /* the work items shared by the team's threads, after thread 0's writes */
+        dw_team_barrier();
+        for (long it = dw_team_tid; it < items; it += dw_team_nt) rc |= attend_item(qkv, it, H, Hkv, D, T, kc, vc,
+                                                                                    slots, Lmax, lens, news, offs,
+                                                                                    window, scale, out, bf, tree);
+        return rc;
     }
+    /* work items: (sequence, K/V head), longest contexts spread by the dynamic schedule */
+    long nt = (threads > 1 && work >= ATT_MIN_PARALLEL) ? (threads < items ? threads : items) : 1;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
+    for (long it = 0; it < items; it++)
+        rc |= attend_item(qkv, it, H, Hkv, D, T, kc, vc, slots, Lmax, lens, news, offs, window, scale, out, bf, tree);
     return rc;
 }

@@ -3,6 +3,9 @@
  * They make the calls of the per-layer path (native_forward.py's `_layer_by_layer`) in the same
  * order with the same arguments, so the bits are the same, without the Python between the calls. */
 #include "kernels.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
  * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
@@ -13,7 +16,9 @@
 static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
     switch (kind) {
-    case 0: dw_linear(x, w, bias, out, rows, O, N, bf); break;
+    case 0: /* single-threaded: thread 0 of a team */
+        if (dw_team_tid == 0) dw_linear(x, w, bias, out, rows, O, N, bf);
+        break;
     case 1: dw_gemm_f32(x, w, bias, out, rows, O, N, threads); break;
     case 2: dw_gemm_bf16(x, w, bias, out, rows, O, N, threads); break;
     case 4: dw_linear_q4(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
@@ -24,46 +29,81 @@ static void dw_product(int kind, const void *x, const void *w, const void *bias,
     }
 }
 
-/* Every decoder layer over the rows that `args` describes (struct dw_decoder_args): a draft model's
- * whole forward, or a target's decode / verification step, in one call. x [R, hid] is the residual
- * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
- * hidden states. Returns 0, or -1 when scratch memory is not available. */
-int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
+/* The layers of dw_decoder on the calling thread: alone (dw_team_nt 0, each product forking its
+ * own OpenMP team), or as one thread of a team (team.c): every thread takes its share of each
+ * product and of the attention, thread 0 alone the norms, RoPE and SiLU, a barrier after each op
+ * whose output the next one reads. Returns 0, or -1 when the attention had no scratch memory. */
+static int decoder_layers(char *x, char *h, char *buf, long R, const struct dw_decoder_args *args) {
     long B = args->B, T = args->T, layers = args->layers, hid = args->hid, H = args->H, Hkv = args->Hkv;
     long D = args->D, I = args->I, window = args->window;
     void **w = args->w;
     const int *kinds = args->kinds;
     float eps = args->eps, scale = args->scale;
-    int bf = args->bf, threads = args->threads;
+    int bf = args->bf, threads = args->threads, one = dw_team_tid == 0; /* one: this thread runs the serial ops */
     const int64_t *offs = args->offs;
     long es = bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
-    long R = offs ? offs[B] : B * T; /* rows (packed: offs[B]) */
-    char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
-    if (!buf) return -1;
     char *qkv = buf, *y = qkv + es * R * qkvw, *o = y + es * R * H * D, *gu = o + es * R * hid;
     char *a = gu + es * R * 2 * I, *d = a + es * R * I;
     int rc = 0;
-    dw_rms_norm(x, w[0], h, R, hid, eps, bf);
-    for (long l = 0; l < layers && rc == 0; l++) {
+    if (one) dw_rms_norm(x, w[0], h, R, hid, eps, bf);
+    dw_team_barrier();
+    for (long l = 0; l < layers && (rc == 0 || dw_team_nt); l++) { /* (a team's threads meet at every barrier) */
         void **W = w + 14 * l;
         const int *K = kinds + 4 * l;
         char *kc = (char *)args->cache + l * args->layer_stride * es, *vc = kc + args->kv_stride * es;
         dw_product(K[0], h, W[1], W[2], W[3], qkv, R, qkvw, hid, bf, threads);
-        dw_rope(qkv, R, qkvw, H + Hkv, D, args->pos, args->cos, args->sin, bf);
+        dw_team_barrier();
+        if (one) dw_rope(qkv, R, qkvw, H + Hkv, D, args->pos, args->cos, args->sin, bf);
         if (args->slots)
-            rc = dw_attend_batch(qkv, B, T, H, Hkv, D, kc, vc, args->slots, args->Lmax, args->lens, args->news, offs,
-                                 window, scale, y, bf, threads, args->tree);
+            rc |= dw_attend_batch(qkv, B, T, H, Hkv, D, kc, vc, args->slots, args->Lmax, args->lens, args->news, offs,
+                                  window, scale, y, bf, threads, args->tree);
         else
-            rc = dw_attend(qkv, T, H, Hkv, D, kc, vc, args->slot0, args->L, window, scale, y, bf, threads);
+            rc |= dw_attend(qkv, T, H, Hkv, D, kc, vc, args->slot0, args->L, window, scale, y, bf, threads);
+        dw_team_barrier();
         dw_product(K[1], y, W[4], W[5], W[6], o, R, hid, H * D, bf, threads);
-        dw_add_rms_norm(x, o, W[7], h, R, hid, eps, bf);
+        dw_team_barrier();
+        if (one) dw_add_rms_norm(x, o, W[7], h, R, hid, eps, bf);
+        dw_team_barrier();
         dw_product(K[2], h, W[8], W[9], W[10], gu, R, 2 * I, hid, bf, threads);
-        dw_silu_mul(gu, a, R, I, bf);
+        dw_team_barrier();
+        if (one) dw_silu_mul(gu, a, R, I, bf);
+        dw_team_barrier();
         dw_product(K[3], a, W[11], W[12], W[13], d, R, hid, I, bf, threads);
-        dw_add_rms_norm(x, d, l + 1 < layers ? w[14 * (l + 1)] : args->final_norm, h, R, hid, eps, bf);
+        dw_team_barrier();
+        if (one) dw_add_rms_norm(x, d, l + 1 < layers ? w[14 * (l + 1)] : args->final_norm, h, R, hid, eps, bf);
+        dw_team_barrier();
     }
-    free(buf);
     return rc;
+}
+
+/* Every decoder layer over the rows that `args` describes (struct dw_decoder_args): a draft model's
+ * whole forward, or a target's decode / verification step, in one call. x [R, hid] is the residual
+ * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
+ * hidden states. With threads > 1 the layers run on one team of that many threads (team.c).
+ * Returns 0, or -1 when scratch memory is not available. */
+int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
+    long H = args->H, Hkv = args->Hkv, D = args->D, I = args->I, hid = args->hid;
+    long es = args->bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
+    long R = args->offs ? args->offs[args->B] : args->B * args->T; /* rows (packed: offs[B]) */
+    char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
+    if (!buf) return -1;
+    int rc = 0;
+#ifdef _OPENMP
+    if (args->threads > 1 && !dw_team_nt) {
+        struct dw_team_bar bar = {0, 0};
+#pragma omp parallel num_threads(args->threads) reduction(| : rc)
+        {
+            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
+            rc |= decoder_layers((char *)x, (char *)h, buf, R, args);
+            dw_team_leave();
+        }
+        free(buf);
+        return rc ? -1 : 0;
+    }
+#endif
+    rc = decoder_layers((char *)x, (char *)h, buf, R, args);
+    free(buf);
+    return rc ? -1 : 0;
 }
 
 /* Rows 0..n-1 of x [n, hid] = the embeddings of ids (io's table, or its packed head): copies. */

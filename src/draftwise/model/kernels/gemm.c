@@ -342,28 +342,40 @@ static void gemm_range(const void *xv, const void *wp, float *out, long rows, lo
 
 /* gemm_range over all output blocks, split into `threads` ranges (OpenMP, torch's own team) of
  * whole groups of 4 blocks when the weight is large enough; wb: 0 float32, 1 bfloat16, 2 int8 weights,
- * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16] float16). */
+ * 3 int8 weights with a scale per group of GROUP_Q8 inputs (gs [ceil(O/16)][N/GROUP_Q8][16] float16).
+ * The outputs [*lo, *hi) are the ones the calling thread must finish (bias, scale, rounding): its
+ * own share inside a team (dw_decoder's: the other threads finish theirs), else all. */
 static void gemm_threads(const void *x, const void *wp, float *out, long rows, long O, long N, int threads, int wb,
-                         const uint16_t *gs) {
+                         const uint16_t *gs, long *lo, long *hi) {
     long blocks = (O + 15) / 16;
-    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
+    long nt = dw_threads_for(threads, O * N, Q8_MIN_PARALLEL);
     if (nt > blocks / 4) nt = blocks / 4 > 1 ? blocks / 4 : 1;
-#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
-    for (long t = 0; t < nt; t++) {
+    *lo = dw_team_nt ? O : 0, *hi = O;
+    DW_SHARES(nt, t, {
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         b0 = (b0 + 3) & ~3L; /* whole groups of 4 blocks per thread (the last may be short) */
         b1 = t == nt - 1 ? blocks : ((b1 + 3) & ~3L);
         if (b0 < b1) gemm_range(x, wp, out, rows, O, N, b0, b1, wb, gs);
-    }
+        if (dw_team_nt && b0 < b1) {
+            *lo = 16 * b0 < *lo ? 16 * b0 : *lo;
+            *hi = 16 * b1 < O ? 16 * b1 : O;
+        }
+    });
+    if (*lo > *hi) *lo = *hi;
+}
+
+static void add_bias(float *out, const float *bias, long rows, long O, long lo, long hi) {
+    if (bias)
+        for (long r = 0; r < rows; r++)
+            for (long o = lo; o < hi; o++) out[r * O + o] = out[r * O + o] + bias[o];
 }
 
 /* out [rows, O] = x [rows, N] times the packed weight (+ bias [O], may be NULL). */
 void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,
                  int threads) {
-    gemm_threads(x, wp, out, rows, O, N, threads, 0, NULL);
-    if (bias)
-        for (long r = 0; r < rows; r++)
-            for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bias[o];
+    long lo, hi;
+    gemm_threads(x, wp, out, rows, O, N, threads, 0, NULL, &lo, &hi);
+    add_bias(out, bias, rows, O, lo, hi);
 }
 
 /* The int8 products (x float32, or bfloat16 when bf; out bfloat16 when obf): the weights packed by
@@ -377,10 +389,12 @@ static void q8_product(const void *x, const int8_t *wp, const void *scale, int g
     long Op = group ? (O + 15) & ~15L : O; /* group scales: the packed outputs (zero past O), whole blocks */
     float *xf = (float *)malloc(sizeof(float) * (rows * N + rows * Op + 16));
     float *y = xf + rows * N;
+    long lo, hi;
     for (long i = 0; i < rows * N; i++) xf[i] = ld(x, i, bf);
-    gemm_threads(xf, wp, y, rows, Op, N, threads, group ? 3 : 2, group ? (const uint16_t *)scale : NULL);
+    gemm_threads(xf, wp, y, rows, Op, N, threads, group ? 3 : 2, group ? (const uint16_t *)scale : NULL, &lo, &hi);
+    if (hi > O) hi = O;
     for (long r = 0; r < rows; r++)
-        for (long o = 0; o < O; o++) {
+        for (long o = lo; o < hi; o++) {
             float v = group ? y[r * Op + o] : y[r * O + o] * ((const float *)scale)[o];
             if (bias) v += bias[o];
             st(out, r * O + o, v, obf);
@@ -401,22 +415,29 @@ void dw_gemm_q8g(const void *x, const int8_t *wp, const uint16_t *gs, const floa
     q8_product(x, wp, gs, GROUP_Q8, bias, out, rows, O, N, threads, bf, obf);
 }
 
+/* dw_gemm_bf16_f32out's product, its outputs [*lo, *hi) finished by the calling thread (gemm_threads) */
+static void bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
+                        long N, int threads, long *lo, long *hi) {
+#ifdef GEMM_DPBF16
+    gemm_threads(x, wp, out, rows, O, N, threads, 4, NULL, lo, hi);
+#else
+    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
+    for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
+    gemm_threads(xf, wp, out, rows, O, N, threads, 1, NULL, lo, hi);
+    free(xf);
+#endif
+    if (bias)
+        for (long r = 0; r < rows; r++)
+            for (long o = *lo; o < *hi; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
+}
+
 /* dw_gemm_bf16's product before its rounding: float32 results (bias added in float32): a bfloat16
  * LM head's logits as float32 sums of the bfloat16 weights times the bfloat16 hidden states, the
  * values head_precision.py's refinement recomputes for a row's top logits, for every logit. */
 void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, float *out, long rows, long O,
                          long N, int threads) {
-#ifdef GEMM_DPBF16
-    gemm_threads(x, wp, out, rows, O, N, threads, 4, NULL);
-#else
-    float *xf = (float *)malloc(sizeof(float) * (rows * N + 16));
-    for (long i = 0; i < rows * N; i++) xf[i] = bf2f(x[i]);
-    gemm_threads(xf, wp, out, rows, O, N, threads, 1, NULL);
-    free(xf);
-#endif
-    if (bias)
-        for (long r = 0; r < rows; r++)
-            for (long o = 0; o < O; o++) out[r * O + o] = out[r * O + o] + bf2f(bias[o]);
+    long lo, hi;
+    bf16_f32out(x, wp, bias, out, rows, O, N, threads, &lo, &hi);
 }
 
 /* bfloat16: x [rows, N], the packed weight, bias [O] (may be NULL) and out [rows, O] in bfloat16:
@@ -427,8 +448,10 @@ void dw_gemm_bf16_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *
 void dw_gemm_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, long rows, long O,
                   long N, int threads) {
     float *yf = (float *)malloc(sizeof(float) * (rows * O + 16));
-    dw_gemm_bf16_f32out(x, wp, bias, yf, rows, O, N, threads);
-    for (long i = 0; i < rows * O; i++) out[i] = f2bf(yf[i]); /* one rounding, as F.linear's */
+    long lo, hi;
+    bf16_f32out(x, wp, bias, yf, rows, O, N, threads, &lo, &hi);
+    for (long r = 0; r < rows; r++) /* one rounding, as F.linear's */
+        for (long o = lo; o < hi; o++) out[r * O + o] = f2bf(yf[r * O + o]);
     free(yf);
 }
 

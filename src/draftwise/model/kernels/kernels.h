@@ -134,6 +134,37 @@ static inline v8f h8x8f(const uint16_t *p) {
 #endif
 }
 
+/* team.c: dw_decoder's thread team. dw_team_nt: the team's threads while the calling thread runs
+ * in one (dw_team_tid its number), else 0. */
+struct dw_team_bar {
+    int count, sense;
+};
+extern __thread int dw_team_tid, dw_team_nt;
+__attribute__((visibility("hidden"))) void dw_team_enter(struct dw_team_bar *bar, int tid, int nt);
+__attribute__((visibility("hidden"))) void dw_team_leave(void);
+__attribute__((visibility("hidden"))) void dw_team_barrier(void);
+
+/* The threads for `work` multiply-adds: inside a team all of it; else `threads` when the work
+ * reaches `min_work` (a fork of the OpenMP team costs more than a smaller product), else 1. */
+static inline long dw_threads_for(int threads, long work, long min_work) {
+    if (dw_team_nt) return dw_team_nt;
+    return (threads > 1 && work >= min_work) ? threads : 1;
+}
+
+/* Shares t = 0..NT-1 of a product's work: inside a team the calling thread's shares (t = its
+ * number, then every dw_team_nt-th), else a forked OpenMP loop, one share a thread. Each share is
+ * the same work either way. */
+#define DW_SHARES(NT, T, ...)                                                           \
+    do {                                                                                \
+        long nt_ = (NT);                                                                \
+        if (dw_team_nt) {                                                               \
+            for (long T = dw_team_tid; T < nt_; T += dw_team_nt) { __VA_ARGS__ }        \
+        } else {                                                                        \
+            _Pragma("omp parallel for num_threads(nt_) schedule(static, 1) if (nt_ > 1)") \
+            for (long T = 0; T < nt_; T++) { __VA_ARGS__ }                              \
+        }                                                                               \
+    } while (0)
+
 /* ---- entry points (cpu_kernels.py declares the same signatures for ctypes) ---- */
 
 /* norm.c: the elementwise ops of a layer */

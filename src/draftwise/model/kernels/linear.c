@@ -191,12 +191,11 @@ void dw_linear_q4(const void *x, const uint8_t *q, const uint16_t *sm, const flo
             for (int i = 0; i < 32; i++) t += xf[r * N + g * 32 + i];
             xs[r * G + g] = t;
         }
-    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1, blocks = (O + 3) / 4;
+    long nt = dw_threads_for(threads, O * N, Q8_MIN_PARALLEL), blocks = (O + 3) / 4;
     if (nt > blocks) nt = blocks;
-#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
-    for (long t = 0; t < nt; t++) {
+    DW_SHARES(nt, t, {
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         q4_range(xf, xs, q, sm, bias, out, rows, O, N, 4 * b0, 4 * b1 < O ? 4 * b1 : O, obf);
-    }
+    });
     free(xf);
 }

@@ -178,23 +178,22 @@ static void a8_product(int kind, const void *x, const void *w, const uint16_t *s
     int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (rows * G + 16));
     a8_quantize(x, rows, N, bf, xq, xs, xsum, qsum);
     long blocks = (O + 15) / 16;
-    long nt = (threads > 1 && O * N >= Q8_MIN_PARALLEL) ? threads : 1;
+    long nt = dw_threads_for(threads, O * N, Q8_MIN_PARALLEL);
     if (nt > blocks) nt = blocks;
-#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
-    for (long t = 0; t < nt; t++) {
+#define Q8G_CALL(NR) q8g_block(xq, xs, qsum, (const int8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
+#define Q4_CALL(NR) q4_block_a8(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
+    DW_SHARES(nt, t, {
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         for (long ob = b0; ob < b1; ob++) {
             if (kind == 8) {
-#define Q8G_CALL(NR) q8g_block(xq, xs, qsum, (const int8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
                 A8_ROWS(Q8G_CALL)
-#undef Q8G_CALL
             } else {
-#define Q4_CALL(NR) q4_block_a8(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
                 A8_ROWS(Q4_CALL)
-#undef Q4_CALL
             }
         }
-    }
+    });
+#undef Q8G_CALL
+#undef Q4_CALL
     free(xq);
     free(xs);
     free(qsum);
