@@ -695,9 +695,9 @@ def test_goodput_new_batch_size_looks_at_every_arm_soon():
 
 
 def test_first_look_at_a_new_batch_size_ignores_the_budget():
-    """An arm without steps of its own at a batch size is looked at even with the exploration
-    budget in debt (its first look is what measures it); once measured there, its looks wait
-    for the credit to cover what its last one cost."""
+    """An arm without steps of its own at a batch size, with no catch-up to start with, is looked
+    at even with the exploration budget in debt (its first look is what measures it); once
+    measured there, its looks wait for the credit to cover what its last one cost."""
     near = Arms(CFG)
     near.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, switched=False)
     near.look_cost["full"] = 0.05
@@ -707,6 +707,27 @@ def test_first_look_at_a_new_batch_size_ignores_the_budget():
     arms.record("full", committed=6.0, expected=8.0, seconds=0.02, predicted=0.01, switched=False)
     assert not arms.affordable("full", credit=-0.01)
     assert arms.affordable("full", credit=0.06)
+
+
+def test_a_first_look_that_starts_with_a_catch_up_waits_for_the_budget():
+    """The drafter's catch-up a look would start with (rows that have not drafted: their whole
+    prompts) is known before the look: a first look at a drafting arm at a new batch size whose
+    catch-up is dearer than the credit's cap waits for a full credit, while one with little or
+    nothing to catch up on does not wait."""
+    plain = (32.0, 0.068, 0.0)
+    full = (31.0, 0.080, 0.0)  # 388 tokens/s: behind, not far behind
+    assert CFG.far * 32.0 / 0.068 < 31.0 / 0.080 < 32.0 / 0.068
+
+    def picks(start, credit):
+        arms = Arms(CFG)
+        return [arms.choose({"spec": plain, "full": full, "plain": plain}, credit, CFG.credit_cap, last="plain",
+                            start=start) for _ in range(CFG.first_look + 4 * CFG.burst)]
+
+    assert "full" in picks({"full": 0.0, "spec": 0.0, "plain": 0.0}, credit=-1.0)  # its first look is free
+    assert "full" not in picks({"full": 2.0, "spec": 0.0, "plain": 0.0}, credit=-1.0)  # 2 s to catch up: in debt
+    assert "full" not in picks({"full": 2.0, "spec": 0.0, "plain": 0.0}, credit=0.5 * CFG.credit_cap)
+    assert "full" in picks({"full": 2.0, "spec": 0.0, "plain": 0.0}, credit=CFG.credit_cap)  # the cap: looks
+    assert "full" in picks({"full": 0.5 * CFG.credit_cap, "spec": 0.0, "plain": 0.0}, credit=-1.0)  # cheap: free
 
 
 def test_goodput_leaves_the_switch_to_plain_out_of_the_plain_arm():

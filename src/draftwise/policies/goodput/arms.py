@@ -83,6 +83,9 @@ class Arms:
         self.lead_rate = 0.0  # the best arm's rating at the last decision (tokens/s)
         self.look_cost: dict[str, float] = {}  # arm -> seconds its last burst cost against the leader
         self._spent: dict[str, float] = {}  # arm -> seconds the running burst has cost so far
+        # arm -> seconds of the drafter's catch-up a look at it would start with (the rows' lags at
+        # the last decision; they only grow while plain steps coast)
+        self.start_cost: dict[str, float] = {}
         if seed is not None:  # a neighbour's figures at the weight of one step each, its intervals and costs
             for a, f in seed.figures.items():
                 if f[4] > 0:
@@ -120,10 +123,13 @@ class Arms:
         """The exploration budget covers a burst of `arm` now: what its last burst cost, or the
         credit's cap for a look dearer than that (it leaves the credit in debt, repaid before the
         next look: the budget holds on average). An arm with no steps of its own here is looked at
-        whatever the credit: its first look is what measures it."""
+        whatever the credit (its first look is what measures it), unless the drafter's catch-up it
+        must start with (`start_cost`, known before the look) is dearer than the credit's cap: then
+        it waits for a full credit."""
+        start = self.start_cost.get(arm, 0.0)
         if arm not in self.own:
-            return True
-        return credit >= min(self.look_cost.get(arm, 0.0), cap)
+            return start <= cap or credit >= cap
+        return credit >= min(max(self.look_cost.get(arm, 0.0), start), cap)
 
     def spend(self, arm: str, seconds: float) -> None:
         """A step of the running burst of `arm` cost `seconds` against the leading arm."""
@@ -191,10 +197,13 @@ class Arms:
         return True
 
     def choose(self, pred: dict[str, Prediction], credit: float = math.inf,
-               cap: float = math.inf, last: str | None = None) -> str:
+               cap: float = math.inf, last: str | None = None, start: dict[str, float] | None = None) -> str:
         """The arm this step runs, from the model's predictions of each (`pred`) and the arms'
-        figures; `last`: the arm the step before ran."""
+        figures; `last`: the arm the step before ran; `start`: seconds of the drafter's catch-up
+        running each arm now would start with (not amortised: what a look pays at once)."""
         cfg = self.config
+        if start is not None:
+            self.start_cost = dict(start)
         self.steps += 1
         self.coasted = 0
         self.lease = 0

@@ -10,7 +10,8 @@ the exploration budget, and records each timed step in its arm's figures.
   what it cost against the leader's rate (its seconds less the leader's time for its tokens), and
   starts only while the credit covers what the same look cost last time. Where one arm leads
   clearly, the looks (mostly the drafter's catch-up after plain steps) cost about `explore_budget`
-  of the run (the first look at an arm is free: its cost is not known).
+  of the run (the first look at an arm is free, its cost not known, unless the drafter's
+  catch-up it must start with is dearer than the credit's cap).
 - Switching costs are not the arms': a drafting step right after plain ones also feeds the
   drafter everything it missed, and a plain step right after drafting ones runs slower than the
   plain steps after it; both are left out of the figures. The plan's own Python time is left out of
@@ -104,10 +105,11 @@ class MeasuredCheck:
         do not lead (there an accepting probe would not say that speculation pays)."""
         return self.credit >= min(self.probe_cost, self.config.credit_cap) and not self.plain_leads()
 
-    def decide(self, arms: Arms, pred: dict[str, Prediction], planned_plain: bool) -> str:
+    def decide(self, arms: Arms, pred: dict[str, Prediction], planned_plain: bool,
+               start: dict[str, float] | None = None) -> str:
         """This step's arm, from the model's figures of each; `planned_plain`: the plan drafts
-        nothing beyond probes (its "spec" step is a plain one)."""
-        self.mode = arms.choose(pred, self.credit, self.config.credit_cap, last=self.last_mode)
+        nothing beyond probes (its "spec" step is a plain one); `start`: each arm's catch-up now."""
+        self.mode = arms.choose(pred, self.credit, self.config.credit_cap, last=self.last_mode, start=start)
         self.lead_rate = arms.lead_rate
         if arms.exploring is not None:
             self.looking = arms.exploring

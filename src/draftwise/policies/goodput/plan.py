@@ -229,6 +229,10 @@ class Planner:
         return (expected, seconds, sum(c for c, n in zip(plan.catch, lengths) if n),
                 ctx, self.model.context_slope(b, drafted))
 
+    def catch_up_seconds(self, plan: StepPlan, lengths: Sequence[int]) -> float:
+        """Seconds of the drafter's catch-up a step drafting `lengths` starts with, not amortised."""
+        return sum(n - 1 for n, m in zip(plan.lags, lengths) if m and n > 1) * self.catch_up_per_token
+
     def count_catch_ups(self, lags: Sequence[int], lengths: Sequence[int]) -> None:
         """The tokens the proposer will feed in forwards of their own this step (`learn_catch_up`)."""
         self.long_catch_up = sum(n - 1 for n, m in zip(lags, lengths) if m and n > LONG_CATCH_UP)

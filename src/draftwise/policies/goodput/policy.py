@@ -70,7 +70,9 @@ class GoodputPolicy:
         # that an unlucky start made pessimistic recover through its bursts of "full")
         pred = {"spec": core.predict(plan, lengths), "full": core.predict(plan, max_draft),
                 "plain": core.predict(plan, [0] * b)}
-        mode = check.decide(arms, pred, planned_plain)
+        start = {"spec": core.catch_up_seconds(plan, lengths), "full": core.catch_up_seconds(plan, max_draft),
+                 "plain": 0.0}
+        mode = check.decide(arms, pred, planned_plain, start)
         if mode == "plain":
             core.rate = math.inf
             # only a plan that drafts nothing probes; a plain step chosen by the check has no
