@@ -144,12 +144,18 @@ static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, 
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));
         for (int r = 0; r < NR; r++) {
             const int8_t *x = xq + (r0 + r) * N + g * 32;
-            __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(); /* two chains (latency) */
+            /* one row: two chains (VPDPBUSD's latency); more rows: one each, the rows' chains
+             * interleave (an add a row and group less; integer sums: the same either way) */
+            __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
                 s = _mm512_dpbusd_epi32(s, lo[j], bcast4(x + 4 * j));
-                s2 = _mm512_dpbusd_epi32(s2, hi[j], bcast4(x + 16 + 4 * j));
+                if (NR == 1)
+                    s2 = _mm512_dpbusd_epi32(s2, hi[j], bcast4(x + 16 + 4 * j));
+                else
+                    s = _mm512_dpbusd_epi32(s, hi[j], bcast4(x + 16 + 4 * j));
             }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s, s2)),
+            if (NR == 1) s = _mm512_add_epi32(s, s2);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
                                      _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])), acc[r]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(r0 + r) * G + g]), acc[r]);
         }
