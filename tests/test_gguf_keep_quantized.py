@@ -302,3 +302,37 @@ def test_stored_quantization_reported(kept, kept_q8, tmp_path):
     assert _quantization(args) == "int4"
     assert _quantization(SimpleNamespace(quantization="int8", url=None, model=str(q4))) == "int8"
     assert _quantization(SimpleNamespace(quantization="none", url=None, model=str(fl))) == "none"
+
+
+@pytest.mark.parametrize("which", ["q4", "q8"])
+def test_kept_embedding_and_head_run_in_the_whole_step_bitwise(kept, kept_q8, which, every_projection, monkeypatch):
+    """A kept model's block embedding (int4 or int8 groups, dequantised row by row) and its int8
+    head with int8 activations run inside dw_forward (`native_logits`): the logits equal bitwise
+    those of PyTorch's lookup, the decoder call and compute_logits."""
+    from test_cpu_kernels import load_with_distinct_norms, run_batch_rounds, run_rounds
+
+    from draftwise.model.llama import LlamaModel
+    from draftwise.model.packed_weights import QuantizedEmbedding
+
+    if not cpu_kernels.vnni():
+        pytest.skip("kernels without AVX-512 VNNI: the head is not an int8-activation product")
+    path = (kept["qwen2"] if which == "q4" else kept_q8)[1]
+    one = load_with_distinct_norms(path, "float32")
+    emb, head = one.model.model.embed_tokens, one.model.lm_head
+    assert isinstance(emb, QuantizedEmbedding) and emb.kind == ("int4" if which == "q4" else "int8")
+    assert isinstance(head, Int8Linear) and head.act8 and head.float_out
+    assert one.model._native_io() is not None
+    taken = []
+    real = LlamaModel.native_logits
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaModel, "native_logits", spy)
+    a = run_rounds(one, []) + run_batch_rounds(load_with_distinct_norms(path, "float32"))
+    assert taken and all(taken)
+    monkeypatch.setattr(LlamaModel, "native_logits", lambda self, *a, **kw: None)
+    b = run_rounds(load_with_distinct_norms(path, "float32"), []) + run_batch_rounds(load_with_distinct_norms(path, "float32"))
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))

@@ -136,7 +136,8 @@ class NativeIO(ctypes.Structure):
     """`struct dw_io` (kernels/kernels.h): the input embedding and the LM head run in the kernels."""
 
     _fields_ = [("emb", ctypes.c_void_p), ("emb_packed", ctypes.c_int), ("head_w", ctypes.c_void_p),
-                ("head_kind", ctypes.c_int), ("V", ctypes.c_long)]
+                ("head_kind", ctypes.c_int), ("V", ctypes.c_long), ("emb_scale", ctypes.c_void_p),
+                ("head_scale", ctypes.c_void_p)]
 
 
 # 0, or -1: no scratch memory

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .attention import AttentionMetadata
 from .cpu_kernels import DecoderArgs, NativeIO
-from .packed_weights import PackedEmbedding, PackedLinear
+from .packed_weights import PackedEmbedding, PackedLinear, QuantizedEmbedding
 from .quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear
 
 
@@ -158,27 +158,44 @@ class NativeForward:
         return args, keep
 
     def _native_io(self):
-        """(embedding pointer, packed?, head pointer, head kind) when the input embedding and the
-        head run inside the kernels (`dw_forward`, `dw_draft_greedy`): an `nn.Embedding` of the
-        model's dtype or the packed tied one, and a bias-free head packed for dw_gemm_f32 (kind 1,
-        float32) or dw_gemm_bf16 with float32 logits (kind 2, bfloat16 with `refine_head`:
-        compute_logits' float_logits); else None. The pointers are found once, the kind every call
-        (`refine_head` may change)."""
+        """The `NativeIO` (embedding pointer and kind, head pointer and kind, their scales) when
+        the input embedding and the head run inside the kernels (`dw_forward`, `dw_draft_greedy`): an
+        `nn.Embedding` of the model's dtype (kind 0), the packed tied one (1) or a GGUF's kept blocks
+        (`QuantizedEmbedding`: 2 int8 groups, 3 int4), and a bias-free head packed for dw_gemm_f32
+        (head kind 1, float32), dw_gemm_bf16 with float32 logits (2, bfloat16 with `refine_head`:
+        compute_logits' float_logits) or an `Int8Linear` of int8 groups with int8 activations and
+        float32 logits (3 float32 rows, 4 bfloat16); else None. The pointers are found once, the
+        kind every call (`refine_head` may change)."""
         if self._io is None:
-            dtype, head, emb = self.model.norm.weight.dtype, self.lm_head, self.model.embed_tokens
-            native = getattr(head, "native", None)
-            io = ()
-            if isinstance(head, PackedLinear) and native is not None and head.bias is None and native.dtype == dtype:
-                if isinstance(emb, PackedEmbedding) and emb.packed.dtype == dtype == torch.float32:
-                    io = (emb.packed.data_ptr(), 1, native.data_ptr(), dtype)
-                elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
-                    io = (emb.weight.data_ptr(), 0, native.data_ptr(), dtype)
-            self._io = io
+            self._io = self._io_pointers()
         if not self._io:
             return None
-        emb, packed, head, dtype = self._io
-        kind = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 and self.refine_head else 0
-        return (emb, packed, head, kind) if kind else None
+        emb, packed, head, kind, emb_scale, head_scale = self._io
+        if kind == 0:  # a packed float head: its kind follows the dtype (and refine_head)
+            dtype = self.model.norm.weight.dtype
+            kind = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 and self.refine_head else 0
+        return NativeIO(emb, packed, head, kind, self.cfg.vocab_size, emb_scale, head_scale) if kind else None
+
+    def _io_pointers(self) -> tuple:
+        """`_native_io`'s pointers, the head kind 0 for a packed float head (chosen per call); () where
+        the embedding or the head does not run in the kernels."""
+        dtype, head, emb = self.model.norm.weight.dtype, self.lm_head, self.model.embed_tokens
+        if isinstance(emb, PackedEmbedding) and emb.packed.dtype == dtype == torch.float32:
+            e = (emb.packed.data_ptr(), 1, 0)
+        elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
+            e = (emb.weight.data_ptr(), 0, 0)
+        elif (isinstance(emb, QuantizedEmbedding) and emb.dtype == dtype and emb.qweight.is_contiguous()
+              and emb.scale.is_contiguous() and emb.embedding_dim % 32 == 0):
+            e = (emb.qweight.data_ptr(), 2 if emb.kind == "int8" else 3, emb.scale.data_ptr())
+        else:
+            return ()
+        native = getattr(head, "native", None)
+        if isinstance(head, PackedLinear) and native is not None and head.bias is None and native.dtype == dtype:
+            return e[0], e[1], native.data_ptr(), 0, e[2], 0
+        if (isinstance(head, Int8Linear) and head.act8 and head.float_out and head.bias is None
+                and dtype in (torch.float32, torch.bfloat16)):
+            return e[0], e[1], head.qpacked.data_ptr(), 3 if dtype == torch.float32 else 4, e[2], head.scale.data_ptr()
+        return ()
 
     def native_logits(self, ids: list[int], positions: list[int], B: int, T: int, kv_cache,
                       meta: AttentionMetadata, max_position: int, rows: list[int]) -> torch.Tensor | None:
@@ -205,7 +222,7 @@ class NativeForward:
         sel = (ctypes.c_int64 * len(rows))(*rows)
         args, keep = self._decoder_args(B, T, ctypes.addressof(pos_c), kv_cache, meta, max_position)
         logits = torch.empty(len(rows), V, dtype=torch.float32)
-        rc = kern.forward(ctypes.byref(NativeIO(*io, V)), ctypes.addressof(ids_c), ctypes.addressof(sel), len(rows),
+        rc = kern.forward(ctypes.byref(io), ctypes.addressof(ids_c), ctypes.addressof(sel), len(rows),
                           logits.data_ptr(), ctypes.byref(args))
         if rc != 0:
             raise MemoryError("fused forward: no scratch memory")
@@ -290,7 +307,7 @@ class NativeForward:
         V = self.cfg.vocab_size
         if io is None or any(not 0 <= t < V for f in feeds for t in f):
             return None
-        return kern, NativeIO(*io, V)
+        return kern, io
 
     def greedy_steps(self, feed: list[int], start: int, k: int, kv_cache: torch.Tensor, slot0: int | None,
                      slots: torch.Tensor | None, confidence: bool = False):

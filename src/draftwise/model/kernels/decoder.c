@@ -106,13 +106,31 @@ int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
     return rc ? -1 : 0;
 }
 
-/* Rows 0..n-1 of x [n, hid] = the embeddings of ids (io's table, or its packed head): copies. */
+/* Rows 0..n-1 of x [n, hid] = the embeddings of ids (io's table, or its packed head): copies, or
+ * the kept blocks' values, q * d (int8) or q * d + m (int4) in float32 (two roundings, as the
+ * lookup's PyTorch ops), then in the dtype. */
 void dw_embed_rows(const struct dw_io *io, const int64_t *ids, long n, long hid, long es, char *x) {
+    long G = hid / 32;
     for (long t = 0; t < n; t++) {
         int64_t id = ids[t];
-        if (io->emb_packed) {
+        if (io->emb_packed == 1) {
             const float *src = (const float *)io->emb + (id / 16) * hid * 16 + id % 16;
             for (long i = 0; i < hid; i++) ((float *)x)[t * hid + i] = src[i * 16];
+        } else if (io->emb_packed == 2) {
+            const int8_t *q = (const int8_t *)io->emb + id * hid;
+            const uint16_t *d = io->emb_scale + id * G;
+            for (long i = 0; i < hid; i++) st(x, t * hid + i, (float)q[i] * h2f(d[i / 32]), es == 2);
+        } else if (io->emb_packed == 3) {
+            const uint8_t *q = (const uint8_t *)io->emb + id * hid / 2;
+            const uint16_t *dm = io->emb_scale + id * G * 2;
+            for (long g = 0; g < G; g++) {
+                float d = h2f(dm[2 * g]), m = h2f(dm[2 * g + 1]);
+                for (long b = 0; b < 16; b++) { /* byte b: input b (low nibble), input b + 16 (high) */
+                    uint8_t v = q[g * 16 + b];
+                    st(x, t * hid + g * 32 + b, (float)(v & 15) * d + m, es == 2);
+                    st(x, t * hid + g * 32 + b + 16, (float)(v >> 4) * d + m, es == 2);
+                }
+            }
         } else {
             memcpy(x + es * t * hid, (const char *)io->emb + es * id * hid, es * hid);
         }
@@ -124,6 +142,9 @@ void dw_embed_rows(const struct dw_io *io, const int64_t *ids, long n, long hid,
 void dw_head_rows(const struct dw_io *io, const void *h, long n, long hid, float *logits, int threads) {
     if (io->head_kind == 1)
         dw_gemm_f32((const float *)h, (const float *)io->head_w, NULL, logits, n, io->V, hid, threads);
+    else if (io->head_kind >= 3) /* 3: float32 rows, 4: bfloat16 rows */
+        dw_gemm_q8g_a8(h, (const int8_t *)io->head_w, io->head_scale, NULL, logits, n, io->V, hid, threads,
+                       io->head_kind == 4, 0);
     else
         dw_gemm_bf16_f32out((const uint16_t *)h, (const uint16_t *)io->head_w, NULL, logits, n, io->V, hid, threads);
 }

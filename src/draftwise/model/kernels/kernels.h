@@ -237,15 +237,21 @@ struct dw_decoder_args {
 };
 
 /* The input embedding and the LM head run inside dw_forward and the drafter's greedy steps (`NativeIO`
- * in cpu_kernels.py): emb [V, hid] in the model's dtype (emb_packed 0) or a tied model's float32 head
- * packed by dw_pack, [ceil(V/16)][hid][16] (emb_packed 1); head_w packed, without bias: head_kind 1
- * dw_gemm_f32 (float32), 2 dw_gemm_bf16_f32out (bfloat16 weights, float32 logits). */
+ * in cpu_kernels.py): emb [V, hid] in the model's dtype (emb_packed 0), a tied model's float32 head
+ * packed by dw_pack, [ceil(V/16)][hid][16] (emb_packed 1), or a GGUF's blocks kept
+ * (packed_weights.QuantizedEmbedding), dequantised row by row as its lookup does: int8 in groups of
+ * 32, q [V, hid] with emb_scale [V, hid/32] float16 (emb_packed 2), or int4, q [V, hid/2] with
+ * emb_scale [V, hid/32][2] float16 step and minimum (emb_packed 3). head_w packed, without bias:
+ * head_kind 1 dw_gemm_f32 (float32), 2 dw_gemm_bf16_f32out (bfloat16 weights, float32 logits), 3 and
+ * 4 dw_gemm_q8g_a8 (int8 groups in vnni.c's layout, head_scale its group scales; float32 logits) of
+ * float32 (3) or bfloat16 (4) rows. */
 struct dw_io {
     const void *emb;
     int emb_packed;
     const void *head_w;
     int head_kind;
     long V;
+    const uint16_t *emb_scale, *head_scale;
 };
 
 /* decoder.c */
