@@ -150,6 +150,22 @@ def test_proposer_reads_committed_history_only():
     assert counts(prop.local[7].trie) == counts(fresh)
 
 
+def test_long_catch_ups_are_timed_apart_from_the_step():
+    """Indexing a new prompt (more than LONG_CATCH_UP tokens) is reported as catch-up, which the
+    policy leaves out of its decode-step cost model; a row one token behind reports none."""
+    prop = SuffixProposer(suffix_depth=8)
+    prompt = list(range(100, 100 + 4 * SuffixProposer.LONG_CATCH_UP))
+    h = History(prompt, [], seq_id=3)
+    prop.propose([h], [4])
+    assert prop.catch_up_seconds > 0
+    h.output_ids = [7]
+    prop.propose([h], [4])
+    assert prop.catch_up_seconds == 0.0
+    h.output_ids = [7] * (SuffixProposer.LONG_CATCH_UP + 2)  # a stretch of steps without drafting
+    prop.propose([h], [4])
+    assert prop.catch_up_seconds > 0
+
+
 def test_global_cache_carries_outputs_across_requests():
     prop = SuffixProposer(suffix_depth=8, suffix_cache_tokens=64)
     answer = [40, 41, 42, 43, 44, 45, 46, 47]

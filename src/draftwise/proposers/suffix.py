@@ -33,9 +33,15 @@ continuation was unique, discounted where earlier occurrences disagreed.
 
 A structured-output row's block ends before the first token its grammar forbids (verification
 would reject it); the engine appends the grammar's forced tail itself.
+
+A row more than `LONG_CATCH_UP` committed tokens behind its trie (a new prompt; a stretch of steps
+without drafting) costs depth dictionary steps per token to index, a one-off of tens of ms for a
+prompt of a thousand tokens: its time (`catch_up_seconds`, the trie's prefill in effect) is left
+out of the decode-step cost model, as a draft model's long catch-ups are (proposers/draft_model.py).
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from .base import DraftBlock, register_proposer
@@ -91,6 +97,7 @@ class SuffixProposer:
     needs_draft_model = False
     feature_layers = ()  # reads no target features
     confidence = True  # the engine turns it off when the policy never reads it
+    LONG_CATCH_UP = 32  # committed tokens a row's trie indexes within its proposal step; more: timed apart
 
     def __init__(self, suffix_depth: int = 24, suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,
                  suffix_cache_tokens: int = 8192, **_):
@@ -100,8 +107,10 @@ class SuffixProposer:
         self.depth, self.spec_factor, self.min_prob = suffix_depth, suffix_spec_factor, suffix_min_prob
         self.local: dict[int, _Local] = {}  # seq_id -> the request's own trie
         self.cache = OutputCache(suffix_depth, suffix_cache_tokens)
+        self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
 
     def propose(self, seqs, num_draft, num_forced=None):
+        self.catch_up_seconds = 0.0
         return [self._propose(s, n) if n > 0 else DraftBlock([], None) for s, n in zip(seqs, num_draft)]
 
     def _propose(self, seq, n: int) -> DraftBlock:
@@ -131,12 +140,15 @@ class SuffixProposer:
         total = len(prompt) + len(out)
         if st is None or st.indexed > total:  # (committed history only grows; a new id starts afresh)
             st = self.local[seq.seq_id] = _Local(self.depth)
+        t0 = time.perf_counter() if total - st.indexed > self.LONG_CATCH_UP else None
         if st.indexed < len(prompt):
             st.trie.append(0, prompt[st.indexed :])
             st.indexed = len(prompt)
         if st.indexed < total:
             st.trie.append(0, out[st.indexed - len(prompt) :])
             st.indexed = total
+        if t0 is not None:
+            self.catch_up_seconds += time.perf_counter() - t0
         return st.trie
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
