@@ -164,3 +164,12 @@ def test_cross_vocab_pool_counts_twice(tmp_path, target_dir):
     per_token = 512 + 2 * (1 * 2 * 1 * 16 * eng.proposer.runner.cache.element_size())
     assert blocks == MIB // (per_token * 16)
     assert MIB - per_token * 16 < eng.runner.cache.nbytes + eng.proposer.runner.cache.nbytes <= MIB
+
+
+def test_pool_tensor_is_zeroed_after_a_heap_trim():
+    import torch
+
+    from draftwise.kv import pool_tensor
+
+    t = pool_tensor((2, 2, 32, 1, 4), torch.bfloat16, "cpu")
+    assert t.shape == (2, 2, 32, 1, 4) and t.dtype == torch.bfloat16 and not t.any()

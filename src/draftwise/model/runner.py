@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import KVManager
+from ..kv import KVManager, pool_tensor
 from .attention import AttentionMetadata, PagedMetadata
 from .loader import LoadedModel
 from .recurrent_state import RecurrentStatePool
@@ -53,9 +53,8 @@ class ModelRunner:
         if self.state is not None:  # the state slot goes with the sequence's blocks
             self.kv.free_hooks.append(self.state.free)
         num_kv_layers = len(hs.attention_layers) if hs is not None else cfg.num_hidden_layers
-        self.cache = torch.zeros(
-            num_kv_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
+        self.cache = pool_tensor(
+            (num_kv_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim), self.dtype, self.device,
         )  # [layers, 2, num_slots, Hkv, D]
 
     @torch.inference_mode()

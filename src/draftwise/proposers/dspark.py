@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import KVManager
+from ..kv import KVManager, pool_tensor
 from ..model.dspark import HIDDEN_POSITION
 from ..model.pair import LoadedDSpark
 from ..sampling import process_logits
@@ -125,8 +125,8 @@ class DSparkProposer:
         self.kv = KVManager(num_blocks, block_size)
         dtype = next(self.drafter.parameters()).dtype
         self.device = next(self.drafter.parameters()).device
-        self.cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
-                                 cfg.head_dim, dtype=dtype, device=self.device)  # [layers, 2, slots, Hkv, D]
+        self.cache = pool_tensor((cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
+                                  cfg.head_dim), dtype, self.device)  # [layers, 2, slots, Hkv, D]
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
 
     @torch.inference_mode()
