@@ -94,6 +94,21 @@ def test_budget_skips_points_and_fit_is_exact_on_a_simulated_clock(pair, monkeyp
     measured = {(p.num_seqs, p.tokens_per_seq, p.context) for p in cut.grid}
     assert {(b, t, 32) for b in (1, 2, 4, 8) for t in (1, 5)} <= measured  # the first tier was kept
     assert all(s["tokens_per_seq"] not in (1, 5) or s["context"] != 32 for s in cut.skipped)
+    assert {(p.num_seqs, p.context) for p in cut.draft_grid} >= {(b, 32) for b in (1, 2, 4, 8)}  # the drafter's too
+
+
+def test_the_fit_leaves_out_what_the_points_cannot_tell_apart():
+    """One drafter point (a slow target used up the budget) says nothing of a per-row or
+    per-context cost: its time is the fixed cost, not spread over columns in proportion to their
+    size (a minimum-norm fit had put nearly all of it on the context, so the drafter's step looked
+    5x dearer at a 5x longer context). Points at one context: no per-context cost."""
+    one = [types.SimpleNamespace(num_seqs=1, context=64, seconds=0.02)]
+    grid, _ = synthetic_grid(target=(1e-3, 0.0, 1e-3, 0.0))
+    cost = fit_cost_model(grid, one)
+    assert cost.draft == pytest.approx((0.02, 0.0, 0.0))
+    assert cost.draft_seconds(1, 320) == pytest.approx(0.02)
+    rows = [types.SimpleNamespace(num_seqs=b, context=64, seconds=0.01 + 0.002 * b) for b in (1, 2, 4)]
+    assert fit_cost_model(grid, rows).draft == pytest.approx((0.01, 0.002, 0.0))
 
 
 def test_measured_profile_is_sane_and_round_trips(small_profile, tmp_path):

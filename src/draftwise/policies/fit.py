@@ -27,6 +27,20 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """`_nonneg_lstsq` over the columns the points can tell apart: each column, in order (the
+    fixed cost first), kept only where it raises the rank (one context measured says nothing of a
+    per-context cost, one batch size nothing of a per-row one: such a coefficient is 0, not a
+    share of the others' time)."""
+    keep: list[int] = []
+    for j in range(x.shape[1]):
+        if np.linalg.matrix_rank(x[:, keep + [j]]) > len(keep):
+            keep.append(j)
+    coef = np.zeros(x.shape[1])
+    coef[keep] = _nonneg_lstsq(x[:, keep], y)
+    return tuple(float(v) for v in coef)
+
+
 def fit_cost_model(grid: list, draft_grid: list) -> CostModel:
     """Fit `CostModel` to measured points: the target's (t0, t_seq, t_tok, t_ctx) on
     [1, B, B*T, B*C] and the drafter's (d0, d_seq, d_ctx) on [1, B, B*C]; no draft points ->
@@ -35,12 +49,12 @@ def fit_cost_model(grid: list, draft_grid: list) -> CostModel:
         raise ValueError("cannot fit a cost model to an empty grid")
     x = np.array([[1.0, p.num_seqs, p.num_seqs * p.tokens_per_seq, p.num_seqs * p.context] for p in grid])
     y = np.array([p.seconds for p in grid])
-    target = tuple(float(v) for v in _nonneg_lstsq(x, y))
+    target = _fit(x, y)
     draft = (0.0, 0.0, 0.0)
     if draft_grid:
         xd = np.array([[1.0, p.num_seqs, p.num_seqs * p.context] for p in draft_grid])
         yd = np.array([p.seconds for p in draft_grid])
-        draft = tuple(float(v) for v in _nonneg_lstsq(xd, yd))
+        draft = _fit(xd, yd)
     return CostModel(target, draft)
 
 

@@ -27,7 +27,7 @@ from .fit import fit_cost_model, fit_errors
 from .hardware import DraftPoint, GridPoint, HardwareProfile, dtype_name, machine_info, model_entry
 
 DEFAULT_CONTEXTS = (64, 256)
-DEFAULT_BUDGET_SECONDS = 30.0
+DEFAULT_BUDGET_SECONDS = 60.0
 
 Progress = Callable[[int, int, str], None]  # (points done, points planned, what runs now)
 Point = tuple  # (model: "target" | "draft", B, T, C)
@@ -48,10 +48,9 @@ def _points(bs: list[int], k: int, contexts: list[int], with_draft: bool) -> lis
     ts = list(range(1, k + 2))
     ends = [1, k + 1]
     pts: list[Point] = []
-    for c in contexts:  # every B at both ends of T, context by context
-        pts += [("target", b, t, c) for b in bs for t in ends]
-        if with_draft:
-            pts += [("draft", b, 1, c) for b in bs]
+    for c in contexts:  # every B at both ends of T and the drafter's step, context by context
+        for b in bs:  # B by B: a budget cut on a slow target leaves the drafter's small B measured too
+            pts += [("target", b, t, c) for t in ends] + ([("draft", b, 1, c)] if with_draft else [])
     for c in contexts:  # the inner T values
         pts += [("target", b, t, c) for b in bs for t in ts if t not in ends]
     return pts

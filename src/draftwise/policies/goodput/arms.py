@@ -113,7 +113,9 @@ class Arms:
             c_sum, slope, c_n = self.context[arm]
             if now and c_n > 0:  # its steps as if at the contexts of now, by the profile's seconds
                 # per token of context of the arm's own steps (this step's lengths are not theirs)
-                seconds = max(0.0, seconds + (slope * now[0] - c_sum) / c_n)
+                # (the part that is not the context's is never below 0: a profile whose context
+                # cost exceeds what was measured would otherwise rate the arm at any speed)
+                seconds = max(0.0, seconds - c_sum / c_n) + slope * now[0] / c_n
         elif n > 0 and sec_p > 0:  # a neighbour's: its rates belong to another batch size,
             expected *= accuracy  # its ratios to the model's figures carry over
             seconds *= sec_m / sec_p
