@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/qwen_coder_vllm.py floats                  # the float32 dirs vLLM loads
     flock /tmp/draftwise-cpu.lock .venv/bin/python benchmarks/qwen_coder_vllm.py serve ENGINE SETUP \
-        [--dtype bfloat16] [--levels 1:8,4:16,16:16] [--workload chat-grounded] [--output-len 64]
+        [--dtype bfloat16] [--levels 1:16,4:16,16:16] [--workload chat-grounded] [--output-len 64]
     flock /tmp/draftwise-cpu.lock .venv/bin/python benchmarks/qwen_coder_vllm.py greedy   # sanity check
     .venv/bin/python benchmarks/qwen_coder_vllm.py table [--result benchmarks/results/NAME.json]
 
@@ -222,7 +222,7 @@ def main() -> None:
     s.add_argument("engine", choices=sorted(SETUPS))
     s.add_argument("setup")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="vLLM's dtype")
-    s.add_argument("--levels", default="1:8,4:16,16:16", help="CONCURRENCY:REQUESTS, comma-separated")
+    s.add_argument("--levels", default="1:16,4:16,16:16", help="CONCURRENCY:REQUESTS, comma-separated")
     s.add_argument("--workload", default="chat-grounded")
     s.add_argument("--output-len", type=int, default=64)
     s.add_argument("--threads", type=int, default=2)
