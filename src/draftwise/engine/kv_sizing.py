@@ -16,12 +16,12 @@ lazy pool would only postpone the same resident size.
 - otherwise the default budget: `max(512 MiB, half the models' weight bytes)`, at most half the
   memory the machine has available now, and never more than the token rule (`max_num_seqs` full
   contexts, capped at `kv_cache_max_tokens`). E.g. SmolLM2-135M in float32 (46 KB of K/V per
-  token): 512 MiB, about 11.6K tokens; the Qwen2.5-Coder pair kept quantized (1.85 GiB of weights,
-  80 KB of float32 K/V per token): 0.92 GiB, about 12K tokens.
+  token): 512 MiB, about 11.6K tokens; the Qwen2.5-Coder pair kept quantized (1.83 GiB of weights,
+  68 KB of K/V per token: the target's float32, the draft's bfloat16): 0.91 GiB, about 14K tokens.
 - `num_kv_blocks` given: that many blocks (tests, and callers that count tokens).
 
 The context: when no `max_model_len` was asked for and the pools cannot hold one full context of
-the model's own length (32768 tokens for Qwen2.5-Coder, 2.5 GiB of K/V for the pair), the
+the model's own length (32768 tokens for Qwen2.5-Coder, 2.1 GiB of K/V for the pair), the
 context becomes what the pools hold, as llama.cpp fits its context to memory, but not below
 `MIN_CONTEXT` tokens (the default budget grows to hold that; a stated one that cannot is an
 error). An asked-for `max_model_len` is kept: the default budget grows to hold one full context,
