@@ -66,7 +66,8 @@ def main() -> None:
     engine = LLMEngine(target, draft, spec, EngineConfig(kv_cache_memory=args.kv_cache_memory))
     print(f"engine built, {engine.kv_plan.describe()}: {resident()}", flush=True)
     for i in range(args.requests):
-        engine.add_request(f"r{i}", f"# {i}\n" + "def quicksort(xs):\n" * 80, SamplingParams(temperature=0, max_tokens=16))
+        prompt = f"# {i}\n" + "def quicksort(xs):\n" * 80
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=16))
     while engine.has_unfinished():
         engine.step()
     print(f"after {args.requests} requests: {resident()}", flush=True)

@@ -154,8 +154,9 @@ def test_cross_vocab_pool_counts_twice(tmp_path, target_dir):
     tok = Tokenizer(models.BPE())  # byte-level BPE over other text: another vocabulary
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS[::-1], trainers.BpeTrainer(
-        vocab_size=330, special_tokens=["<pad>", "<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=["<pad>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS[::-1], trainer)
     draft = make_model_dir(tmp_path / "d", seed=1, tokenizer=tok, layers=1, hidden=32, heads=2, kv_heads=1, inter=64)
     # the draft model's method runs across vocabularies here (drafting_class): its pool counts twice
     eng = LLM(target_dir, draft=draft, spec=SpecConfig(method="draft", k=2), kv_cache_memory="1MiB").engine
