@@ -46,6 +46,20 @@ def load_with_distinct_norms(path, dtype, quantization=None):
     return loaded
 
 
+def native_logits_calls(monkeypatch) -> list[bool]:
+    """Whether each call of LlamaModel.native_logits took the one-call native path (not None)."""
+    taken: list[bool] = []
+    real = LlamaModel.native_logits
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaModel, "native_logits", spy)
+    return taken
+
+
 def run_rounds(loaded, calls: list) -> list[torch.Tensor]:
     """Prefill in two chunks, single-token steps, a verification block, then a rollback (a block
     rewritten from an earlier position over stale K/V): the access pattern of speculative decoding."""
@@ -145,13 +159,7 @@ def test_whole_step_with_embeddings_and_head_equals_separate_calls(dtype, tied, 
         pytest.skip("fused kernels unavailable (no C compiler)")
     # a vocabulary large enough for a head packed for dw_gemm (the tiny tokenizer's is not)
     path = make_model_dir(tmp_path, seed=6, tokenizer=tokenizer, vocab_size=1024, tie_word_embeddings=tied, **BIG)
-    taken = []
-    real = LlamaModel.native_logits
-
-    def spy(self, *a, **kw):
-        out = real(self, *a, **kw)
-        taken.append(out is not None)
-        return out
+    taken = native_logits_calls(monkeypatch)
 
     def rounds(loaded):
         out = run_rounds(loaded, []) + run_batch_rounds(load_with_distinct_norms(path, dtype))
@@ -167,7 +175,6 @@ def test_whole_step_with_embeddings_and_head_equals_separate_calls(dtype, tied, 
             runner.run([0], [[1024]], [20], [1])
         return out
 
-    monkeypatch.setattr(LlamaModel, "native_logits", spy)
     one = load_with_distinct_norms(path, dtype)
     a = rounds(one)
     if not one.model._decoder_plan:  # e.g. an AVX-512 CPU: oneDNN keeps the float32 products

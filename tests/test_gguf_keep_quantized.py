@@ -309,7 +309,7 @@ def test_kept_embedding_and_head_run_in_the_whole_step_bitwise(kept, kept_q8, wh
     """A kept model's block embedding (int4 or int8 groups, dequantised row by row) and its int8
     head with int8 activations run inside dw_forward (`native_logits`): the logits equal bitwise
     those of PyTorch's lookup, the decoder call and compute_logits."""
-    from test_cpu_kernels import load_with_distinct_norms, run_batch_rounds, run_rounds
+    from test_cpu_kernels import load_with_distinct_norms, native_logits_calls, run_batch_rounds, run_rounds
 
     from draftwise.model.llama import LlamaModel
     from draftwise.model.packed_weights import QuantizedEmbedding
@@ -322,15 +322,7 @@ def test_kept_embedding_and_head_run_in_the_whole_step_bitwise(kept, kept_q8, wh
     assert isinstance(emb, QuantizedEmbedding) and emb.kind == ("int4" if which == "q4" else "int8")
     assert isinstance(head, Int8Linear) and head.act8 and head.float_out
     assert one.model._native_io() is not None
-    taken = []
-    real = LlamaModel.native_logits
-
-    def spy(self, *a, **kw):
-        out = real(self, *a, **kw)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(LlamaModel, "native_logits", spy)
+    taken = native_logits_calls(monkeypatch)
     a = run_rounds(one, []) + run_batch_rounds(load_with_distinct_norms(path, "float32"))
     assert taken and all(taken)
     monkeypatch.setattr(LlamaModel, "native_logits", lambda self, *a, **kw: None)
