@@ -345,7 +345,8 @@ class LLMEngine:
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
             n_blk = len(blk.token_ids) if blk else 0  # forced proposals can make it longer than the drafted block
-            self.stats.count_round(seq.stats, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s)
+            self.stats.count_round(seq.stats, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s,
+                                   blk.confidence if blk else None, chain=not (blk and blk.is_tree))
         seq.stats.verify_seconds += verify_s
         new_ids, reason, stop_string = self._commit(seq, toks, rows)
         for _ in new_ids[1 + a :]:  # a multi-step row's further tokens: one plain round each

@@ -8,6 +8,9 @@ if TYPE_CHECKING:
     from .sequence import RequestStats
 
 
+CONFIDENCE_BINS = 20  # equal-width bins of the drafter's per-position confidence (reliability, ECE)
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -23,6 +26,14 @@ class EngineStats:
     forced_tokens: int = 0  # verified proposals beyond the planned draft length: grammar-forced, free
     committed_tokens: int = 0  # tokens committed by rounds
     accepted_per_position: list[int] = field(default_factory=list)
+    # chain rounds only: position j reached (verified, every proposal before it accepted), and accepted there
+    reached_per_position: list[int] = field(default_factory=list)
+    passed_per_position: list[int] = field(default_factory=list)
+    # the drafter's confidence at each reached position (chain rounds that carried confidences), in
+    # CONFIDENCE_BINS equal bins: positions, accepted ones, and the confidences' sum per bin
+    confidence_reached: dict[int, int] = field(default_factory=dict)
+    confidence_passed: dict[int, int] = field(default_factory=dict)
+    confidence_sum: dict[int, float] = field(default_factory=dict)
     committed_per_round: dict[int, int] = field(default_factory=dict)  # histogram: tokens -> rounds
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -60,6 +71,11 @@ class EngineStats:
             "forced_tokens": self.forced_tokens,
             "committed_tokens": self.committed_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "reached_per_position": list(self.reached_per_position),
+            "passed_per_position": list(self.passed_per_position),
+            "confidence_reached": dict(self.confidence_reached),
+            "confidence_passed": dict(self.confidence_passed),
+            "confidence_sum": dict(self.confidence_sum),
             "committed_per_round": dict(self.committed_per_round),
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
@@ -78,9 +94,14 @@ class EngineStats:
             "draft_prefix_cache_hit_tokens": self.draft_prefix_cache_hit_tokens,
         }
 
-    def count_round(self, req: "RequestStats", num_proposed: int, num_verified: int, a: int, propose_s: float) -> None:
+    def count_round(self, req: "RequestStats", num_proposed: int, num_verified: int, a: int, propose_s: float,
+                    confidence: list[float] | None = None, chain: bool = True) -> None:
         """One request's round that proposed num_proposed tokens, verified num_verified of them
-        and accepted a (committing a + 1), counted in its statistics and the engine's."""
+        and accepted a (committing a + 1), counted in its statistics and the engine's; a chain's
+        reached positions (with the drafter's confidence at each, where it gave them) counted for
+        the conditional acceptance by position and the confidences' reliability."""
+        if chain:
+            self._count_reached(min(a + 1, num_verified), a, confidence)
         for per_pos in (req.accepted_per_position, self.accepted_per_position):
             per_pos.extend([0] * (a - len(per_pos)))  # forced proposals reach past k
         req.rounds += 1
@@ -100,6 +121,19 @@ class EngineStats:
         self.committed_tokens += a + 1
         self.committed_per_round[a + 1] = self.committed_per_round.get(a + 1, 0) + 1
         self.verified_per_round[num_verified] = self.verified_per_round.get(num_verified, 0) + 1
+
+    def _count_reached(self, reached: int, a: int, confidence: list[float] | None) -> None:
+        for per_pos in (self.reached_per_position, self.passed_per_position):
+            per_pos.extend([0] * (reached - len(per_pos)))
+        for j in range(reached):
+            self.reached_per_position[j] += 1
+            self.passed_per_position[j] += j < a
+            if confidence is not None and j < len(confidence) and confidence[j] is not None:
+                c = min(max(float(confidence[j]), 0.0), 1.0)
+                b = min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+                self.confidence_reached[b] = self.confidence_reached.get(b, 0) + 1
+                self.confidence_passed[b] = self.confidence_passed.get(b, 0) + (j < a)
+                self.confidence_sum[b] = self.confidence_sum.get(b, 0.0) + c
 
     def record_prediction(self, predicted: float, profile_only: float, measured: float) -> None:
         """A decode step's time: the policy's prediction (profile + online residual), the hardware

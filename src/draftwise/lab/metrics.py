@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.stats import median_ratio
+from .reliability import conditional_acceptance, reliability
 
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
 
@@ -147,6 +148,8 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
     decode_steps = stats.get("decode_steps", 0)
     measured, predicted = stats.get("measured_seconds", 0.0), stats.get("predicted_seconds", 0.0)
     steps, grammar_s = stats.get("steps", 0), stats.get("grammar_seconds", 0.0)
+    reached, passed = stats.get("reached_per_position", []), stats.get("passed_per_position", [])
+    conf = {k: stats.get(f"confidence_{k}", {}) for k in ("reached", "passed", "sum")}
     return {
         "rounds": rounds,
         "proposed_tokens": proposed,
@@ -171,6 +174,11 @@ def speculation_figures(stats: dict, output_tokens: int) -> dict:
         },
         # fraction of rounds whose j-th proposal was accepted
         "acceptance_by_position": [a / rounds for a in per_pos] if rounds else [],
+        # chain rounds: P(j-th accepted | it was verified and every one before it accepted)
+        "conditional_acceptance_by_position": conditional_acceptance(reached, passed),
+        # the drafter's per-position confidence against that acceptance (None: it gave none)
+        "confidence_reliability": reliability(conf["reached"], conf["passed"], conf["sum"]),
+        "position_counts": {"reached": list(reached), "passed": list(passed), "confidence": conf},
         # engine time per step (prefill steps included) and the grammar work in it (structured output)
         "step_ms": 1000.0 * (draft_s + verify_s + other_s) / steps if steps else None,
         "grammar_ms_per_step": 1000.0 * grammar_s / steps if steps and grammar_s else None,

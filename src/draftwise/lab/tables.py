@@ -65,21 +65,25 @@ def steal_line(wl: dict) -> str:
 
 
 def acceptance_table(wl: dict) -> str:
-    rows = ["| config | level | rounds | acceptance rate | acceptance by position | committed per round (tokens: rounds) "
+    rows = ["| config | level | rounds | acceptance rate | acceptance by position | conditional, by position "
+            "| confidence ECE | committed per round (tokens: rounds) "
             "| verified per round (proposals: rounds) | rounds / steps speculating "
             "| step time measured / predicted, median (profile alone) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in wl["runs"]:
         sp = r.get("speculation") or {}
         if not sp or not sp.get("proposed_tokens"):
             continue
         pos = " ".join(f"{a:.2f}" for a in sp["acceptance_by_position"])
+        cond = " ".join(fmt_cell(a, "{:.2f}") for a in sp.get("conditional_acceptance_by_position") or [])
+        rel = sp.get("confidence_reliability")
+        ece = f"{rel['ece']:.3f} ({rel['positions']})" if rel else "–"
         hist = " ".join(f"{k}:{v}" for k, v in sp["committed_per_round"].items())
         vhist = " ".join(f"{k}:{v}" for k, v in (sp.get("verified_per_round") or {}).items())
         share = f"{fmt_cell(sp.get('rounds_speculating'), '{:.0%}')} / {fmt_cell(sp.get('steps_speculating'), '{:.0%}')}"
         pred = sp.get("step_time_measured_over_predicted") or {}
         rows.append(f"| {r['config']} | {r['level_label']} | {sp['rounds']} | {fmt_cell(sp['acceptance_rate'], '{:.2f}')} "
-                    f"| {pos} | {hist} | {vhist} | {share} | {fmt_cell(pred.get('median'), '{:.2f}')} "
+                    f"| {pos} | {cond or '–'} | {ece} | {hist} | {vhist} | {share} | {fmt_cell(pred.get('median'), '{:.2f}')} "
                     f"({fmt_cell(pred.get('median_profile_only'), '{:.2f}')}) |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
