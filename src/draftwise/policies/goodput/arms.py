@@ -28,7 +28,9 @@ a cost of switching, left out of the arm's figures (`record`'s `switched`).
 Coasting (`coast`): while "plain" or "full" leads by a wide margin (or no rival passes it by the
 margin `choose` asks), no burst is due and it has steps of its own here, it runs again unplanned
 for a few steps; once it coasts, the steps before its limit or the next rival's turn coast on a
-lease without these checks (nothing they read changes meanwhile).
+lease without these checks (nothing they read changes meanwhile). While no proposal has been
+verified, "full" is rated there as if every proposal were accepted (`full_bound`): a lead that
+the probe of an unmeasured acceptance could overturn does not coast.
 """
 from __future__ import annotations
 
@@ -76,6 +78,8 @@ class Arms:
         self.exploring: str | None = None  # the arm of the running burst
         self.interval = {a: config.explore_every for a in arms}
         self.rates: dict[str, float] = {}  # the arms' ratings at the last decision
+        # "full"'s rating at the last decision were every proposal accepted (None: the acceptance is measured)
+        self.full_bound: float | None = None
         self.coasted = 0  # steps run without a decision since the last one
         self.lease, self.lease_arm = 0, "plain"  # further steps `coast` returns lease_arm unchecked
         self.deferred: set[str] = set()  # arms whose first look was put off (the model rates them far behind)
@@ -99,17 +103,19 @@ class Arms:
         # ratios carry the model's errors at that batch size, not this one's
         self.due = {a: min(i, config.first_look) for a, i in self.interval.items()}
 
-    def rating(self, arm: str, pred: Prediction) -> float:
+    def rating(self, arm: str, pred: Prediction, bound: bool = False) -> float:
         """Committed tokens per second: measured over the arm's recent steps (decayed), the catch-up
         that running it now would start with added; an arm with only a neighbour's figures, the
         model's figures corrected by that neighbour's measured / predicted ratios; an arm never
-        run, the model's figures."""
+        run, the model's figures. `bound`: `pred`'s tokens are an upper bound (every proposal
+        accepted), which stands as it is: the arm's seconds as rated, its tokens not measured."""
         _, tok_p, sec_m, sec_p, n = self.figures[arm]
         expected, seconds, catch_up, *now = pred
         got, meant = self.tokens[arm]
-        accuracy = got / meant if meant > 0 else 1.0  # committed / expected tokens, over many steps
+        # committed / expected tokens, over many steps
+        accuracy = got / meant if meant > 0 and not bound else 1.0
         if arm in self.own and sec_m > 0:
-            expected, seconds = accuracy * tok_p / n, sec_m / n
+            expected, seconds = (expected if bound else accuracy * tok_p / n), sec_m / n
             c_sum, slope, c_n = self.context[arm]
             if now and c_n > 0:  # its steps as if at the contexts of now, by the profile's seconds
                 # per token of context of the arm's own steps (this step's lengths are not theirs)
@@ -165,9 +171,12 @@ class Arms:
             return None  # its lead is the model's (a neighbour's ratios): measure it here first
         # "spec" is "plain" (idle) or "full" (full) now: no rival of its own
         rivals = [a for a in self.arms if a != current and not ((idle or full) and a == "spec")]
-        lead = self.rates.get(current, 0.0) / max(max(self.rates.get(a, 0.0) for a in rivals), 1e-12)
+        rates = dict(self.rates)
+        if self.full_bound is not None and current != "full":  # a lead a probe could overturn (none verified yet)
+            rates["full"] = max(rates.get("full", 0.0), self.full_bound)
+        lead = rates.get(current, 0.0) / max(max(rates.get(a, 0.0) for a in rivals), 1e-12)
         limit = cfg.coast_steps if lead * cfg.far < 1 else cfg.far_coast_steps
-        if not self._keeps(current, rivals) or self.coasted >= limit:
+        if not self._keeps(current, rivals, rates) or self.coasted >= limit:
             return None
         if any(self.steps + 1 >= self.due[a] and self.affordable(a, credit, cap) for a in rivals):
             return None
@@ -179,13 +188,13 @@ class Arms:
         self.lease_arm = current
         return current
 
-    def _keeps(self, current: str, rivals) -> bool:
-        """`choose` would keep `current` on the last decision's ratings, whatever a rival's look:
-        it leads by `coast`, or no rival passes it by the margin `choose` asks of that rival
-        (`switch` across drafting and plain, `plan_edge` for "spec" over "full")."""
+    def _keeps(self, current: str, rivals, rates: dict[str, float]) -> bool:
+        """`choose` would keep `current` on the last decision's ratings (`rates`), whatever a
+        rival's look: it leads by `coast`, or no rival passes it by the margin `choose` asks of
+        that rival (`switch` across drafting and plain, `plan_edge` for "spec" over "full")."""
         cfg = self.config
-        rate = self.rates.get(current, 0.0)
-        if rate >= cfg.coast * max(self.rates.get(a, 0.0) for a in rivals):
+        rate = rates.get(current, 0.0)
+        if rate >= cfg.coast * max(rates.get(a, 0.0) for a in rivals):
             return True
         for a in rivals:
             if (a == "plain") != (current == "plain"):
@@ -194,15 +203,18 @@ class Arms:
                 margin = cfg.plan_edge
             else:
                 return False
-            if rate * margin < self.rates.get(a, 0.0):
+            if rate * margin < rates.get(a, 0.0):
                 return False
         return True
 
     def choose(self, pred: dict[str, Prediction], credit: float = math.inf,
-               cap: float = math.inf, last: str | None = None, start: dict[str, float] | None = None) -> str:
+               cap: float = math.inf, last: str | None = None, start: dict[str, float] | None = None,
+               bound: Prediction | None = None) -> str:
         """The arm this step runs, from the model's predictions of each (`pred`) and the arms'
         figures; `last`: the arm the step before ran; `start`: seconds of the drafter's catch-up
-        running each arm now would start with (not amortised: what a look pays at once)."""
+        running each arm now would start with (not amortised: what a look pays at once); `bound`:
+        "full"'s prediction were every proposal accepted, while no proposal has been verified
+        (its rating kept as `full_bound`)."""
         cfg = self.config
         if start is not None:
             self.start_cost = dict(start)
@@ -210,6 +222,7 @@ class Arms:
         self.coasted = 0
         self.lease = 0
         rate = {a: self.rating(a, pred[a]) for a in self.arms}
+        self.full_bound = self.rating("full", bound, bound=True) if bound is not None and "full" in rate else None
         if self.burst_left > 0:
             self.burst_left -= 1
             return self.current

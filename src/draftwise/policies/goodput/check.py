@@ -96,9 +96,14 @@ class MeasuredCheck:
     def plain_leads(self) -> bool:
         """The last decision at this batch size rated plain steps at least as high as fixed
         speculation (or none was made yet): the load, not the estimate, stops drafting. The bursts
-        of "full" then calibrate every row at every position, more than a probe's one proposal."""
-        rates = self.arms_at(self.bucket).rates
-        return rates.get("plain", 0.0) >= rates.get("full", 0.0)
+        of "full" then calibrate every row at every position, more than a probe's one proposal.
+        While no proposal has been verified the estimate is a prior, not a measurement: fixed
+        speculation is rated as if every proposal were accepted (`Arms.full_bound`), so plain
+        leads only where even that loses (the load alone stops drafting); elsewhere a probe can
+        change the decision."""
+        arms = self.arms_at(self.bucket)
+        full = arms.rates.get("full", 0.0) if arms.full_bound is None else arms.full_bound
+        return arms.rates.get("plain", 0.0) >= full
 
     def engine_probe_allowed(self) -> bool:
         """An engine-wide probe may start: the budget covers what the last one cost, and plain steps
@@ -106,10 +111,12 @@ class MeasuredCheck:
         return self.credit >= min(self.probe_cost, self.config.credit_cap) and not self.plain_leads()
 
     def decide(self, arms: Arms, pred: dict[str, Prediction], planned_plain: bool,
-               start: dict[str, float] | None = None) -> str:
+               start: dict[str, float] | None = None, bound: Prediction | None = None) -> str:
         """This step's arm, from the model's figures of each; `planned_plain`: the plan drafts
-        nothing beyond probes (its "spec" step is a plain one); `start`: each arm's catch-up now."""
-        self.mode = arms.choose(pred, self.credit, self.config.credit_cap, last=self.last_mode, start=start)
+        nothing beyond probes (its "spec" step is a plain one); `start`: each arm's catch-up now;
+        `bound`: "full"'s figures were every proposal accepted (only while none has been verified)."""
+        self.mode = arms.choose(pred, self.credit, self.config.credit_cap, last=self.last_mode, start=start,
+                                bound=bound)
         self.lead_rate = arms.lead_rate
         if arms.exploring is not None:
             self.looking = arms.exploring

@@ -215,14 +215,19 @@ class Planner:
         """The rows with a nonzero entry probe this step (admission keeps their first proposal)."""
         self.probes = {s.seq_id for s, n in zip(seqs, lengths) if n}
 
-    def predict(self, plan: StepPlan, lengths: Sequence[int]) -> tuple[float, float, float, float, float]:
+    def predict(self, plan: StepPlan, lengths: Sequence[int],
+                every_accepted: bool = False) -> tuple[float, float, float, float, float]:
         """Expected committed tokens and seconds of a step drafting `lengths`: the estimates', the
         hardware profile's alone (fixed: the online residual moves, and ratios to a moving
         prediction would not compare), the drafting rows' catch-up (amortised), and the mean
         context with the profile's seconds per token of it (the arms move an arm's measured
-        seconds to the contexts of now)."""
+        seconds to the contexts of now). `every_accepted`: the tokens' upper bound instead of
+        the estimates' (b + every length)."""
         b, ctx = len(lengths), plan.context
-        expected = b + sum(sum(row[:n]) for row, n in zip(plan.gains, lengths))
+        if every_accepted:
+            expected = float(b + sum(lengths))
+        else:
+            expected = b + sum(sum(row[:n]) for row, n in zip(plan.gains, lengths))
         fed = b + sum(lengths)
         drafted = lengths if self.has_draft_model else ()
         seconds = self.model.profile_seconds(b, fed, ctx, drafted)

@@ -72,7 +72,10 @@ class GoodputPolicy:
                 "plain": core.predict(plan, [0] * b)}
         start = {"spec": core.catch_up_seconds(plan, lengths), "full": core.catch_up_seconds(plan, max_draft),
                  "plain": 0.0}
-        mode = check.decide(arms, pred, planned_plain, start)
+        # while no proposal has been verified, what fixed speculation would give were every one
+        # accepted: whether a probe could change the decision (`MeasuredCheck.plain_leads`)
+        bound = None if core.calibration.measured else core.predict(plan, max_draft, every_accepted=True)
+        mode = check.decide(arms, pred, planned_plain, start, bound=bound)
         if mode == "plain":
             core.rate = math.inf
             # only a plan that drafts nothing probes; a plain step chosen by the check has no
