@@ -104,3 +104,23 @@ def test_a_policy_sure_of_plain_steps_gets_multi_step_tokens_a_call(target):
         assert llm.generate([PROMPTS[2]], sp)[0].token_ids == plain
         steps[sure] = llm.engine.stats.steps
     assert steps[True] <= -(-120 // 8) + 1 and steps[False] >= 120 // 5, steps
+
+
+def test_a_multi_step_call_tells_the_policy_its_steps(target):
+    """A lone row's plain steps in one call reach the policy as one `StepTiming` with `num_steps`
+    (the target steps it ran: 1 + k here), `seconds` None (not the forward the cost model fits)
+    and their time in `untimed_seconds`; every other step has num_steps 1."""
+    from draftwise import SpecConfig
+
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm = LLM(str(target), draft=str(target), dtype="float32", spec=SpecConfig(method="draft", k=4))
+    llm.engine.policy.plan = lambda seqs, max_draft: [0] * len(seqs)  # plain steps only
+    timings = []
+    observe = llm.engine.policy.observe_step
+    llm.engine.policy.observe_step = lambda t: timings.append(t) or observe(t)
+    llm.generate([PROMPTS[2]], sp)
+    several = [t for t in timings if t.num_steps > 1]
+    assert several and all(t.num_steps <= 5 and t.seconds is None and t.untimed_seconds > 0 for t in several)
+    assert max(t.num_steps for t in several) == 5
+    assert all(t.num_steps == 1 for t in timings if t.untimed_seconds is None)
+    assert sum(t.num_steps for t in timings) >= 59  # every token after the prefill's

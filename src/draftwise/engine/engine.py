@@ -115,7 +115,7 @@ class LLMEngine:
         self.mixed = (packs is not None and self.runner.state is None and self.runner.device.type == "cpu"
                       and packs(1, self.runner.cache))
         self._mixed_step = False
-        self._multi_stepped = False  # this step's lone row committed several greedy tokens (_multi_step)
+        self._multi_stepped = 0  # target steps this step's lone row ran in one call (_multi_step; 0: none)
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
@@ -301,7 +301,7 @@ class LLMEngine:
         past a stop is dropped by bookkeeping. None: the usual step (a sampled or processed row,
         a prefill, several rows, proposals to verify, a model without the fused steps, a drafter
         that reads the features of every committed token)."""
-        self._multi_stepped = False
+        self._multi_stepped = 0
         if len(scheduled) != 1 or self.feature_layers:  # (a drafter on features needs every forward's)
             return None
         s = scheduled[0]
@@ -313,7 +313,7 @@ class LLMEngine:
         got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft)
         if got is None:
             return None
-        self._multi_stepped = True
+        self._multi_stepped = len(got[0])
         return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None)
 
     def postprocess(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],

@@ -136,10 +136,10 @@ class Speculation:
         self.policy.observe(seq, drafted.main_chain(), len(main.token_ids), on_main)
 
     def observe_step(self, decoding: list[ScheduledSeq], drafted: dict[int, DraftBlock],
-                     blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: bool) -> None:
+                     blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: int) -> None:
         """Tell the policy what a decode step cost; record its prediction against the clock.
         `timed`: its decode rows ran in a forward of their own (not a mixed step);
-        `several_steps`: a lone row ran several target steps (multi-step)."""
+        `several_steps`: the target steps a lone row ran in one call (multi-step; 0: one step)."""
         b = len(decoding)
         ctx = sum(s.seq.num_tokens for s in decoding) / b
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
@@ -150,7 +150,8 @@ class Speculation:
             untimed, seconds = seconds, None
         if not timed:  # its decode part was not timed apart from the prefill chunks
             seconds = None
-        predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed))
+        predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed,
+                                                        num_steps=max(1, several_steps)))
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
 

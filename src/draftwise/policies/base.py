@@ -62,6 +62,9 @@ class StepTiming:
     seconds: float | None
     catch_up_seconds: float = 0.0  # of `seconds`: the drafter's long catch-ups (new prompts' prefill in the drafter)
     untimed_seconds: float | None = None  # a multi-step step's time (not the forward modelled)
+    # target steps the call ran: above 1, a lone greedy row's plain steps in one call (multi-step:
+    # `seconds` None, `untimed_seconds` their time, one committed token each)
+    num_steps: int = 1
 
 
 @dataclass(frozen=True)

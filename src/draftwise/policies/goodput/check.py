@@ -161,6 +161,15 @@ class MeasuredCheck:
             return self.coasted % self.config.coast_observe_every != 0
         return False
 
+    def record_steps(self, steps: int, seconds: float, profile: float, context: float, slope: float) -> None:
+        """A lone greedy row's plain steps in one call (multi-step): `steps` tokens in `seconds`,
+        the profile's seconds for them and its seconds per token of context. At batch 1 plain
+        steps run so (the scheduler's multi-step), and the plain arm is rated by what they give;
+        the first after drafting steps is a switch's cost, not recorded."""
+        if self.mode == "plain" and self.last_mode == "plain":
+            self.arms_at(self.bucket).record("plain", steps, steps, seconds - self.plan_seconds, profile,
+                                             switched=False, context=(context, slope))
+
     def record(self, timing: StepTiming, committed: int, profile: float, slope: float, probing: bool,
                has_draft_model: bool) -> None:
         """The step's figures into its arm: `profile` its seconds by the profile, `slope` the
