@@ -56,9 +56,10 @@ class OracleDSpark(DSparkProposer):
 def make_dspark_dir(path, target_dir, block_size=5, seed=0):
     lm = load_model(target_dir, fuse=False, load_tokenizer=False)
     d = build_drafter(lm.config, lm.model, block_size, 8, [0, 1], seed)
-    with torch.no_grad():  # a trained Markov head and mask vector are not zero
+    with torch.no_grad():  # a trained Markov head, mask vector and fc_in are not what they start as
         d.markov.w2.weight.normal_(0, 0.5)
         d.mask_embedding.normal_(0, 1.0)
+        d.fc_in.weight.add_(torch.randn_like(d.fc_in.weight) * 0.05)
     save_dspark(d, path)
     return path
 
@@ -105,18 +106,21 @@ def test_greedy_equals_plain(target_dir, dspark_dir, plain, method, seqs, blocks
 
 
 def fresh_context(proposer, target, ids):
-    """Each drafter layer's context K/V of `ids` from a fresh full target forward (no cache)."""
+    """Each drafter layer's context K/V of `ids` from a fresh full target forward (no cache), and the
+    fused features [1, n, H]."""
     d = proposer.drafter
     with torch.inference_mode():
         _, feats = target(torch.tensor([ids]), feature_layers=proposer.feature_layers)
-        return d.context_kv(d.fuse(feats), torch.arange(len(ids))[None])
+        fused = d.fuse(feats)
+        return d.context_kv(fused, torch.arange(len(ids))[None]), fused
 
 
 @pytest.mark.parametrize("blocks", [None, 14])
 def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plain, blocks):
     """After rounds with rejections (and recomputes after preemption), the drafter's cache holds
     exactly the committed context: its length is the target's num_computed, its blocks no more
-    than that needs, its K/V those of a fresh forward over the committed tokens."""
+    than that needs, its K/V and fused features those of a fresh forward over the committed tokens,
+    and the feature the next block reads is the last committed position's."""
     _, ps, _, _ = plain
     llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="test-dspark-oracle", k=4),
               num_kv_blocks=blocks, max_model_len=64)
@@ -136,9 +140,13 @@ def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plai
                 continue
             assert s.draft_computed == s.num_computed
             assert len(prop.kv.tables[s.seq_id]) == -(-s.draft_computed // prop.kv.block_size)
-            got, _ = prop.context([s.seq_id], [s.draft_computed])
-            for (k, v), (fk, fv) in zip(got, fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])):
+            got, _, last = prop.context([s.seq_id], [s.draft_computed])
+            fresh, fused = fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])
+            for (k, v), (fk, fv) in zip(got, fresh):
                 assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
+            slots = prop.kv.slots([s.seq_id], [s.draft_computed])[0]
+            assert (prop.fused[slots] - fused[0]).abs().max() <= 1e-4
+            assert torch.equal(last[0], prop.fused[slots[-1]])
             checked += 1
     assert checked > 20
     st = eng.stats
@@ -161,9 +169,10 @@ def test_q_is_the_markov_heads_conditional_on_the_drafted_token(target_dir, dspa
     assert len(block.token_ids) == 4 and block.probs.shape == (4, eng.vocab_size)
     d = prop.drafter
     with torch.inference_mode():
-        kv, pos = prop.context([seq.seq_id], [seq.draft_computed])
+        kv, pos, last = prop.context([seq.seq_id], [seq.draft_computed])
         anchor = seq.all_ids[-1]
-        hidden = d.block_hidden(torch.tensor([[anchor]]), torch.tensor([[seq.draft_computed]]), kv, pos)[0, 0]
+        hidden = d.block_hidden(torch.tensor([[anchor]]), torch.tensor([[seq.draft_computed]]), kv, pos,
+                                last[:, None])[0, 0]
         base = d.head(hidden)  # [gamma, V]
         prev = [anchor] + block.token_ids
         for k in range(4):

@@ -97,28 +97,29 @@ def test_cli_train_dspark_needs_a_target_and_a_budget(tmp_path, target_dir, caps
     assert "target_feature_layers" in capsys.readouterr().err
 
 
-def test_first_layer_starts_as_the_target_layer_after_the_top_feature_layer(tiny):
-    """Feature layers [0] of a 2-layer target: the drafter's context K/V start as (nearly) the target
-    layer 1's own keys and values of the same positions; with the top layer read there is no layer
-    after it and the initialisation stays random."""
+@pytest.mark.parametrize("layers", [[0], [0, 1]])
+def test_first_layer_starts_as_the_target_layer_after_the_top_feature_layer(tiny, layers):
+    """Feature layers [0] (or [0, 1]: the last layer read too) of a 2-layer target: the drafter's
+    context K/V start as (nearly) the target layer 1's own keys and values of the same positions;
+    with only the last layer read there is no layer after it and the initialisation stays random."""
     from draftwise.model.llama import apply_rope
     from draftwise.train.dspark import init_from_target_layer
 
     loaded, target, _ = tiny
-    drafter = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0], seed=0)
+    drafter = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=layers, seed=0)
     ids = torch.randint(1, loaded.config.vocab_size, (2, 12))
     pos = torch.arange(12).expand(2, 12)
     with torch.no_grad():
-        _, feats = target(ids, feature_layers=(0,))
+        _, feats = target(ids, feature_layers=tuple(layers))
         k, v = drafter.context_kv(drafter.fuse(feats), pos)[0]
         layer = target.model.layers[1]
-        x = layer.input_layernorm(feats)
+        x = layer.input_layernorm(feats[..., : loaded.config.hidden_size])
         B, S, Hkv, D = k.shape
         cos, sin = drafter.rope(pos)
         k_ref = apply_rope(layer.self_attn.k_proj(x).view(B, S, Hkv, D), cos, sin)
         v_ref = layer.self_attn.v_proj(x).view(B, S, Hkv, D)
     assert torch.allclose(k, k_ref, atol=0.05 * float(k_ref.abs().max()))
     assert torch.allclose(v, v_ref, atol=0.05 * float(v_ref.abs().max())), float((v - v_ref).abs().max())
-    top = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0, 1], seed=0,
+    top = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[1], seed=0,
                         from_target_layer=False)
     assert not init_from_target_layer(top, target)

@@ -91,7 +91,9 @@ def _add_dspark_args(p) -> None:
     p.add_argument("--markov-rank", type=int, default=None,
                    help="dspark: rank of the Markov head's transition bias (default: hidden/4, at most 256)")
     p.add_argument("--feature-layers", help="dspark: the target's layers whose outputs the drafter reads, "
-                                            "comma-separated, 0-based (default: 1, L/2, L-2)")
+                                            "comma-separated, 0-based (default: 1, L/2, L-2, L-1)")
+    p.add_argument("--backbone-layers", type=positive_int, default=1,
+                   help="dspark: the drafter's transformer layers (default 1)")
     p.add_argument("--anchors", type=positive_int, default=S["anchors"],
                    help=f"dspark: blocks drawn per training window (default {S['anchors']}; batch 4 x 256 tokens, "
                         f"lr {S['lr']:g}, warm-up {S['warmup_steps']} unless set)")
@@ -176,7 +178,8 @@ def _train_dspark(args) -> None:
     try:
         train_dspark(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                      ckpt_dir=args.ckpt_dir or "checkpoints/dspark", resume=args.resume, block_size=args.block_size,
-                     markov_rank=args.markov_rank, feature_layers=layers, overrides=overrides, log=_log,
+                     markov_rank=args.markov_rank, feature_layers=layers, num_layers=args.backbone_layers,
+                     overrides=overrides, log=_log,
                      progress=args.progress)
     except ValueError as e:  # a config the target cannot serve (feature layers, rank)
         raise UserError(str(e)) from None

@@ -9,6 +9,9 @@ head, a confidence head.
   whose rows attend the context before the anchor and the whole block (bidirectionally), gives
   the hidden states h_1..h_gamma and the base logits U_k through the target's LM head; the anchor's
   embedding is the target's. Both are shared and frozen: they are not the drafter's parameters.
+  With `anchor_feature` (EAGLE's input) each row's input is fc_in([f_{a-1} ; its embedding]), f_{a-1}
+  the fused feature of the last position before the anchor: row 1 then predicts x_{a+1} from the
+  target's features of a-1 and the token x_a, as an EAGLE head does.
 - **Sequential stage.** The Markov head adds a low-rank transition bias B(x_{k-1}, .) = W1[x_{k-1}]
   W2 (rank r) to U_k, drawn left to right: q_k = softmax(U_k + B(x_{k-1})) depends on the token
   actually drafted before it (x_0 = the anchor), so a block is a left-to-right distribution
@@ -37,6 +40,7 @@ from .attention import sdpa
 from .config import ModelLoadError
 from .dspark_config import DSparkConfig
 from .llama import RMSNorm, apply_rope
+from .packed_weights import PackedLinear
 
 # a context position that no anchor sees: padding of ragged rows
 HIDDEN_POSITION = 1 << 40
@@ -53,11 +57,16 @@ class MarkovHead(nn.Module):
         nn.init.normal_(self.w1.weight, std=rank ** -0.5)
         nn.init.zeros_(self.w2.weight)
 
+        self.packed: dict[str, PackedLinear] = {}  # `prepare`: W2 for the CPU kernels (not in the state dict)
+
+    def prepare(self) -> None:
+        self.packed = {"w2": PackedLinear.of(self.w2)}
+
     def prev(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., r]
         return self.w1(ids)
 
     def bias(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., V]
-        return self.w2(self.w1(ids))
+        return self.packed.get("w2", self.w2)(self.w1(ids))
 
 
 class BlockLayer(nn.Module):
@@ -77,24 +86,43 @@ class BlockLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
+
+    def prepare(self) -> None:
+        """Inference: q/k/v, k/v and gate/up one product each, every projection a `PackedLinear`
+        (the CPU kernels' small-row products: a block is a few rows)."""
+        self.packed = {"qkv": PackedLinear.of(self.q_proj, self.k_proj, self.v_proj),
+                       "kv": PackedLinear.of(self.k_proj, self.v_proj), "o": PackedLinear.of(self.o_proj),
+                       "gate_up": PackedLinear.of(self.gate_proj, self.up_proj), "down": PackedLinear.of(self.down_proj)}
+
+    def _qkv(self, h: torch.Tensor, with_q: bool):  # h [B, L, h] -> ([q], k, v) unrotated, flat heads
+        if self.packed:
+            out = self.packed["qkv" if with_q else "kv"](h)
+            return out.split([self.H * self.D] * with_q + [self.Hkv * self.D] * 2, dim=-1)
+        return [self.q_proj(h)] * with_q + [self.k_proj(h), self.v_proj(h)]
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, h] -> k (rotated), v: [B, L, Hkv, D]."""
         B, L, _ = x.shape
-        k = self.k_proj(x).view(B, L, self.Hkv, self.D)
-        return apply_rope(k, cos, sin).to(x.dtype), self.v_proj(x).view(B, L, self.Hkv, self.D)
+        k, v = self._qkv(x, with_q=False)
+        k = apply_rope(k.reshape(B, L, self.Hkv, self.D), cos, sin).to(x.dtype)
+        return k, v.reshape(B, L, self.Hkv, self.D)
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
         """x [B, Q, h]; k_ctx, v_ctx [B, S, Hkv, D]; mask [B, 1, Q, S + Q] (True: attend)."""
         B, Q, _ = x.shape
         h = self.input_layernorm(x)
-        q = apply_rope(self.q_proj(h).view(B, Q, self.H, self.D), cos, sin).to(x.dtype)
-        k_blk, v_blk = self.kv(h, cos, sin)
+        q, k_blk, v_blk = self._qkv(h, with_q=True)
+        q = apply_rope(q.reshape(B, Q, self.H, self.D), cos, sin).to(x.dtype)
+        k_blk = apply_rope(k_blk.reshape(B, Q, self.Hkv, self.D), cos, sin).to(x.dtype)
         k = torch.cat((k_ctx.to(x.dtype), k_blk), dim=1).transpose(1, 2)  # [B, Hkv, S + Q, D]
-        v = torch.cat((v_ctx.to(x.dtype), v_blk), dim=1).transpose(1, 2)
-        y = sdpa(q.transpose(1, 2), k, v, mask, self.D ** -0.5)  # [B, H, Q, D]
-        x = x + self.o_proj(y.transpose(1, 2).reshape(B, Q, -1))
+        v = torch.cat((v_ctx.to(x.dtype), v_blk.reshape(B, Q, self.Hkv, self.D)), dim=1).transpose(1, 2)
+        y = sdpa(q.transpose(1, 2), k, v, mask, self.D ** -0.5).transpose(1, 2).reshape(B, Q, -1)  # [B, Q, H*D]
+        x = x + (self.packed["o"](y) if self.packed else self.o_proj(y))
         h = self.post_attention_layernorm(x)
+        if self.packed:
+            gate, up = self.packed["gate_up"](h).chunk(2, dim=-1)
+            return x + self.packed["down"](F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
@@ -117,11 +145,30 @@ class DSparkDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_feature_layers) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(h))
+        # [fused feature of a-1 ; row embedding] -> row input, starting as their sum
+        self.fc_in = nn.Linear(2 * h, h, bias=False) if cfg.anchor_feature else None
+        if self.fc_in is not None:
+            with torch.no_grad():
+                self.fc_in.weight.copy_(torch.eye(h).repeat(1, 2))
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.markov = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
         self.confidence = nn.Linear(h + cfg.markov_rank, 1)
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
+        self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
+        self._rope_table: dict = {}  # device -> (cos, sin_signed) [max_position_embeddings + 1, D]
+
+    def prepare(self) -> "DSparkDrafter":
+        """Inference on a CPU: the projections packed for the kernels (`BlockLayer.prepare`); the
+        parameters stay (saving and training read them), so change none afterwards."""
+        for layer in self.layers:
+            layer.prepare()
+        if self.markov is not None:
+            self.markov.prepare()
+        self.packed = {"fc": PackedLinear.of(self.fc)}
+        if self.fc_in is not None:
+            self.packed["fc_in"] = PackedLinear.of(self.fc_in)
+        return self
 
     def share(self, target) -> "DSparkDrafter":
         """Read `target`'s embeddings and LM head (a LlamaModel, prepared or not); they stay frozen."""
@@ -135,18 +182,26 @@ class DSparkDrafter(nn.Module):
         return self._target[0].compute_logits(hidden)
 
     def rope(self, positions: torch.Tensor):
-        """positions [B, L] -> cos, sin_signed [B, L, 1, D] (the target's RoPE convention)."""
-        D = self.cfg.head_dim  # (float32 whatever the weights' dtype)
-        inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, D, 2, device=positions.device).float() / D)
-        freqs = positions.clamp(max=self.cfg.max_position_embeddings).float()[..., None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
-        half = sin.shape[-1] // 2
-        return emb.cos()[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
+        """positions [B, L] -> cos, sin_signed [B, L, 1, D] (the target's RoPE convention), read from
+        a table of every position up to max_position_embeddings (built once per device: a block's
+        few rows would otherwise pay a sin and a cos call each round)."""
+        P = self.cfg.max_position_embeddings
+        table = self._rope_table.get(positions.device)
+        if table is None:
+            D = self.cfg.head_dim  # (float32 whatever the weights' dtype)
+            inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, D, 2, device=positions.device).float() / D)
+            emb = torch.arange(P + 1, device=positions.device).float()[:, None] * inv_freq
+            emb = torch.cat((emb, emb), dim=-1)  # [P + 1, D]
+            sin = emb.sin()
+            half = D // 2
+            table = self._rope_table[positions.device] = (emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), -1))
+        idx = positions.clamp(max=P)
+        return table[0][idx][:, :, None], table[1][idx][:, :, None]
 
     # -- the parallel stage -------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [B, S, F*H] -> [B, S, H]
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        x = features.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.packed.get("fc", self.fc)(x.contiguous()))
 
     def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's K/V [B, S, Hkv, D] of the fused context features at `positions` [B, S]:
@@ -154,14 +209,21 @@ class DSparkDrafter(nn.Module):
         cos, sin = self.rope(positions)
         return [layer.kv(fused, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv, ctx_pos: torch.Tensor):
+    def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv, ctx_pos: torch.Tensor,
+                     last: torch.Tensor | None = None):
         """anchor_ids, anchor_pos [B, N]; ctx_kv from `context_kv`; ctx_pos [B, S] (HIDDEN_POSITION:
-        padding) -> h [B, N, gamma, H]. Block n's rows see the context before its anchor and block n."""
+        padding); last [B, N, H] the fused feature of position anchor - 1 (`cfg.anchor_feature` only)
+        -> h [B, N, gamma, H]. Block n's rows see the context before its anchor and block n."""
         B, N = anchor_ids.shape
         g = self.cfg.block_size
         x = self.mask_embedding.expand(B, N, g, -1).clone()
         x[:, :, 0] = self.embed(anchor_ids).to(x.dtype)
-        x = x.view(B, N * g, -1)
+        if self.fc_in is not None:
+            if last is None:
+                raise ValueError("this drafter's block rows read the fused feature before the anchor: pass `last`")
+            x = torch.cat((last.to(x.dtype)[:, :, None].expand(-1, -1, g, -1), x), -1)  # [B, N, g, 2H]
+            x = self.packed.get("fc_in", self.fc_in)(x)
+        x = x.reshape(B, N * g, -1)
         offs = torch.arange(g, device=anchor_pos.device)
         cos, sin = self.rope((anchor_pos[..., None] + offs).view(B, N * g))
         blk = torch.arange(N, device=anchor_pos.device).repeat_interleave(g)  # [N*g] block of each row
@@ -211,9 +273,10 @@ class DSparkDrafter(nn.Module):
         anchor_ids [B] at position S (no cache: tests and evaluation)."""
         B, S, _ = features.shape
         pos = torch.arange(S, device=features.device).expand(B, S)
-        kv = self.context_kv(self.fuse(features), pos)
+        fused = self.fuse(features)  # [B, S, H]
+        kv = self.context_kv(fused, pos)
         anchor_pos = torch.full((B, 1), S, dtype=torch.long, device=features.device)
-        hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, kv, pos)[:, 0]
+        hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, kv, pos, fused[:, -1:])[:, 0]
         return self.draw(hidden, anchor_ids, choose)
 
 

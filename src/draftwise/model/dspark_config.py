@@ -19,10 +19,11 @@ ARCHITECTURE = "DSparkDrafter"
 
 def default_feature_layers(num_layers: int) -> list[int]:
     """A low, a middle and a high layer (DSpark reads 5 of Qwen3-4B's 36, the last 3 before the
-    top): 1, L/2, L-2 where the target is deep enough, fewer distinct ones below 4 layers."""
+    top) and the last one (EAGLE's feature: what the target's head reads): 1, L/2, L-2, L-1 where
+    the target is deep enough, fewer distinct ones below 4 layers. L-2 is kept for
+    `init_from_target_layer` (the layer after it is the drafter's first)."""
     low = 1 if num_layers > 2 else 0
-    high = num_layers - 2 if num_layers >= 4 else num_layers - 1
-    return sorted({low, num_layers // 2, high})
+    return sorted({low, num_layers // 2, max(num_layers - 2, 0), num_layers - 1})
 
 
 def default_markov_rank(hidden_size: int) -> int:
@@ -38,6 +39,9 @@ class DSparkConfig:
     block_size: int = 5  # gamma: tokens drafted by one forward
     markov_rank: int = 96
     num_hidden_layers: int = 1
+    # each block row's input is fc_in([fused feature of position a-1 ; the row's embedding]) (EAGLE's
+    # input), not its embedding alone; False: directories written before this field
+    anchor_feature: bool = False
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
@@ -52,13 +56,14 @@ class DSparkConfig:
 
     @staticmethod
     def for_target(tcfg: ModelConfig, block_size: int = 5, markov_rank: int | None = None,
-                   feature_layers: list[int] | None = None, num_layers: int = 1, target: str = "") -> "DSparkConfig":
+                   feature_layers: list[int] | None = None, num_layers: int = 1, target: str = "",
+                   anchor_feature: bool = True) -> "DSparkConfig":
         """A drafter shaped after one of the target's layers (its heads, its MLP width)."""
         return DSparkConfig(
             vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
             target_feature_layers=list(feature_layers or default_feature_layers(tcfg.num_hidden_layers)),
             block_size=block_size, markov_rank=markov_rank or default_markov_rank(tcfg.hidden_size),
-            num_hidden_layers=num_layers, num_attention_heads=tcfg.num_attention_heads,
+            num_hidden_layers=num_layers, anchor_feature=anchor_feature, num_attention_heads=tcfg.num_attention_heads,
             num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
             intermediate_size=tcfg.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
             max_position_embeddings=tcfg.max_position_embeddings, target=target)

@@ -13,7 +13,8 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 - `draft_vocab` N keeps the draft's LM head over its N most frequent tokens (draft_vocab.py);
 - a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
   beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
-  unless `draft_dtype` says otherwise: a `LoadedDSpark` (the `dspark` method reads it).
+  unless `draft_dtype` says otherwise, its projections packed for the CPU kernels (`prepare`): a
+  `LoadedDSpark` (the `dspark` method reads it).
 
 It takes `needs_draft: bool` rather than a proposer, so that model/ stays below proposers/.
 """
@@ -23,6 +24,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from ..paths import default_draft, default_target, resolve_model
 from . import cpu_kernels
@@ -80,6 +83,8 @@ def is_dspark_dir(path: str | Path) -> bool:
 def _load_dspark(path: Path, target: LoadedModel, dtype: str, device: str) -> LoadedDSpark:
     try:
         drafter = load_dspark(path, target.model, dtype=resolve_dtype(dtype)).to(device)
+        if torch.device(device).type == "cpu":
+            drafter.prepare()
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: not a DSpark drafter for the target {target.path} ({e})") from None
     return LoadedDSpark(path, drafter.cfg, drafter)

@@ -10,7 +10,9 @@ The sharing arrangement:
   accepted proposals]. The recovered or bonus token has no features yet: it is the next anchor.
 - **The drafter's cache** holds each committed position's `context_kv` per backbone layer in a
   paged pool of its own (`kv`, a `KVManager` over `cache [layers, 2, slots, Hkv, D]`; the scheduler
-  frees it with the sequence's other blocks on preemption and finish). Only committed rows are ever
+  frees it with the sequence's other blocks on preemption and finish), and with `anchor_feature`
+  each committed position's fused feature in `fused [slots, H]` at the same slots (a block reads its
+  last position's: the slot of position L-1). Only committed rows are ever
   written, so its length is the target's `num_computed` after every step (`seq.draft_computed`) and
   rollback is bookkeeping: blocks reserved past it are truncated. A preempted sequence's prefill is
   recomputed with features and refills it. Prefix caching: a cached prefix would skip the target's
@@ -127,6 +129,9 @@ class DSparkProposer:
         self.device = next(self.drafter.parameters()).device
         self.cache = pool_tensor((cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
                                   cfg.head_dim), dtype, self.device)  # [layers, 2, slots, Hkv, D]
+        # each committed position's fused feature, which the block after it reads (cfg.anchor_feature)
+        self.fused = (torch.zeros(num_blocks * block_size, cfg.hidden_size, dtype=dtype, device=self.device)
+                      if cfg.anchor_feature else None)  # [slots, H]
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
 
     @torch.inference_mode()
@@ -148,17 +153,24 @@ class DSparkProposer:
         for layer, (k, v) in enumerate(self.drafter.context_kv(fused, pos)):  # [1, n, Hkv, D] each
             self.cache[layer, 0, slots] = k[0].to(self.cache.dtype)
             self.cache[layer, 1, slots] = v[0].to(self.cache.dtype)
+        if self.fused is not None:
+            self.fused[slots] = fused[0].to(self.fused.dtype)
         seq.draft_computed = end
 
     def context(self, seq_ids: list[int], lengths: list[int]):
         """Each drafter layer's context K/V of the rows, gathered from their slots and padded to the
-        longest: ([(k, v) [B, S, Hkv, D] per layer], positions [B, S], HIDDEN_POSITION = padding)."""
+        longest, and the fused feature of each row's last position: ([(k, v) [B, S, Hkv, D] per layer],
+        positions [B, S] (HIDDEN_POSITION = padding), last [B, H] or None without `anchor_feature`)."""
         slots = self.kv.slots(seq_ids, lengths).to(self.device)  # [B, S]
         S = slots.shape[1]
         pos = torch.arange(S, device=self.device).expand(len(seq_ids), S)
         lens = torch.tensor(lengths, device=self.device)[:, None]
         pos = torch.where(pos < lens, pos, torch.full_like(pos, HIDDEN_POSITION))  # [B, S]
-        return [(self.cache[layer, 0][slots], self.cache[layer, 1][slots]) for layer in range(self.cache.shape[0])], pos
+        last = None
+        if self.fused is not None:
+            last = self.fused[slots.gather(1, (lens - 1).clamp(min=0))[:, 0]]  # [B, H]
+        kv = [(self.cache[layer, 0][slots], self.cache[layer, 1][slots]) for layer in range(self.cache.shape[0])]
+        return kv, pos, last
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
@@ -173,10 +185,11 @@ class DSparkProposer:
                 raise ValueError(f"dspark drafter: its cache holds {s.draft_computed} positions, the committed "
                                  f"context {s.num_tokens - 1}")
             lengths.append(s.draft_computed)
-        kv, ctx_pos = self.context([seqs[i].seq_id for i in rows], lengths)
+        kv, ctx_pos, last = self.context([seqs[i].seq_id for i in rows], lengths)
         anchors = torch.tensor([seqs[i].all_ids[-1] for i in rows], device=self.device)  # [B]
         anchor_pos = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]
-        hidden = self.drafter.block_hidden(anchors[:, None], anchor_pos, kv, ctx_pos)[:, 0]  # [B, gamma, H]
+        last = last[:, None] if last is not None else None  # [B, 1, H]: the fused feature of position L-1
+        hidden = self.drafter.block_hidden(anchors[:, None], anchor_pos, kv, ctx_pos, last)[:, 0]  # [B, gamma, H]
         cut = [min(num_draft[i], self.gamma) for i in rows]
         choose = _Chooser([seqs[i] for i in rows], cut, self.eos_ids)
         drafted = self.drafter.draw(hidden[:, : max(cut)], anchors, choose)  # confidence [B, k]
@@ -190,15 +203,20 @@ class DSparkProposer:
     @torch.inference_mode()
     def cache_error(self, seq, target) -> float:
         """The largest difference, relative to the largest value, between the drafter's cached context
-        K/V of `seq` and those of a fresh forward of `target` (the LlamaModel, no cache) over its
-        committed tokens (`draftwise check`'s rollback check)."""
+        K/V (and fused features, with `anchor_feature`) of `seq` and those of a fresh forward of
+        `target` (the LlamaModel, no cache) over its committed tokens (`draftwise check`'s rollback
+        check)."""
         n = seq.draft_computed
         _, feats = target(torch.tensor([seq.all_ids[:n]], device=self.device), feature_layers=self.feature_layers)
-        fresh = self.drafter.context_kv(self.drafter.fuse(feats), torch.arange(n, device=self.device)[None])
-        got, _ = self.context([seq.seq_id], [n])
+        fused = self.drafter.fuse(feats)  # [1, n, H]
+        pairs = list(zip(self.context([seq.seq_id], [n])[0],
+                         self.drafter.context_kv(fused, torch.arange(n, device=self.device)[None])))
+        if self.fused is not None:
+            slots = self.kv.slots([seq.seq_id], [n]).to(self.device)  # [1, n]
+            pairs.append(((self.fused[slots],), (fused,)))
         worst = 0.0
-        for pair, fresh_pair in zip(got, fresh):
-            for a, b in zip(pair, fresh_pair):
+        for got, fresh in pairs:
+            for a, b in zip(got, fresh):
                 b = b.float()
                 worst = max(worst, float((a.float() - b).abs().max() / max(1.0, float(b.abs().max()))))
         return worst

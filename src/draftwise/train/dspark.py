@@ -93,15 +93,17 @@ def val_loss(drafter, target, windows: torch.Tensor, anchors: int, decay: float)
 
 
 def build_drafter(tcfg, target_model, block_size: int, markov_rank: int | None, feature_layers, seed: int,
-                  target: str = "", from_target_layer: bool = True) -> DSparkDrafter:
+                  target: str = "", from_target_layer: bool = True, num_layers: int = 1,
+                  anchor_feature: bool = True) -> DSparkDrafter:
     """A fresh drafter; its final norm starts as the target's (both feed the same LM head), and with
-    `from_target_layer` its first layer as `init_from_target_layer` says."""
+    `from_target_layer` its layers as `init_from_target_layer` says."""
     torch.manual_seed(seed)
     cfg = DSparkConfig.for_target(tcfg, block_size=block_size, markov_rank=markov_rank,
-                                  feature_layers=feature_layers, target=target).check(tcfg)
+                                  feature_layers=feature_layers, num_layers=num_layers, target=target,
+                                  anchor_feature=anchor_feature).check(tcfg)
     drafter = DSparkDrafter(cfg)
     for m in drafter.modules():
-        if isinstance(m, torch.nn.Linear) and m is not drafter.confidence:
+        if isinstance(m, torch.nn.Linear) and m is not drafter.confidence and m is not drafter.fc_in:
             torch.nn.init.normal_(m.weight, std=0.02)
     with torch.no_grad():
         drafter.norm.weight.copy_(target_model.model.norm.weight.float())
@@ -112,24 +114,29 @@ def build_drafter(tcfg, target_model, block_size: int, markov_rank: int | None, 
 
 @torch.no_grad()
 def init_from_target_layer(drafter: DSparkDrafter, target_model) -> bool:
-    """Start the first backbone layer as the target layer after the highest feature layer l, and the
-    fusion as (nearly) picking layer l's output: the context K/V are then the target's own keys and
-    values at that layer, so the block rows attend by the target's learnt relative positions from the
-    first step instead of uniformly (faster early learning on a CPU budget). False (nothing changed)
-    where l is the target's last layer."""
-    top = drafter.cfg.target_feature_layers[-1]
+    """Start backbone layer i as the target layer l + 1 + i (where there is one), l the highest
+    feature layer below the target's last, and the fusion as (nearly) picking layer l's output: the
+    first layer's context K/V are then the target's own keys and values at layer l + 1, so the block
+    rows attend by the target's learnt relative positions from the first step instead of uniformly
+    (faster early learning on a CPU budget). False (nothing changed) where no feature layer lies
+    below the target's last."""
     layers = target_model.model.layers
-    if top + 1 >= len(layers):
+    below = [i for i in drafter.cfg.target_feature_layers if i + 1 < len(layers)]
+    if not below:
         return False
-    src, dst, h = layers[top + 1], drafter.layers[0], drafter.cfg.hidden_size
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        getattr(dst, name).weight.copy_(getattr(src.self_attn, name).weight.float())
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(dst, name).weight.copy_(getattr(src.mlp, name).weight.float())
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        getattr(dst, name).weight.copy_(getattr(src, name).weight.float())
-    drafter.hidden_norm.weight.copy_(src.input_layernorm.weight.float())
-    slot = len(drafter.cfg.target_feature_layers) - 1
+    top, h = below[-1], drafter.cfg.hidden_size
+    for i, dst in enumerate(drafter.layers):
+        if top + 1 + i >= len(layers):
+            break
+        src = layers[top + 1 + i]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(dst, name).weight.copy_(getattr(src.self_attn, name).weight.float())
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(dst, name).weight.copy_(getattr(src.mlp, name).weight.float())
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(dst, name).weight.copy_(getattr(src, name).weight.float())
+    drafter.hidden_norm.weight.copy_(layers[top + 1].input_layernorm.weight.float())
+    slot = drafter.cfg.target_feature_layers.index(top)
     drafter.fc.weight.mul_(0.1)
     drafter.fc.weight[:, slot * h:(slot + 1) * h] += torch.eye(h)
     return True
@@ -137,7 +144,8 @@ def init_from_target_layer(drafter: DSparkDrafter, target_model) -> bool:
 
 def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/dspark", resume=False,
                  block_size: int = 5, markov_rank: int | None = None, feature_layers: list[int] | None = None,
-                 decay: float | None = None, overrides=None, log=None, progress: bool | None = None) -> dict:
+                 decay: float | None = None, num_layers: int = 1, anchor_feature: bool = True, overrides=None,
+                 log=None, progress: bool | None = None) -> dict:
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
@@ -145,7 +153,8 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     loaded = load_model(target_dir, dtype="float32", fuse=False)
     target = loaded.model.eval().requires_grad_(False)
     drafter = build_drafter(loaded.config, target, block_size, markov_rank, feature_layers, hp["seed"],
-                            target=os.path.relpath(target_dir.resolve(), out.resolve()))  # (checks the config first)
+                            target=os.path.relpath(target_dir.resolve(), out.resolve()), num_layers=num_layers,
+                            anchor_feature=anchor_feature)  # (checks the config first)
     split = corpus.split()
     streams = load_streams(loaded.tokenizer, split, ckpt_dir)
     decay = float(decay or block_size)

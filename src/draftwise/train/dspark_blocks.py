@@ -45,7 +45,9 @@ def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: to
         h_rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1]))
         p = torch.softmax(target.compute_logits(h_rows).float(), -1).view(*rows.shape, -1)
     pos = torch.arange(T).expand(B, T)
-    kv = drafter.context_kv(drafter.fuse(feats.detach()), pos)
-    h = drafter.block_hidden(ids.gather(1, anchors), anchors, kv, pos)  # [B, N, gamma, H]
+    fused = drafter.fuse(feats.detach())  # [B, T, H]
+    kv = drafter.context_kv(fused, pos)
+    last = fused.gather(1, (anchors - 1)[..., None].expand(-1, -1, fused.shape[-1]))  # [B, N, H]: a - 1
+    h = drafter.block_hidden(ids.gather(1, anchors), anchors, kv, pos, last)  # [B, N, gamma, H]
     q_logits, conf = drafter.teacher_forced(h, prev)
     return q_logits, p, conf, labels, valid
