@@ -1,6 +1,8 @@
-"""Suffix decoding: the trie (counts, matches, frequency scoring, removal), the proposer (adaptive
-length, the global cache across requests and its LRU bound, committed history only), and the
-engine with `--method suffix` (greedy equal to plain; `draftwise check` passes)."""
+"""Suffix decoding: the index (counts, matches, frequency scoring, removal, the answers of a trie
+of every substring), the proposer (adaptive length, the global cache across requests and its LRU
+bound, committed history only), and the engine with `--method suffix` (greedy equal to plain;
+`draftwise check` passes)."""
+import random
 from fractions import Fraction
 
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.cli.main import main
 from draftwise.proposers.suffix import OutputCache, SuffixProposer, tail
-from draftwise.proposers.suffix_tree import Draft, SuffixTrie
+from draftwise.proposers.suffix_index import Draft, SuffixIndex
 
 
 class History:
@@ -16,55 +18,60 @@ class History:
         self.seq_id, self.prompt_ids, self.output_ids, self.grammar = seq_id, list(prompt), list(output), grammar
 
 
-def counts(trie: SuffixTrie) -> dict[tuple, int]:
-    """Every node's substring -> count."""
-    out, stack = {}, [((), trie.root)]
-    while stack:
-        path, node = stack.pop()
-        for t, c in (node.children or {}).items():
-            out[path + (t,)] = c.count
-            stack.append((path + (t,), c))
-    return out
+def counts(index: SuffixIndex) -> dict[tuple, int]:
+    """Every substring of up to depth tokens of the index's documents -> its count."""
+    subs = {tuple(d.tokens[i:j]) for d in index.docs.values() for i in range(len(d.tokens))
+            for j in range(i + 1, min(i + index.depth, len(d.tokens)) + 1)}
+    return {s: index.count(list(s)) for s in subs}
 
 
-# ------------------------------------------------------------------ the trie
-def test_trie_counts_every_substring_up_to_depth():
-    t = SuffixTrie(3)
+# ------------------------------------------------------------------ the index
+def test_index_counts_every_substring_up_to_depth():
+    t = SuffixIndex(3)
     t.append("a", [1, 2, 1])
     t.append("a", [2])  # incremental: the same as appending [1, 2, 1, 2] at once
     assert counts(t) == {(1,): 2, (2,): 2, (1, 2): 2, (2, 1): 1, (1, 2, 1): 1, (2, 1, 2): 1}
-    assert t.num_nodes == 6
-    whole = SuffixTrie(3)
+    whole = SuffixIndex(3)
     whole.append("b", [1, 2, 1, 2])
     assert counts(whole) == counts(t)
 
 
+def test_appending_does_work_independent_of_depth():
+    """A token enters two position lists (its own and its pair's) whatever the depth: indexing a
+    prompt costs the same at depth 2 and 24 (a trie extends depth nodes per token)."""
+    tokens = [random.Random(0).randrange(5) for _ in range(200)]
+    for depth in (2, 24):
+        t = SuffixIndex(depth)
+        t.append(0, tokens)
+        assert sum(map(len, t.ends.values())) == 200 and sum(map(len, t.pairs.values())) == 199
+
+
 def test_match_is_the_longest_suffix_followed_by_something():
-    t = SuffixTrie(8)
+    t = SuffixIndex(8)
     t.append(0, [5, 1, 2, 3, 9, 1, 2, 3])
-    node, m = t.match([7, 1, 2, 3])  # [1, 2, 3] occurred followed by 9 (its occurrence at the end is not)
-    assert m == 3 and list(node.children) == [9]
-    assert t.match([4, 4])[1] == 0  # nothing matches: the root
-    assert t.match([5, 1, 2, 3])[1] == 4
-    assert SuffixTrie(4).match([1, 2])[1] == 0  # empty trie
+    m, occ = t.match([7, 1, 2, 3])  # [1, 2, 3] occurred followed by 9 (its occurrence at the end is not)
+    assert m == 3 and list(t.continuations(occ)) == [9]
+    assert t.match([4, 4])[0] == 0  # nothing matches: the empty suffix
+    assert t.match([5, 1, 2, 3])[0] == 4
+    assert SuffixIndex(4).match([1, 2])[0] == 0  # empty index
 
 
 def test_draft_follows_the_most_frequent_continuation_with_exact_frequencies():
-    t = SuffixTrie(6)
+    t = SuffixIndex(6)
     t.append(0, [1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 3, 0, 1, 2])
     d = t.draft([8, 0, 1, 2], max_tokens=3, min_prob=0.0)
     assert d.match_length == 3  # [0, 1, 2]: followed by 4, 3, and (the end)
     assert d.token_ids == [3, 0, 1]  # 3 follows [0, 1, 2] once, 4 once: the tie goes to the most recent
     assert [Fraction(p).limit_denominator(10) for p in d.probs] == [Fraction(1, 2), 1, 1]
     assert d.score == pytest.approx(0.5 + 0.5 + 0.5)
-    u = SuffixTrie(6)
+    u = SuffixIndex(6)
     u.append(0, [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
     d = u.draft([1, 2], max_tokens=1, min_prob=0.0)
     assert d.token_ids == [3] and d.probs == [pytest.approx(2 / 3)]  # 3 twice, 4 once
 
 
 def test_draft_length_adapts_to_the_match_and_min_prob():
-    t = SuffixTrie(16)
+    t = SuffixIndex(16)
     seq = list(range(10, 30))
     t.append(0, seq)
     assert t.draft([99, 10], 16, 0.0).token_ids == [11]  # match 1 -> 1 token
@@ -72,14 +79,14 @@ def test_draft_length_adapts_to_the_match_and_min_prob():
     assert t.draft(seq[:8], 16, 0.0).token_ids == seq[8:16]  # match 8 -> 8 tokens
     assert t.draft(seq[:8], 5, 0.0).token_ids == seq[8:13]  # at most max_tokens
     assert t.draft([12, 13, 14], 16, 0.0, spec_factor=2.0).token_ids == [15, 16, 17, 18, 19, 20]
-    u = SuffixTrie(8)
+    u = SuffixIndex(8)
     u.append(0, [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 3, 1, 2])  # after [1, 2]: 3 (2/4), 4, 5
     assert u.draft([9, 1, 2], 4, min_prob=0.6).token_ids == []  # 1/2 < 0.6: nothing
     assert u.draft([9, 1, 2], 4, min_prob=0.4).token_ids == [3, 1]  # 1/2 >= 0.4, then [1, 2, 3] -> 1 always
 
 
 def test_a_copy_runs_past_the_depth_bound():
-    t = SuffixTrie(4)
+    t = SuffixIndex(4)
     text = list(range(100, 140))
     t.append(0, text)
     d = t.draft(text[:20], 16, 0.0, spec_factor=100)
@@ -87,18 +94,93 @@ def test_a_copy_runs_past_the_depth_bound():
 
 
 def test_remove_restores_the_counts_of_the_other_documents():
-    t, only_b = SuffixTrie(3), SuffixTrie(3)
+    t, only_b = SuffixIndex(3), SuffixIndex(3)
     t.append("a", [1, 2, 3, 1])
-    t.close("a")
     t.append("b", [2, 3, 4])
     only_b.append("b", [2, 3, 4])
-    t.remove("a", [1, 2, 3, 1])
-    assert counts(t) == counts(only_b) and t.num_nodes == only_b.num_nodes == 6
+    t.remove("a")
+    assert counts(t) == counts(only_b) and len(counts(t)) == 6
+    assert t.ends.keys() == only_b.ends.keys() and t.pairs.keys() == only_b.pairs.keys()
 
 
-def test_trie_rejects_a_depth_below_two():
+def test_a_removed_document_breaks_no_tie():
+    """After an earlier output leaves the cache, a tie between continuations goes to the most
+    recent occurrence still held, and the draft names a document still held."""
+    t = SuffixIndex(4)
+    t.append("x", [1, 2, 6])
+    t.append("y", [1, 2, 5])
+    t.append("z", [1, 2, 6])
+    d = t.draft([1, 2], 1, 0.0)
+    assert d.token_ids == [6] and d.doc == "z"  # 6 twice, 5 once
+    t.remove("z")
+    d = t.draft([1, 2], 1, 0.0)
+    assert d.token_ids == [5] and d.doc == "y"  # a tie: y's 5 is more recent than x's 6
+
+
+def reference_draft(docs: dict, depth: int, context: list[int], max_tokens: int, min_prob: float,
+                    spec_factor: float) -> Draft:
+    """The trie's draft by its definition, over windows: counts of every substring of up to depth
+    tokens, the longest followed suffix (<= depth - 1 tokens), the most frequent continuation (the
+    most recent on a tie), re-anchored on the last depth - 1 tokens at the depth bound."""
+    clock, where = 0, []  # (doc, tokens, clock of each position)
+    for key, toks in docs.items():
+        where.append((key, toks, list(range(clock + 1, clock + 1 + len(toks)))))
+        clock += len(toks)
+
+    def nexts(s):  # token -> (count, latest clock, doc) of s + token
+        out = {}
+        if len(s) >= depth:
+            return out
+        for key, toks, clocks in where:
+            for e in range(len(s) - 1, len(toks) - 1):
+                if toks[e - len(s) + 1 : e + 1] == s:
+                    c, seen, _ = out.get(toks[e + 1], (0, 0, None))
+                    out[toks[e + 1]] = (c + 1, clocks[e + 1], key) if clocks[e + 1] > seen else (c + 1, seen, _)
+        return out
+
+    def match(ctx):
+        return next((m for m in range(min(depth - 1, len(ctx)), 0, -1) if nexts(ctx[len(ctx) - m :])), 0)
+
+    m = match(context)
+    out, path, run = Draft(match_length=m), list(context[len(context) - m :]), 1.0
+    while len(out.token_ids) < min(max_tokens, int(spec_factor * m)):
+        nxt = nexts(path)
+        if not nxt:
+            path = path[len(path) - match(path) :]
+            nxt = nexts(path)
+            if not nxt:
+                break
+        tok, (count, _, key) = max(nxt.items(), key=lambda kv: kv[1][:2])
+        total = sum(c for c, _, _ in nxt.values())
+        run *= count / total
+        if run < min_prob:
+            break
+        out.token_ids.append(tok)
+        out.probs.append(count / total)
+        out.doc = key
+        path.append(tok)
+    return out
+
+
+def test_drafts_are_the_tries_on_random_documents():
+    rng = random.Random(5)
+    for case in range(300):
+        depth, vocab = rng.randint(2, 7), rng.randint(2, 5)
+        docs = {key: [rng.randrange(vocab) for _ in range(rng.randint(0, 14))] for key in range(rng.randint(1, 3))}
+        t = SuffixIndex(depth)
+        for key, toks in docs.items():
+            cut = rng.randint(0, len(toks))
+            t.append(key, toks[:cut])
+            t.append(key, toks[cut:])  # incremental appends
+        for _ in range(4):
+            ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 9))]
+            args = rng.randint(0, 12), rng.choice([0.0, 0.2, 0.5]), rng.choice([0.5, 1.0, 3.0])
+            assert t.draft(ctx, *args) == reference_draft(docs, depth, ctx, *args), (case, docs, ctx, args)
+
+
+def test_index_rejects_a_depth_below_two():
     with pytest.raises(ValueError, match="depth"):
-        SuffixTrie(1)
+        SuffixIndex(1)
 
 
 # ------------------------------------------------------------------ the global cache
@@ -109,12 +191,12 @@ def test_output_cache_evicts_least_recently_used_by_tokens():
     c.touch("a")  # drafted from: now the most recent
     c.add("c", [8, 9, 10, 11])  # 11 tokens > 10: b goes
     assert list(c.docs) == ["a", "c"] and c.tokens == 8
-    assert c.trie.match([5, 6])[1] == 0 and c.trie.match([1, 2])[1] == 2
+    assert c.index.match([5, 6])[0] == 0 and c.index.match([1, 2])[0] == 2
     c.add("d", list(range(20, 40)))  # longer than the cache: its last 10 tokens, everything else out
     assert list(c.docs) == ["d"] and c.tokens == 10 and c.docs["d"] == list(range(30, 40))
-    fresh = SuffixTrie(4)
+    fresh = SuffixIndex(4)
     fresh.append(0, list(range(30, 40)))
-    assert counts(c.trie) == counts(fresh)
+    assert counts(c.index) == counts(fresh)
     none = OutputCache(depth=4, max_tokens=0)
     none.add("a", [1, 2])
     assert not none.docs
@@ -136,7 +218,7 @@ def test_proposer_drafts_from_the_prompt_and_output_with_adaptive_length():
 
 
 def test_proposer_reads_committed_history_only():
-    """A rejected block never enters the request's trie: after any sequence of rounds the trie
+    """A rejected block never enters the request's index: after any sequence of rounds the index
     equals one built from the committed tokens."""
     prop = SuffixProposer(suffix_depth=5)
     prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]
@@ -145,9 +227,9 @@ def test_proposer_reads_committed_history_only():
         prop.propose([h], [4])  # proposes [4, 5, 6, ...]: some rounds reject it
         h.output_ids = list(committed)
     prop.propose([h], [4])
-    fresh = SuffixTrie(5)
+    fresh = SuffixIndex(5)
     fresh.append(0, prompt + h.output_ids)
-    assert counts(prop.local[7].trie) == counts(fresh)
+    assert counts(prop.local[7].index) == counts(fresh)
 
 
 def test_long_catch_ups_are_timed_apart_from_the_step():
@@ -181,7 +263,7 @@ def test_global_cache_carries_outputs_across_requests():
     assert own.propose([later], [4])[0].token_ids == []
 
 
-def test_the_request_own_trie_wins_a_tie():
+def test_the_request_own_index_wins_a_tie():
     prop = SuffixProposer(suffix_depth=8)
     prop.finish(History([0], [1, 2, 3, 50, 51], seq_id=1))  # earlier output: [1, 2, 3] -> 50
     h = History([1, 2, 3, 60, 61, 9], [1, 2, 3], seq_id=2)  # this request's own text: [1, 2, 3] -> 60

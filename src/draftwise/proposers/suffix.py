@@ -1,6 +1,6 @@
 """Suffix decoding (SuffixDecoding, arXiv 2411.04975; vLLM's `suffix` method): no model, no q.
 
-Two `SuffixTrie`s (suffix_tree.py) answer "what followed this context before, and how often":
+Two `SuffixIndex`es (suffix_index.py) answer "what followed this context before, and how often":
 - the request's own, over its prompt and committed output, extended as tokens commit (the
   proposer catches up on the committed history when it next drafts for the row: it reads only
   committed tokens, so a rejected proposal never enters it and rollback needs nothing);
@@ -8,20 +8,21 @@ Two `SuffixTrie`s (suffix_tree.py) answer "what followed this context before, an
   finishes, and the least recently used outputs leave once the cache holds more than
   `suffix_cache_tokens` tokens (used = drafted from, or added).
 
-Each trie drafts from the longest suffix of the history it has seen followed by something (m
+Each index drafts from the longest suffix of the history it has seen followed by something (m
 tokens, m < `suffix_depth`), following the most frequent continuation, for at most
 min(num_draft, `suffix_spec_factor` x m) tokens and while the running product of the frequencies
 stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum of those running
 products) is higher wins, the request's own on a tie. The parameters:
 - `suffix_depth` (24): the longest context that conditions the frequencies. Matches run out well
-  before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the trie
-  re-anchors on the last depth - 1 tokens); the cost is depth dictionary steps per committed token.
+  before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the draft
+  re-anchors on the last depth - 1 tokens). Indexing does not depend on it (a token enters two
+  position lists); a longer match compares more tokens of each occurrence.
 - `suffix_spec_factor` (1.0): draft length per matched token. A match of 1-2 tokens is a weak
   guess (n-gram lookup measured 17-24% acceptance after one), a match of 12 or more is nearly
   always a copy (97%): long matches draft long (up to k, at most 16), short ones barely.
 - `suffix_min_prob` (0.1): stop where earlier occurrences disagree so much that the estimated
   probability of reaching the next token falls below 1 in 10.
-- `suffix_cache_tokens` (8192): the global trie's budget (its nodes are at most depth x tokens).
+- `suffix_cache_tokens` (8192): the global index's budget.
 
 The proposal is a function of committed history and earlier requests' outputs only, and q is a
 point mass (`probs=None`): the rejection sampler accepts x with probability p(x), so sampled
@@ -34,10 +35,10 @@ continuation was unique, discounted where earlier occurrences disagreed.
 A structured-output row's block ends before the first token its grammar forbids (verification
 would reject it); the engine appends the grammar's forced tail itself.
 
-A row more than `LONG_CATCH_UP` committed tokens behind its trie (a new prompt; a stretch of steps
-without drafting) costs depth dictionary steps per token to index, a one-off of tens of ms for a
-prompt of a thousand tokens: its time (`catch_up_seconds`, the trie's prefill in effect) is left
-out of the decode-step cost model, as a draft model's long catch-ups are (proposers/draft_model.py).
+A row more than `LONG_CATCH_UP` committed tokens behind its index (a new prompt; a stretch of
+steps without drafting) indexes them in its proposal step (about a microsecond a token): its time
+(`catch_up_seconds`, the index's prefill in effect) is left out of the decode-step cost model, as a
+draft model's long catch-ups are (proposers/draft_model.py).
 """
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ import time
 from collections import OrderedDict
 
 from .base import DraftBlock, register_proposer
-from .suffix_tree import Draft, SuffixTrie
+from .suffix_index import Draft, SuffixIndex
 
 
 class OutputCache:
-    """Earlier requests' outputs in one trie, at most `max_tokens` tokens, least recently used out first."""
+    """Earlier requests' outputs in one index, at most `max_tokens` tokens, least recently used out first."""
 
     def __init__(self, depth: int, max_tokens: int):
-        self.trie = SuffixTrie(depth)
+        self.index = SuffixIndex(depth)
         self.max_tokens = max_tokens
         self.docs: OrderedDict[object, list[int]] = OrderedDict()
         self.tokens = 0
@@ -61,13 +62,12 @@ class OutputCache:
         if not tokens or self.max_tokens == 0:
             return
         tokens = list(tokens[-self.max_tokens :])  # an output longer than the cache keeps its end
-        self.trie.append(key, tokens)
-        self.trie.close(key)
+        self.index.append(key, tokens)
         self.docs[key] = tokens
         self.tokens += len(tokens)
         while self.tokens > self.max_tokens:
             old_key, old = self.docs.popitem(last=False)
-            self.trie.remove(old_key, old)
+            self.index.remove(old_key)
             self.tokens -= len(old)
 
     def touch(self, key) -> None:
@@ -76,11 +76,11 @@ class OutputCache:
 
 
 class _Local:
-    __slots__ = ("trie", "indexed")
+    __slots__ = ("index", "indexed")
 
     def __init__(self, depth: int):
-        self.trie = SuffixTrie(depth)
-        self.indexed = 0  # committed tokens (prompt, then output) appended to the trie
+        self.index = SuffixIndex(depth)
+        self.indexed = 0  # committed tokens (prompt, then output) appended to the index
 
 
 def tail(seq, n: int) -> list[int]:
@@ -97,7 +97,7 @@ class SuffixProposer:
     needs_draft_model = False
     feature_layers = ()  # reads no target features
     confidence = True  # the engine turns it off when the policy never reads it
-    LONG_CATCH_UP = 32  # committed tokens a row's trie indexes within its proposal step; more: timed apart
+    LONG_CATCH_UP = 32  # committed tokens a row's index takes in within its proposal step; more: timed apart
 
     def __init__(self, suffix_depth: int = 24, suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,
                  suffix_cache_tokens: int = 8192, **_):
@@ -105,7 +105,7 @@ class SuffixProposer:
             raise ValueError("suffix decoding needs depth >= 2, spec_factor > 0, 0 <= min_prob <= 1, cache_tokens >= 0;"
                              f" got {suffix_depth}, {suffix_spec_factor}, {suffix_min_prob}, {suffix_cache_tokens}")
         self.depth, self.spec_factor, self.min_prob = suffix_depth, suffix_spec_factor, suffix_min_prob
-        self.local: dict[int, _Local] = {}  # seq_id -> the request's own trie
+        self.local: dict[int, _Local] = {}  # seq_id -> the request's own index
         self.cache = OutputCache(suffix_depth, suffix_cache_tokens)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
 
@@ -118,7 +118,7 @@ class SuffixProposer:
         own = self._catch_up(seq).draft(context, n, self.min_prob, self.spec_factor)
         best = own
         if self.cache.docs:
-            other = self.cache.trie.draft(context, n, self.min_prob, self.spec_factor)
+            other = self.cache.index.draft(context, n, self.min_prob, self.spec_factor)
             if (other.score, other.match_length) > (own.score, own.match_length):
                 best = other
                 self.cache.touch(other.doc)
@@ -133,8 +133,8 @@ class SuffixProposer:
             conf = [f * (1.0 - 1.0 / (m + j)) for j, f in enumerate(probs, 1)]
         return DraftBlock(tokens, None, conf)
 
-    def _catch_up(self, seq) -> SuffixTrie:
-        """The request's trie, extended by the tokens committed since it last drafted."""
+    def _catch_up(self, seq) -> SuffixIndex:
+        """The request's index, extended by the tokens committed since it last drafted."""
         st = self.local.get(seq.seq_id)
         prompt, out = seq.prompt_ids, seq.output_ids
         total = len(prompt) + len(out)
@@ -142,17 +142,17 @@ class SuffixProposer:
             st = self.local[seq.seq_id] = _Local(self.depth)
         t0 = time.perf_counter() if total - st.indexed > self.LONG_CATCH_UP else None
         if st.indexed < len(prompt):
-            st.trie.append(0, prompt[st.indexed :])
+            st.index.append(0, prompt[st.indexed :])
             st.indexed = len(prompt)
         if st.indexed < total:
-            st.trie.append(0, out[st.indexed - len(prompt) :])
+            st.index.append(0, out[st.indexed - len(prompt) :])
             st.indexed = total
         if t0 is not None:
             self.catch_up_seconds += time.perf_counter() - t0
-        return st.trie
+        return st.index
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
-        pass  # the request's trie catches up on committed tokens when it next drafts
+        pass  # the request's index catches up on committed tokens when it next drafts
 
     def finish(self, seq) -> None:
         self.local.pop(seq.seq_id, None)
@@ -167,4 +167,4 @@ def _allowed_prefix(grammar, tokens: list[int]) -> list[int]:
     return tokens
 
 
-__all__ = ["Draft", "OutputCache", "SuffixProposer", "SuffixTrie", "tail"]
+__all__ = ["Draft", "OutputCache", "SuffixIndex", "SuffixProposer", "tail"]

@@ -1,0 +1,230 @@
+"""`SuffixIndex`: what followed a context in a set of documents, and how often.
+
+The structure behind suffix decoding (proposers/suffix.py; SuffixDecoding, arXiv 2411.04975). Its
+answers are those of a trie of every substring of up to `depth` tokens with its number of
+occurrences (for every position i of every document the path doc[i : i + depth]): among the
+continuations t of a substring s, count(s + t) / sum over t' of count(s + t') is the empirical
+frequency with which s was followed by t, the continuation's score. No trie is built, though: a
+document is its token list with, per token and per pair of consecutive tokens, the positions
+where they end, and a query finds the occurrences of the context's last two tokens and extends
+them backwards.
+
+- Appending a token is a few list appends. A trie extends `depth` nodes per token (~20 us of
+  Python a token at depth 24 on a loaded AMD EPYC core), which an engine pays for every prompt
+  and output it indexes, whether or not it then drafts from them.
+- `match(context)` finds the longest suffix of `context` (at most depth - 1 tokens) that occurs
+  followed by some token, and the positions where it ends; its cost is the occurrences of the
+  context's last pair of tokens (of its last token when the pair is new).
+- `draft` follows the most frequent continuation (the most recently seen on a tie), narrowing the
+  occurrences to those that continue that way; a path of `depth` tokens has no continuation (the
+  trie's depth bound), so past it the draft re-anchors on the context's last depth - 1 tokens,
+  which occur wherever the longer path did: a copy can run on for any length.
+- Removing a document drops its lists.
+
+Memory: a few list slots per token (a trie at this depth holds up to depth nodes per token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Draft:
+    """A continuation: the tokens, each one's estimated probability given the context and the
+    tokens before it (its frequency among the continuations seen), the length of the context it
+    matched, and the document it was last seen in."""
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    match_length: int = 0
+    doc: object = None
+
+    @property
+    def score(self) -> float:
+        """The expected number of tokens accepted if the estimates hold: sum of the running products."""
+        total, run = 0.0, 1.0
+        for p in self.probs:
+            run *= p
+            total += run
+        return total
+
+
+class _Doc:
+    __slots__ = ("key", "tokens", "clocks")
+
+    def __init__(self, key):
+        self.key = key
+        self.tokens: list[int] = []
+        self.clocks: list[int] = []  # the index's token clock at each position: ties go to the most recent
+
+
+Occurrences = list  # [(doc, e)]: a substring ends at doc.tokens[e] (e = -1: the empty one, before position 0)
+
+
+def _longest(toks: list[int], e: int, context: list[int], lo: int, hi: int) -> int:
+    """The longest m in [lo, hi] with toks[e - m + 1 : e + 1] == context[-m:], given that lo matches
+    (matching is monotone in m: a suffix of a match matches)."""
+    n = len(context)
+    if toks[e - hi + 1 : e + 1] == context[n - hi :]:
+        return hi
+    while lo < hi - 1:  # lo matches, hi does not
+        mid = (lo + hi) // 2
+        if toks[e - mid + 1 : e + 1] == context[n - mid :]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class SuffixIndex:
+    def __init__(self, depth: int):
+        if depth < 2:
+            raise ValueError(f"suffix index depth must be >= 2, got {depth}")
+        self.depth = depth
+        self.docs: dict[object, _Doc] = {}
+        self.ends: dict[int, Occurrences] = {}  # token -> where it occurs
+        self.pairs: dict[tuple[int, int], Occurrences] = {}  # (a, b) -> where b occurs right after a
+        self.quads: dict[tuple[int, ...], Occurrences] = {}  # four consecutive tokens -> where they end
+        self._clock = 0  # tokens appended so far, to all documents
+
+    def append(self, doc, tokens) -> None:
+        """Append `tokens` to document `doc` (a new one starts empty)."""
+        d = self.docs.get(doc)
+        if d is None:
+            d = self.docs[doc] = _Doc(doc)
+        toks, clocks, ends, pairs, quads = d.tokens, d.clocks, self.ends, self.pairs, self.quads
+        i, prev, clock = len(toks), (toks[-1] if toks else None), self._clock
+        for t in tokens:
+            clock += 1
+            toks.append(t)
+            clocks.append(clock)
+            at = ends.get(t)
+            if at is None:
+                ends[t] = [(d, i)]
+            else:
+                at.append((d, i))
+            if prev is not None:
+                at = pairs.get((prev, t))
+                if at is None:
+                    pairs[(prev, t)] = [(d, i)]
+                else:
+                    at.append((d, i))
+                if i >= 3:
+                    key = (toks[i - 3], toks[i - 2], prev, t)
+                    at = quads.get(key)
+                    if at is None:
+                        quads[key] = [(d, i)]
+                    else:
+                        at.append((d, i))
+            prev = t
+            i += 1
+        self._clock = clock
+
+    def remove(self, doc) -> None:
+        """Take document `doc` out (its positions leave the lists of its tokens and pairs)."""
+        d = self.docs.pop(doc, None)
+        if d is None:
+            return
+        toks = d.tokens
+        for table, keys in ((self.ends, set(toks)), (self.pairs, set(zip(toks, toks[1:]))),
+                            (self.quads, set(zip(toks, toks[1:], toks[2:], toks[3:])))):
+            for key in keys:
+                kept = [x for x in table[key] if x[0] is not d]
+                if kept:
+                    table[key] = kept
+                else:
+                    del table[key]
+
+    def count(self, tokens: list[int]) -> int:
+        """Positions `tokens` (1 to depth of them) occur at: the trie's count of that substring."""
+        n = len(tokens)
+        if not 1 <= n <= self.depth:
+            raise ValueError(f"count: 1 to {self.depth} tokens, got {n}")
+        return sum(d.tokens[e - n + 1 : e + 1] == tokens for d, e in self.ends.get(tokens[-1], ()) if e >= n - 1)
+
+    def match(self, context: list[int]) -> tuple[int, Occurrences | None]:
+        """(m, occurrences): the longest suffix of `context`, m <= depth - 1 tokens, that occurs
+        followed by a token, and the positions where it so ends; (0, None) when no token of it
+        does (the empty suffix: it occurs before every position, `everywhere`)."""
+        top = min(self.depth - 1, len(context))
+        if top >= 4:  # the occurrences of the last four tokens, extended backwards
+            best, occ = self._extend(self.quads.get(tuple(context[-4:]), ()), context, 4, top)
+            if best:
+                return best, occ
+        if top >= 2:  # ... of the last pair (a match of 2 or 3)
+            best, occ = self._extend(self.pairs.get((context[-2], context[-1]), ()), context, 2, min(top, 3))
+            if best:
+                return best, occ
+        if top >= 1:
+            occ = [(d, e) for d, e in self.ends.get(context[-1], ()) if e + 1 < len(d.tokens)]
+            if occ:
+                return 1, occ
+        return 0, None
+
+    @staticmethod
+    def _extend(candidates: Occurrences, context: list[int], lo: int, top: int) -> tuple[int, Occurrences]:
+        """The longest match m in [lo, top] among `candidates` (occurrences of the context's last lo
+        tokens) that are followed by a token, and where it so ends; (0, []) when none is followed."""
+        best, occ = 0, []
+        for d, e in candidates:
+            toks = d.tokens
+            if e + 1 == len(toks):  # at the document's end: not followed
+                continue
+            hi = min(top, e + 1)
+            if best > lo:  # only as long a match or longer counts
+                if hi < best or toks[e - best + 1 : e + 1] != context[len(context) - best :]:
+                    continue
+                m = _longest(toks, e, context, best, hi)
+            else:
+                m = _longest(toks, e, context, lo, hi)
+            if m > best:
+                best, occ = m, [(d, e)]
+            elif m == best:
+                occ.append((d, e))
+        return best, occ
+
+    def everywhere(self) -> Occurrences:
+        """The empty substring's occurrences: before every position (the trie's root)."""
+        return [(d, e) for d in self.docs.values() for e in range(-1, len(d.tokens) - 1)]
+
+    @staticmethod
+    def continuations(occ: Occurrences) -> dict[int, tuple[int, int, _Doc]]:
+        """token -> (count, clock of its latest occurrence, its document) over the occurrences followed by a token."""
+        out: dict[int, tuple[int, int, _Doc]] = {}
+        for d, e in occ:
+            if e + 1 < len(d.tokens):
+                t, clock = d.tokens[e + 1], d.clocks[e + 1]
+                got = out.get(t)
+                out[t] = (1, clock, d) if got is None else (got[0] + 1, clock, d) if clock > got[1] else \
+                    (got[0] + 1, got[1], got[2])
+        return out
+
+    def draft(self, context: list[int], max_tokens: int, min_prob: float, spec_factor: float = 1.0) -> Draft:
+        """Up to min(max_tokens, spec_factor x m) tokens continuing `context`, m the length of the
+        context matched: at each step the most frequent continuation (the most recently seen on a
+        tie), while the running product of frequencies stays >= min_prob."""
+        m, occ = self.match(context)
+        out = Draft(match_length=m)
+        limit = min(max_tokens, int(spec_factor * m))
+        tail, n, run = list(context[len(context) - m :]), m, 1.0  # n: the path's length
+        while len(out.token_ids) < limit:
+            nxt = self.continuations(occ) if n < self.depth else None
+            if not nxt:  # at the depth bound (or a path seen only at a document's end): re-anchor
+                n, occ = self.match(tail)
+                tail = tail[len(tail) - n :]
+                occ = self.everywhere() if occ is None else occ
+                nxt = self.continuations(occ)
+                if not nxt:
+                    break
+            tok, (count, _, d) = max(nxt.items(), key=lambda kv: kv[1][:2])
+            total = sum(c for c, _, _ in nxt.values())
+            run *= count / total
+            if run < min_prob:
+                break
+            out.token_ids.append(tok)
+            out.probs.append(count / total)
+            out.doc = d.key
+            occ = [(x, e + 1) for x, e in occ if e + 1 < len(x.tokens) and x.tokens[e + 1] == tok]
+            n += 1
+            tail.append(tok)
+        return out
