@@ -37,13 +37,13 @@ def test_index_counts_every_substring_up_to_depth():
 
 
 def test_appending_does_work_independent_of_depth():
-    """A token enters two position lists (its own and its pair's) whatever the depth: indexing a
-    prompt costs the same at depth 2 and 24 (a trie extends depth nodes per token)."""
+    """A token enters three position lists (its own, its pair's, its four's) whatever the depth:
+    indexing a prompt costs the same at depth 2 and 24 (a trie extends depth nodes per token)."""
     tokens = [random.Random(0).randrange(5) for _ in range(200)]
     for depth in (2, 24):
         t = SuffixIndex(depth)
         t.append(0, tokens)
-        assert sum(map(len, t.ends.values())) == 200 and sum(map(len, t.pairs.values())) == 199
+        assert [sum(map(len, table.values())) for table in (t.ends, t.pairs, t.quads)] == [200, 199, 197]
 
 
 def test_match_is_the_longest_suffix_followed_by_something():

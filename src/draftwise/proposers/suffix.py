@@ -15,7 +15,7 @@ stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum of
 products) is higher wins, the request's own on a tie. The parameters:
 - `suffix_depth` (24): the longest context that conditions the frequencies. Matches run out well
   before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the draft
-  re-anchors on the last depth - 1 tokens). Indexing does not depend on it (a token enters two
+  re-anchors on the last depth - 1 tokens). Indexing does not depend on it (a token enters three
   position lists); a longer match compares more tokens of each occurrence.
 - `suffix_spec_factor` (1.0): draft length per matched token. A match of 1-2 tokens is a weak
   guess (n-gram lookup measured 17-24% acceptance after one), a match of 12 or more is nearly

@@ -5,21 +5,21 @@ answers are those of a trie of every substring of up to `depth` tokens with its 
 occurrences (for every position i of every document the path doc[i : i + depth]): among the
 continuations t of a substring s, count(s + t) / sum over t' of count(s + t') is the empirical
 frequency with which s was followed by t, the continuation's score. No trie is built, though: a
-document is its token list with, per token and per pair of consecutive tokens, the positions
-where they end, and a query finds the occurrences of the context's last two tokens and extends
-them backwards.
+document is its token list with, per token, pair and four consecutive tokens, the positions where
+they end, and a query finds the occurrences of the context's last four (else two, else one)
+tokens and extends them backwards.
 
 - Appending a token is a few list appends. A trie extends `depth` nodes per token (~20 us of
   Python a token at depth 24 on a loaded AMD EPYC core), which an engine pays for every prompt
   and output it indexes, whether or not it then drafts from them.
 - `match(context)` finds the longest suffix of `context` (at most depth - 1 tokens) that occurs
   followed by some token, and the positions where it ends; its cost is the occurrences of the
-  context's last pair of tokens (of its last token when the pair is new).
+  context's last four tokens (of its last two or one where the match is shorter).
 - `draft` follows the most frequent continuation (the most recently seen on a tie), narrowing the
   occurrences to those that continue that way; a path of `depth` tokens has no continuation (the
   trie's depth bound), so past it the draft re-anchors on the context's last depth - 1 tokens,
   which occur wherever the longer path did: a copy can run on for any length.
-- Removing a document drops its lists.
+- Removing a document takes its positions out of the lists.
 
 Memory: a few list slots per token (a trie at this depth holds up to depth nodes per token).
 """
@@ -121,7 +121,7 @@ class SuffixIndex:
         self._clock = clock
 
     def remove(self, doc) -> None:
-        """Take document `doc` out (its positions leave the lists of its tokens and pairs)."""
+        """Take document `doc` out (its positions leave the lists of its tokens, pairs and fours)."""
         d = self.docs.pop(doc, None)
         if d is None:
             return
