@@ -1,9 +1,10 @@
-"""The goodput policy before any proposal has been verified: its acceptance estimates are a prior
-(0.5 a position), not a measurement. Whether the load alone stops drafting is then asked of fixed
-speculation rated as if every proposal were accepted: where even that loses to plain steps no
-engine-wide probe is made (`test_no_engine_wide_probes_where_the_load_stops_drafting` in
-tests/test_policy_causal.py); where it could lead, a probe measures the acceptance, and a
-pessimistic prior no longer holds back a drafter that pays.
+"""The goodput policy before fixed speculation has steps of its own at a batch size: its rating
+there is the acceptance estimates' (at first a prior of 0.5 a position), not a measurement.
+Whether the load alone stops drafting is then asked of fixed speculation rated as if every
+proposal were accepted: where even that loses to plain steps no engine-wide probe is made
+(`test_no_engine_wide_probes_where_the_load_stops_drafting` in tests/test_policy_causal.py);
+where it could lead, a probe and the check's first look measure it, and a pessimistic prior no
+longer holds back a drafter that pays.
 
 Driven through the policy's interface on a synthetic clock (the cost model itself)."""
 from types import SimpleNamespace
@@ -46,10 +47,10 @@ def run(policy: GoodputPolicy, steps: int, b: int = 1, accept=lambda n: n) -> tu
 
 
 def test_an_unmeasured_drafter_that_could_pay_is_probed_soon_and_then_drafts():
-    """At the prior the model rates fixed speculation at 0.61x plain steps (far behind: the check's
-    first look at it waits four times longer), but were every proposal accepted it would run 1.57x:
-    the estimate, not the load, stops drafting, so the engine-wide probe comes once no row has
-    verified for probe_every steps; it accepts, and from then on the policy drafts."""
+    """At the prior the model rates fixed speculation at 0.61x plain steps (far behind: its first
+    look would wait four times longer), but were every proposal accepted it would run 1.57x: the
+    estimate, not the load, stops drafting, so neither that look nor the engine-wide probe is put
+    off; drafting is measured within probe_every steps, and from then on the policy drafts."""
     policy = GoodputPolicy(k=4, cost=PAYS_IF_RIGHT, has_draft_model=True)
     verified, arms = run(policy, 240)
     assert verified and verified[0] <= CFG.probe_every + 1, verified[:3]
@@ -58,9 +59,9 @@ def test_an_unmeasured_drafter_that_could_pay_is_probed_soon_and_then_drafts():
 
 
 def test_an_unmeasured_drafter_that_is_wrong_stays_off():
-    """The same load with a drafter that is never right: the first probe measures it (nothing
-    accepted), and from then on the estimates, no longer the bound, keep drafting off; the probes
-    back off as usual."""
+    """The same load with a drafter that is never right: measured early (the first look and the
+    probe, nothing accepted), and from then on the measured figures, no longer the bound, keep
+    drafting off; the probes and looks back off as usual."""
     policy = GoodputPolicy(k=4, cost=PAYS_IF_RIGHT, has_draft_model=True)
     verified, arms = run(policy, 1000, accept=lambda n: 0)
     assert verified and verified[0] <= CFG.probe_every + 1
@@ -77,3 +78,17 @@ def test_the_bound_rates_an_arm_by_its_seconds_and_every_proposal_accepted():
     pred = (5.0, 0.1, 0.0)  # every proposal accepted: 5 tokens, the profile's 0.1 s
     assert arms.rating("full", pred) == 2.0 / 0.2  # measured: what its steps committed
     assert arms.rating("full", pred, bound=True) == 5.0 / 0.2
+
+
+def test_one_rejected_proposal_does_not_put_off_measuring():
+    """The same start after one proposal was verified and rejected (the estimates now 0.33 a
+    position: a sample of one, not a measurement of fixed speculation): fixed speculation is still
+    rated at its bound until it has steps of its own, so it is measured as soon, and then drafts."""
+    policy = GoodputPolicy(k=4, cost=PAYS_IF_RIGHT, has_draft_model=True)
+    other = SimpleNamespace(seq_id=99, params=SamplingParams(temperature=0), num_tokens=200)
+    policy.observe(other, DraftBlock([1], None, [0.9]), 1, 0)
+    policy.forget(other.seq_id)
+    verified, arms = run(policy, 240)
+    assert verified and verified[0] <= CFG.probe_every + 1, verified[:3]
+    drafting = [a != "plain" for a in arms[2 * CFG.probe_every:]]
+    assert sum(drafting) >= 0.9 * len(drafting), arms

@@ -995,7 +995,10 @@ def test_goodput_is_sure_of_plain_steps_only_while_coasting_on_plain():
             admitted = policy.admit(seqs, blocks, 0.0)
             policy.observe(seqs[0], blocks[0], admitted[0], min(admitted[0], accept))
             policy.observe_step(timing(1, 1 + admitted[0], lengths, 0.005 + verify_seconds * admitted[0]))
-        assert sure > 200 if coasts_plain else sure == 0, sure
+        # (coasting on plain, the first look at fixed speculation, early while it is unmeasured,
+        # leaves the exploration budget in debt on this 5 ms clock: until it is repaid the coast
+        # is checked step by step, without a lease)
+        assert sure > 100 if coasts_plain else sure == 0, sure
 
 
 def test_rows_of_a_step_sure_to_be_plain_reach_plan_with_nothing_to_draft(target_dir, draft_dir):

@@ -43,11 +43,6 @@ class Calibration:
         self.by_position: list[list[float]] = []  # [position] -> [accepted, tested]: conditional acceptance
         self.requests: dict[int, RequestEstimate] = {}
 
-    @property
-    def measured(self) -> bool:
-        """Some proposal has been verified: the estimates are more than their prior."""
-        return bool(self.by_position)
-
     def engine_rate(self, greedy: bool, conf: float | None) -> float:
         acc, n = self.tables[int(greedy)][_bin(conf)]
         return acc / n

@@ -28,9 +28,9 @@ a cost of switching, left out of the arm's figures (`record`'s `switched`).
 Coasting (`coast`): while "plain" or "full" leads by a wide margin (or no rival passes it by the
 margin `choose` asks), no burst is due and it has steps of its own here, it runs again unplanned
 for a few steps; once it coasts, the steps before its limit or the next rival's turn coast on a
-lease without these checks (nothing they read changes meanwhile). While no proposal has been
-verified, "full" is rated there as if every proposal were accepted (`full_bound`): a lead that
-the probe of an unmeasured acceptance could overturn does not coast.
+lease without these checks (nothing they read changes meanwhile). While "full" has no steps of
+its own here, it is rated there as if every proposal were accepted (`full_bound`): a lead that a
+probe or a look could overturn does not coast.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class Arms:
         self.exploring: str | None = None  # the arm of the running burst
         self.interval = {a: config.explore_every for a in arms}
         self.rates: dict[str, float] = {}  # the arms' ratings at the last decision
-        # "full"'s rating at the last decision were every proposal accepted (None: the acceptance is measured)
+        # "full"'s rating at the last decision were every proposal accepted (None: it has steps of its own here)
         self.full_bound: float | None = None
         self.coasted = 0  # steps run without a decision since the last one
         self.lease, self.lease_arm = 0, "plain"  # further steps `coast` returns lease_arm unchecked
@@ -172,7 +172,7 @@ class Arms:
         # "spec" is "plain" (idle) or "full" (full) now: no rival of its own
         rivals = [a for a in self.arms if a != current and not ((idle or full) and a == "spec")]
         rates = dict(self.rates)
-        if self.full_bound is not None and current != "full":  # a lead a probe could overturn (none verified yet)
+        if self.full_bound is not None and current != "full":  # a lead a probe or look could overturn
             rates["full"] = max(rates.get("full", 0.0), self.full_bound)
         lead = rates.get(current, 0.0) / max(max(rates.get(a, 0.0) for a in rivals), 1e-12)
         limit = cfg.coast_steps if lead * cfg.far < 1 else cfg.far_coast_steps
@@ -213,8 +213,9 @@ class Arms:
         """The arm this step runs, from the model's predictions of each (`pred`) and the arms'
         figures; `last`: the arm the step before ran; `start`: seconds of the drafter's catch-up
         running each arm now would start with (not amortised: what a look pays at once); `bound`:
-        "full"'s prediction were every proposal accepted, while no proposal has been verified
-        (its rating kept as `full_bound`)."""
+        "full"'s prediction were every proposal accepted, while it has no steps of its own here
+        (its rating kept as `full_bound`; its first look is put off only where even that is far
+        behind: the estimates alone, a prior at first, do not put it off)."""
         cfg = self.config
         if start is not None:
             self.start_cost = dict(start)
@@ -238,8 +239,11 @@ class Arms:
         self.lead_rate = rate[best]
         for arm in self.arms:
             if arm != best and self.steps >= self.due[arm] and self.affordable(arm, credit, cap):
-                if self.figures[arm][4] == 0 and self.rating(arm, pred[arm][:2] + (0.0,)) < cfg.far * rate[best] \
-                        and arm not in self.deferred:
+                if arm == "full" and self.full_bound is not None:  # its bound (catch-up aside)
+                    could = self.rating(arm, bound[:2] + (0.0,), bound=True)
+                else:
+                    could = self.rating(arm, pred[arm][:2] + (0.0,))
+                if self.figures[arm][4] == 0 and could < cfg.far * rate[best] and arm not in self.deferred:
                     # never run, and the model puts it far behind (its catch-up aside): its first look waits longer
                     self.deferred.add(arm)
                     self.interval[arm] = min(cfg.max_explore_every, cfg.look_much_later * self.interval[arm])

@@ -97,10 +97,10 @@ class MeasuredCheck:
         """The last decision at this batch size rated plain steps at least as high as fixed
         speculation (or none was made yet): the load, not the estimate, stops drafting. The bursts
         of "full" then calibrate every row at every position, more than a probe's one proposal.
-        While no proposal has been verified the estimate is a prior, not a measurement: fixed
-        speculation is rated as if every proposal were accepted (`Arms.full_bound`), so plain
-        leads only where even that loses (the load alone stops drafting); elsewhere a probe can
-        change the decision."""
+        While fixed speculation has no steps of its own here its rating is the estimates' (at
+        first a prior, or a probe or two), not a measurement: it is rated as if every proposal
+        were accepted (`Arms.full_bound`), so plain leads only where even that loses (the load
+        alone stops drafting); elsewhere a probe can change the decision."""
         arms = self.arms_at(self.bucket)
         full = arms.rates.get("full", 0.0) if arms.full_bound is None else arms.full_bound
         return arms.rates.get("plain", 0.0) >= full

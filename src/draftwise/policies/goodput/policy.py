@@ -72,9 +72,10 @@ class GoodputPolicy:
                 "plain": core.predict(plan, [0] * b)}
         start = {"spec": core.catch_up_seconds(plan, lengths), "full": core.catch_up_seconds(plan, max_draft),
                  "plain": 0.0}
-        # while no proposal has been verified, what fixed speculation would give were every one
-        # accepted: whether a probe could change the decision (`MeasuredCheck.plain_leads`)
-        bound = None if core.calibration.measured else core.predict(plan, max_draft, every_accepted=True)
+        # while fixed speculation has no steps of its own at this batch size, what it would give
+        # were every proposal accepted: whether a probe or a look could change the decision
+        # (`MeasuredCheck.plain_leads`, `Arms.choose`)
+        bound = core.predict(plan, max_draft, every_accepted=True) if "full" not in arms.own else None
         mode = check.decide(arms, pred, planned_plain, start, bound=bound)
         if mode == "plain":
             core.rate = math.inf
