@@ -114,7 +114,7 @@ class MeasuredCheck:
                start: dict[str, float] | None = None, bound: Prediction | None = None) -> str:
         """This step's arm, from the model's figures of each; `planned_plain`: the plan drafts
         nothing beyond probes (its "spec" step is a plain one); `start`: each arm's catch-up now;
-        `bound`: "full"'s figures were every proposal accepted (only while none has been verified)."""
+        `bound`: "full"'s figures were every proposal accepted (only while it has no steps here)."""
         self.mode = arms.choose(pred, self.credit, self.config.credit_cap, last=self.last_mode, start=start,
                                 bound=bound)
         self.lead_rate = arms.lead_rate

@@ -114,9 +114,9 @@ class GoodputPolicy:
             check.accrue(timing.untimed_seconds)
         if timing.seconds is None:  # a mixed or multi-step step (not the forward modelled): nothing to learn
             if timing.num_steps > 1 and timing.untimed_seconds is not None:  # but what plain steps gave
-                steps, model = timing.num_steps, core.model
-                check.record_steps(steps, timing.untimed_seconds, steps * model.profile_seconds(1, 1, timing.context, []),
-                                   timing.context, steps * model.context_slope(1, []))
+                steps, model, ctx = timing.num_steps, core.model, timing.context
+                check.record_steps(steps, timing.untimed_seconds, steps * model.profile_seconds(1, 1, ctx, []),
+                                   ctx, steps * model.context_slope(1, []))
             check.last_mode = check.mode
             return None
         check.spend(committed, timing.seconds)
