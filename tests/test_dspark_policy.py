@@ -24,7 +24,8 @@ from draftwise.policies import CostModel, Policy, StepTiming, policy_class, regi
 from draftwise.policies.dspark import DSparkPolicy, prefix_schedule
 from draftwise.policies.goodput import GoodputConfig
 from draftwise.proposers import DraftBlock
-from test_policy_causal import COST, PROMPTS, enumerate_admissions, never_right, rows
+from policy_helpers import COST, PROMPTS, never_right, rows
+from test_policy_causal import enumerate_admissions
 
 FROZEN = GoodputConfig(learn_step_cost=False)
 

@@ -2,7 +2,7 @@
 there is the acceptance estimates' (at first a prior of 0.5 a position), not a measurement.
 Whether the load alone stops drafting is then asked of fixed speculation rated as if every
 proposal were accepted: where even that loses to plain steps no engine-wide probe is made
-(`test_no_engine_wide_probes_where_the_load_stops_drafting` in tests/test_policy_causal.py);
+(`test_no_engine_wide_probes_where_the_load_stops_drafting` in tests/test_goodput_probes.py);
 where it could lead, a probe and the check's first look measure it, and a pessimistic prior no
 longer holds back a drafter that pays.
 
