@@ -94,7 +94,10 @@ def test_cli_train_dspark_needs_a_target_and_a_budget(tmp_path, target_dir, caps
     assert "--minutes or --tokens" in capsys.readouterr().err
     assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
                  "--feature-layers", "0,7", "--ckpt-dir", str(tmp_path / "ck")]) == 2
-    assert "target_feature_layers" in capsys.readouterr().err
+    assert "--feature-layers 0,7: strictly increasing layer ids of the target (0 .. 1)" in capsys.readouterr().err
+    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
+                 "--feature-layers", "1,0", "--ckpt-dir", str(tmp_path / "ck")]) == 2
+    assert "--feature-layers 1,0: strictly increasing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("layers", [[0], [0, 1]])

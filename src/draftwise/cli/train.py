@@ -173,6 +173,10 @@ def _train_dspark(args) -> None:
             layers = [int(x) for x in args.feature_layers.split(",")]
         except ValueError:
             raise UserError(f"--feature-layers: comma-separated integers, got {args.feature_layers!r}") from None
+        n = json.loads(Path(args.target, "config.json").read_text()).get("num_hidden_layers")
+        if layers != sorted(set(layers)) or layers[0] < 0 or (isinstance(n, int) and layers[-1] >= n):
+            raise UserError(f"--feature-layers {args.feature_layers}: strictly increasing layer ids of the target "
+                            f"(0 .. {n - 1 if isinstance(n, int) else '?'})")
     overrides = {k: v for k, v in _overrides(args).items() if k != "shape"}
     overrides["anchors"] = args.anchors
     try:
