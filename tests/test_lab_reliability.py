@@ -10,7 +10,8 @@ from draftwise.engine.stats import CONFIDENCE_BINS, EngineStats
 from draftwise.lab.metrics import speculation_figures, stats_delta
 from draftwise.lab.plots import plot_workload
 from draftwise.lab.reliability import conditional_acceptance, pooled, reliability
-from draftwise.policies import StatelessPolicy, register_policy
+from draftwise.policies import register_policy
+from draftwise.policies.fixed import FixedPolicy
 
 
 def test_count_round_reaches_the_positions_a_chain_verified():
@@ -66,19 +67,10 @@ def test_figures_from_a_delta_and_pooled_runs():
 
 
 @register_policy("fixed-with-confidence-test")
-class FixedWithConfidence(StatelessPolicy):
+class FixedWithConfidence(FixedPolicy):
     """Test only: `fixed` (drafts and verifies all it may) that asks the drafter for confidences."""
 
     needs_confidence = True
-
-    def __init__(self, **_):
-        pass
-
-    def plan(self, seqs, max_draft):
-        return list(max_draft)
-
-    def admit(self, seqs, blocks, draft_seconds):
-        return [len(b.token_ids) for b in blocks]
 
 
 def test_engine_counts_agree_with_its_acceptances(target_dir, draft_dir):
