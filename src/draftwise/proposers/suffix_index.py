@@ -25,6 +25,7 @@ Memory: a few list slots per token (a trie at this depth holds up to depth nodes
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 
@@ -82,9 +83,10 @@ class SuffixIndex:
             raise ValueError(f"suffix index depth must be >= 2, got {depth}")
         self.depth = depth
         self.docs: dict[object, _Doc] = {}
-        self.ends: dict[int, Occurrences] = {}  # token -> where it occurs
-        self.pairs: dict[tuple[int, int], Occurrences] = {}  # (a, b) -> where b occurs right after a
-        self.quads: dict[tuple[int, ...], Occurrences] = {}  # four consecutive tokens -> where they end
+        # (lists made on first append; lookups use .get, so no empty list is ever left behind)
+        self.ends: defaultdict[int, Occurrences] = defaultdict(list)  # token -> where it occurs
+        self.pairs: defaultdict[tuple[int, int], Occurrences] = defaultdict(list)  # (a, b) -> where b follows a
+        self.quads: defaultdict[tuple[int, ...], Occurrences] = defaultdict(list)  # four tokens -> where they end
         self._clock = 0  # tokens appended so far, to all documents
 
     def append(self, doc, tokens) -> None:
@@ -98,24 +100,11 @@ class SuffixIndex:
             clock += 1
             toks.append(t)
             clocks.append(clock)
-            at = ends.get(t)
-            if at is None:
-                ends[t] = [(d, i)]
-            else:
-                at.append((d, i))
+            ends[t].append((d, i))
             if prev is not None:
-                at = pairs.get((prev, t))
-                if at is None:
-                    pairs[(prev, t)] = [(d, i)]
-                else:
-                    at.append((d, i))
+                pairs[(prev, t)].append((d, i))
                 if i >= 3:
-                    key = (toks[i - 3], toks[i - 2], prev, t)
-                    at = quads.get(key)
-                    if at is None:
-                        quads[key] = [(d, i)]
-                    else:
-                        at.append((d, i))
+                    quads[(toks[i - 3], toks[i - 2], prev, t)].append((d, i))
             prev = t
             i += 1
         self._clock = clock
