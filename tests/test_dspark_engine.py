@@ -293,8 +293,10 @@ def test_bad_input(tmp_path, tokenizer, target_dir, draft_dir, dspark_dir, capsy
     with pytest.raises(ValueError, match="is a DSpark drafter, not a draft model: use --method dspark"):
         LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="draft", k=4))
     for change, match in (({"hidden_size": 32}, "differ from the target's"),
-                          ({"target_feature_layers": [0, 5]}, "the target has 2 layers")):
-        other = tmp_path / f"other{len(change)}{match[:3]}"
+                          ({"target_feature_layers": [0, 5]}, "the target has 2 layers"),
+                          ({"anchor_feature": "yes"}, "'anchor_feature': true or false, got 'yes'"),
+                          ({"anchor_feature": False}, "tensor 'fc_in.weight' is not part of the drafter")):
+        other = tmp_path / f"other{len(change)}{match[:4].strip(chr(39))}"
         shutil.copytree(dspark_dir, other)
         cfg = json.loads((other / "config.json").read_text())
         (other / "config.json").write_text(json.dumps({**cfg, **change}))

@@ -302,5 +302,9 @@ def load_dspark(path: str | Path, target, dtype: torch.dtype = torch.float32) ->
     bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
     if bad:
         raise ModelLoadError(f"{f}: tensor {bad[0]!r} missing or of another shape")
+    unknown = sorted(k for k in state if k not in expected)
+    if unknown:
+        raise ModelLoadError(f"{f}: tensor {unknown[0]!r} is not part of the drafter config.json describes "
+                             "(its fields disagree with the weights)")
     drafter.load_state_dict(state)
     return drafter.to(dtype).eval().requires_grad_(False).share(target)

@@ -76,6 +76,8 @@ class DSparkConfig:
         if self.block_size < 1 or self.markov_rank < 0 or self.num_hidden_layers < 1:
             raise ModelLoadError("config.json: 'block_size' and 'num_hidden_layers' must be >= 1, "
                                  "'markov_rank' >= 0")
+        if not isinstance(self.anchor_feature, bool):
+            raise ModelLoadError(f"config.json 'anchor_feature': true or false, got {self.anchor_feature!r}")
         temps = self.confidence_temperatures
         if temps and (len(temps) != self.block_size or not all(t > 0 for t in temps)):
             raise ModelLoadError(f"config.json 'confidence_temperatures': {self.block_size} positive numbers "
