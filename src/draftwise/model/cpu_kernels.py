@@ -129,6 +129,9 @@ class DecoderArgs(ctypes.Structure):
         ("bf", ctypes.c_int),
         ("threads", ctypes.c_int),
         ("tree", ctypes.c_void_p),  # int64: sequences whose rows form a tree (`tree_attention.kernel_trees`), or NULL
+        ("feat", ctypes.c_void_p),  # [rows, nfeat * hid] in the dtype: the listed layers' outputs, or NULL
+        ("feat_layers", ctypes.c_void_p),  # int64 [nfeat], ascending
+        ("nfeat", ctypes.c_long),
     ]
 
 

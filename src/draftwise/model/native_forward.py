@@ -7,6 +7,8 @@
   (`_layer_by_layer`), or every layer in one call (`dw_decoder`) where each product runs in the
   kernels;
 - `native_logits`: a target's whole step, token ids to the logits of chosen rows (`dw_forward`);
+- both with `feature_layers`: also the listed layers' outputs for every row (the features a drafter
+  reads), copied out by the kernel call (`DecoderArgs.feat`);
 - `greedy_steps` / `greedy_steps_rows`: a drafter's k greedy steps (`dw_draft_greedy[_rows]`).
 
 The whole-model calls take their arguments as two structs (`cpu_kernels.DecoderArgs`, `NativeIO`)
@@ -197,8 +199,23 @@ class NativeForward:
             return e[0], e[1], head.qpacked.data_ptr(), 3 if dtype == torch.float32 else 4, e[2], head.scale.data_ptr()
         return ()
 
+    def _features_into(self, args: DecoderArgs, keep: list, rows: int, dtype: torch.dtype,
+                       feature_layers: tuple[int, ...]) -> torch.Tensor | None:
+        """With `feature_layers`: a buffer [rows, F * hidden] that the decoder call fills with the
+        residual stream after each listed layer, in layer order (what `_layer_by_layer` taps: `i in
+        feature_layers`), set in `args`; None without."""
+        if not feature_layers:
+            return None
+        listed = [i for i in range(len(self.plan)) if i in feature_layers]
+        feats = torch.empty(rows, len(listed) * self.cfg.hidden_size, dtype=dtype)
+        layers = (ctypes.c_int64 * len(listed))(*listed)
+        keep.append(layers)
+        args.feat, args.feat_layers, args.nfeat = feats.data_ptr(), ctypes.addressof(layers), len(listed)
+        return feats
+
     def native_logits(self, ids: list[int], positions: list[int], B: int, T: int, kv_cache,
-                      meta: AttentionMetadata, max_position: int, rows: list[int]) -> torch.Tensor | None:
+                      meta: AttentionMetadata, max_position: int, rows: list[int],
+                      feature_layers: tuple[int, ...] = ()):
         """The logits [len(rows), V] (float32) of the listed rows of a step on the fused CPU path, in
         one kernel call (`dw_forward`: embeddings, every layer, the final norm, the head): what
         `forward` then `compute_logits` of those rows give, bit for bit, without their PyTorch calls
@@ -206,7 +223,8 @@ class NativeForward:
         `positions` hold one entry per row (B x T rows, or packed rows: `meta.row_offsets`). None
         where that call does not run this step (the kernels off, another layout, too many rows, a
         token outside the vocabulary: the step-by-step path raises the error): then the caller
-        takes `forward`."""
+        takes `forward`. With `feature_layers`: (logits, features [len(ids), F * hidden]), the listed
+        layers' outputs for every row (padding rows included), as `forward` returns them."""
         kern = cpu_kernels.kernels()
         if kern is None or self.plan is None or not rows or not self._fusable(B, T, kv_cache, meta):
             return None
@@ -221,20 +239,21 @@ class NativeForward:
         pos_c = (ctypes.c_int64 * len(positions))(*positions)
         sel = (ctypes.c_int64 * len(rows))(*rows)
         args, keep = self._decoder_args(B, T, ctypes.addressof(pos_c), kv_cache, meta, max_position)
+        feats = self._features_into(args, keep, len(ids), self.model.norm.weight.dtype, feature_layers)
         logits = torch.empty(len(rows), V, dtype=torch.float32)
         rc = kern.forward(ctypes.byref(io), ctypes.addressof(ids_c), ctypes.addressof(sel), len(rows),
                           logits.data_ptr(), ctypes.byref(args))
         if rc != 0:
             raise MemoryError("fused forward: no scratch memory")
-        return logits
+        return logits if feats is None else (logits, feats)
 
     def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position,
                        feature_layers: tuple[int, ...] = ()):
         """`paged_layer`'s computation on the kernels: every layer in one call (`dw_decoder`) where
         its products all run in the kernels, else `_layer_by_layer`. Rows are tokens: B sequences
         of T. Returns the final-normalised hidden states; with `feature_layers` (see `forward`) also
-        the listed layers' outputs, read between `_layer_by_layer`'s calls (the same kernel calls as
-        `dw_decoder`'s, so the same bits; the one-call decoder keeps its residual stream inside)."""
+        the listed layers' outputs [B, T, F * hidden]: copied out by `dw_decoder` (`_features_into`),
+        or read between `_layer_by_layer`'s calls (the same kernel calls, so the same bits)."""
         B, T = input_ids.shape
         pos = positions.contiguous()
         emb = self.model.embed_tokens  # [B, T, hidden], a new tensor: updated in place
@@ -242,11 +261,12 @@ class NativeForward:
         h = torch.empty_like(x)  # the normalised input of the next product
         plan = self._decoder()
         args, keep = self._decoder_args(B, T, pos.data_ptr(), kv_cache, meta, max_position)
-        if plan and B * T <= plan[2] and not feature_layers:
+        if plan and B * T <= plan[2]:
+            feats = self._features_into(args, keep, B * T, x.dtype, feature_layers)
             rc = cpu_kernels.kernels().decoder(x.data_ptr(), h.data_ptr(), ctypes.byref(args))  # every layer
             if rc != 0:
                 raise MemoryError("fused decoder: no scratch memory")
-            return h
+            return h if feats is None else (h, feats.view(B, T, -1))
         if feature_layers:
             taps: list[torch.Tensor] = []
             h = self._layer_by_layer(x, h, pos, args, kv_cache.element_size(), feature_layers, taps)

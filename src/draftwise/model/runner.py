@@ -70,13 +70,14 @@ class ModelRunner:
         feature_layers: tuple[int, ...] = (),  # also return these layers' outputs for every fed row
     ):
         """`feature_layers`: (logits, features [sum(lens), F * hidden]), those layers' outputs for every
-        fed token in batch order (model/dspark.py reads them); not on the one-call `native_logits`."""
+        fed token in batch order (model/dspark.py reads them); the one-call `native_logits` copies
+        them out where it runs."""
         B = len(seq_ids)
         lens = [len(t) for t in new_tokens]
-        if feature_layers and (return_hidden or self.state is not None or any(t is not None for t in trees or ())):
-            raise ValueError("feature_layers: attention-only models, causal rows, no return_hidden")
+        if feature_layers and (return_hidden or self.state is not None):
+            raise ValueError("feature_layers: attention-only models, no return_hidden")
         if trees is not None and any(t is not None for t in trees):
-            return self._run_tree(seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden)
+            return self._run_tree(seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden, feature_layers)
         T = max(lens)
         ragged = B > 1 and T * B != sum(lens) and self.state is None and self.device.type == "cpu"
         if ragged and getattr(self.model, "packs", None) is not None and self.model.packs(T, self.cache):
@@ -107,11 +108,11 @@ class ModelRunner:
             # the key and new-token counts for the fused CPU path; the rest built if read
             meta = PagedMetadata(gather, ends, lens, build)
         rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
-        if self._native and not return_hidden and not feature_layers and self.state is None:  # one kernel call
-            logits = self.model.native_logits([t for r in id_rows for t in r], [p for r in pos_rows for p in r],
-                                              B, T, self.cache, meta, max(ends), rows)
-            if logits is not None:
-                return logits
+        if self._native and not return_hidden and self.state is None:  # one kernel call
+            out = self.model.native_logits([t for r in id_rows for t in r], [p for r in pos_rows for p in r],
+                                           B, T, self.cache, meta, max(ends), rows, feature_layers)
+            if out is not None:
+                return out if not feature_layers else (out[0], _fed_rows(out[1], lens, T))
         ids = torch.tensor(id_rows, dtype=torch.long)
         pos = torch.tensor(pos_rows, dtype=torch.long)
         dev = self.device
@@ -133,8 +134,7 @@ class ModelRunner:
             sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
         if feature_layers:  # every fed row, padding dropped: [sum(lens), F * hidden]
-            fed = torch.tensor([b * T + t for b in range(B) for t in range(lens[b])], dtype=torch.long, device=dev)
-            return logits, feats.reshape(B * T, -1)[fed].cpu()
+            return logits, _fed_rows(feats.reshape(B * T, -1), lens, T).cpu()
         if return_hidden:
             return logits, sel
         return logits
@@ -193,10 +193,11 @@ class ModelRunner:
         meta = AttentionMetadata(None, None, gather, None, seq_lens=ends, seq_new=lens, row_offsets=offs,
                                  kernel_trees=kernel_trees(trees, ends))
         rows = [offs[b] + t for b in range(len(lens)) for t in range(lens[b] - num_logits[b], lens[b])]
-        if self._native and not return_hidden and not feature_layers:  # the whole step in one kernel call
-            logits = self.model.native_logits(flat_ids, flat_pos, len(lens), 0, self.cache, meta, max(ends), rows)
-            if logits is not None:
-                return logits
+        if self._native and not return_hidden:  # the whole step in one kernel call
+            out = self.model.native_logits(flat_ids, flat_pos, len(lens), 0, self.cache, meta, max(ends), rows,
+                                           feature_layers)
+            if out is not None:
+                return out
         ids = torch.tensor([flat_ids], dtype=torch.long)  # [1, N]
         pos = torch.tensor([flat_pos], dtype=torch.long)
         if feature_layers:  # rows are the fed tokens already: [1, N, F * hidden]
@@ -209,15 +210,16 @@ class ModelRunner:
             return logits, sel
         return logits
 
-    def _run_tree(self, seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden):
+    def _run_tree(self, seq_ids, new_tokens, starts, num_logits, lens, trees, return_hidden, feature_layers=()):
         """`run` for a batch in which some sequences' rows form a tree: packed on the fused CPU path
         where it runs (`_run_packed` with the trees), else one padded forward on the PyTorch path
         with a per-row mask (`tree_metadata`). Not for a hybrid model (its recurrent state follows
-        one path)."""
+        one path). `feature_layers`: every fed row's, each tree node's own."""
         if self.state is not None:
             raise ValueError("tree attention needs an attention-only model (a hybrid's recurrent state is a chain)")
         if self._native and self.model.packs(max(lens), self.cache):
-            return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden, trees=list(trees))
+            return self._run_packed(seq_ids, new_tokens, starts, num_logits, lens, return_hidden, feature_layers,
+                                    trees=list(trees))
         B, T = len(seq_ids), max(lens)
         ends = [s + n for s, n in zip(starts, lens)]
         gather = self.kv.slots(seq_ids, ends)  # [B, L]
@@ -229,10 +231,13 @@ class ModelRunner:
             ids, pos = ids.to(dev), pos.to(dev)
             meta = AttentionMetadata(meta.write_index.to(dev), meta.write_slots.to(dev), meta.gather_slots.to(dev),
                                      meta.mask.to(dev))
-        hidden = self.model(ids, pos, self.cache, meta, max_position=max(ends))  # [B, T, hidden]
+        out = self.model(ids, pos, self.cache, meta, max_position=max(ends), feature_layers=feature_layers)
+        hidden, feats = out if feature_layers else (out, None)  # [B, T, hidden], [B, T, F * hidden]
         rows = [b * T + t for b in range(B) for t in range(lens[b] - num_logits[b], lens[b])]
         sel = hidden.reshape(B * T, -1)[torch.tensor(rows, dtype=torch.long, device=dev)]
         logits = self.model.compute_logits(sel).cpu()  # [sum(num_logits), V]
+        if feature_layers:
+            return logits, _fed_rows(feats.reshape(B * T, -1), lens, T).cpu()
         return (logits, sel) if return_hidden else logits
 
     @torch.inference_mode()
@@ -255,3 +260,12 @@ class ModelRunner:
         if self.state is not None and seq_id in self.state.pending:
             with torch.inference_mode():
                 self.state.commit(seq_id, num_computed)
+
+
+def _fed_rows(feats: torch.Tensor, lens: list[int], T: int) -> torch.Tensor:
+    """The rows of a padded batch's features [B * T, F * hidden] that hold fed tokens (sequence b's
+    first lens[b]), in batch order: [sum(lens), F * hidden]."""
+    if T * len(lens) == sum(lens):
+        return feats
+    fed = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], dtype=torch.long, device=feats.device)
+    return feats[fed]

@@ -29,6 +29,16 @@ static void dw_product(int kind, const void *x, const void *w, const void *bias,
     }
 }
 
+/* Layer l's output x [R, hid] into its columns of args->feat [R, nfeat * hid], if l is listed. */
+static void copy_feature(const char *x, long R, long l, const struct dw_decoder_args *args) {
+    long hid = args->hid, F = args->nfeat, es = args->bf ? 2 : 4;
+    for (long j = 0; j < F; j++) {
+        if (args->feat_layers[j] != l) continue;
+        char *dst = (char *)args->feat + es * j * hid;
+        for (long r = 0; r < R; r++) memcpy(dst + es * r * F * hid, x + es * r * hid, es * hid);
+    }
+}
+
 /* The layers of dw_decoder on the calling thread: alone (dw_team_nt 0, each product forking its
  * own OpenMP team), or as one thread of a team (team.c): every thread takes its share of each
  * product and of the attention, thread 0 alone the norms, RoPE and SiLU, a barrier after each op
@@ -71,6 +81,7 @@ static int decoder_layers(char *x, char *h, char *buf, long R, const struct dw_d
         dw_product(K[3], a, W[11], W[12], W[13], d, R, hid, I, bf, threads);
         dw_team_barrier();
         if (one) dw_add_rms_norm(x, d, l + 1 < layers ? w[14 * (l + 1)] : args->final_norm, h, R, hid, eps, bf);
+        if (one && args->feat) copy_feature(x, R, l, args); /* (x is thread 0's alone: the others read h) */
         dw_team_barrier();
     }
     return rc;
@@ -79,8 +90,8 @@ static int decoder_layers(char *x, char *h, char *buf, long R, const struct dw_d
 /* Every decoder layer over the rows that `args` describes (struct dw_decoder_args): a draft model's
  * whole forward, or a target's decode / verification step, in one call. x [R, hid] is the residual
  * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
- * hidden states. With threads > 1 the layers run on one team of that many threads (team.c).
- * Returns 0, or -1 when scratch memory is not available. */
+ * hidden states; args->feat (if not NULL) the listed layers' outputs. With threads > 1 the layers
+ * run on one team of that many threads (team.c). Returns 0, or -1 when scratch memory is not available. */
 int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
     long H = args->H, Hkv = args->Hkv, D = args->D, I = args->I, hid = args->hid;
     long es = args->bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;

@@ -91,7 +91,7 @@ static long argmax_conf2_row(float *logits, long V, float *conf, int64_t *tok2, 
  * feeds the n0 tokens of `feed` at positions start..start+n0-1, step s > 0 feeds step s-1's token
  * at position start+n0+s-1; every step writes the fed tokens' K/V (the last proposal is not fed).
  * The model's fields of `args` as dw_decoder takes them (its rows' fields B, T, pos, L, lens, news
- * and offs are set here, step by step); args->slot0 >= 0: positions 0.. on consecutive slots from
+ * and offs are set here, step by step; no features); args->slot0 >= 0: positions 0.. on consecutive slots from
  * slot0; else args->slots gives each position's slot (one row of args->Lmax slots). out_tok [k];
  * out_conf [k] (may be NULL): max softmax probability of each step's logits; out_tok2, out_p2 [k] (NULL:
  * not computed): each step's runner-up token and its probability. Returns 0, or -1 when scratch
@@ -113,7 +113,7 @@ int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, 
         dw_embed_rows(io, ids, T, hid, es, x);
         long L = p0 + T, lens = L, news = T;
         struct dw_decoder_args step = *args;
-        step.B = 1, step.T = T, step.pos = pos, step.L = L, step.offs = NULL;
+        step.B = 1, step.T = T, step.pos = pos, step.L = L, step.offs = NULL, step.feat = NULL;
         if (args->slot0 >= 0) { /* consecutive slots */
             step.slots = NULL, step.Lmax = 0, step.lens = NULL, step.news = NULL;
         } else {
@@ -177,7 +177,7 @@ int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a
             for (long a = 0; a < A; a++) memcpy(tab + a * Lmax, slots + act[a] * Lmax, sizeof(int64_t) * Lmax);
         struct dw_decoder_args step = *args; /* A packed sequences */
         step.B = A, step.T = 0, step.pos = pos, step.slot0 = 0, step.L = L, step.slots = whole ? slots : tab;
-        step.lens = lens, step.news = news, step.offs = offs;
+        step.lens = lens, step.news = news, step.offs = offs, step.feat = NULL;
         rc = dw_forward(io, ids, sel, A, logits, &step);
         for (long a = 0; a < A && rc == 0; a++) {
             long b = act[a];

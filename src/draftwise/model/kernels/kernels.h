@@ -216,7 +216,9 @@ void dw_pack(const void *w, void *wp, long O, long N, long es);
  * projections, ln2 after o's (biases and scales may be NULL); kinds holds the 4 projections' kinds
  * per layer (dw_product). Caches: layer l's K at cache + l * layer_stride elements, its V
  * kv_stride further. pos: each row's position; cos, sin: float32 RoPE tables [positions, D].
- * threads: the products' and attention's OpenMP threads. */
+ * threads: the products' and attention's OpenMP threads. feat (or NULL): receives the residual
+ * stream after each of the nfeat layers listed in feat_layers (ascending), [rows, nfeat * hid] in
+ * the dtype, layer j's at columns j * hid.. of every row: the features a drafter reads. */
 struct dw_decoder_args {
     long B, T, layers, hid, H, Hkv, D, I;
     void **w;
@@ -234,6 +236,9 @@ struct dw_decoder_args {
     float scale;
     int bf, threads;
     const int64_t *tree; /* sequences whose rows form a tree, as dw_attend_batch takes them; NULL: none */
+    void *feat;
+    const int64_t *feat_layers;
+    long nfeat;
 };
 
 /* The input embedding and the LM head run inside dw_forward and the drafter's greedy steps (`NativeIO`
