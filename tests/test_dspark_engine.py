@@ -24,6 +24,7 @@ from draftwise.model.config import ModelLoadError
 from draftwise.policies import StatelessPolicy, register_policy
 from draftwise.model.dspark import DSparkDrafter, save_dspark
 from draftwise.model.dspark_config import DSparkConfig
+from draftwise.model.runner import ModelRunner
 from draftwise.proposers import DraftBlock, register_proposer
 from draftwise.proposers.dspark import DSparkProposer
 from draftwise.sampling import process_logits
@@ -233,8 +234,8 @@ def test_dspark_policy_reads_the_confidences(target_dir, dspark_dir, plain):
 
 @register_policy("test-every-other-step")
 class EveryOtherStep(StatelessPolicy):
-    """Drafts on every other step only: the steps between are plain, which a lone greedy row could
-    otherwise take in one multi-token kernel call (no features)."""
+    """Drafts on every other step only: the steps between are plain (a lone greedy row's: its
+    scheduled tokens in one kernel call, `LLMEngine._multi_step`)."""
 
     def __init__(self, **_):
         self.steps = 0
@@ -247,6 +248,15 @@ class EveryOtherStep(StatelessPolicy):
         return [len(b.token_ids) for b in blocks]
 
 
+@register_policy("test-announced-plain-steps")
+class AnnouncedPlainSteps(EveryOtherStep):
+    """EveryOtherStep that tells the scheduler its plain steps ahead (`plain_next`): it gives a lone
+    greedy row up to `multi_step` tokens there."""
+
+    def plain_next(self, num_seqs):
+        return (self.steps + 1) % 2 == 1
+
+
 @pytest.fixture(scope="module")
 def wide_pair(tmp_path_factory, tokenizer):
     """A target whose head is packed for the fused greedy steps (vocabulary 2048), and a drafter."""
@@ -255,23 +265,42 @@ def wide_pair(tmp_path_factory, tokenizer):
     return target, make_dspark_dir(d / "dspark", target)
 
 
-@pytest.mark.parametrize("policy", ["test-every-other-step", "dspark"])
-def test_a_lone_row_with_plain_steps_keeps_the_features(wide_pair, plain, policy):
-    """A lone greedy row's plain steps are one token a step (the multi-token kernel call would
-    commit tokens whose features the drafter never sees)."""
+@pytest.mark.parametrize("policy", ["test-every-other-step", "test-announced-plain-steps", "dspark"])
+def test_a_lone_row_with_plain_steps_keeps_the_features(wide_pair, plain, policy, monkeypatch):
+    """A lone greedy row's plain steps, several tokens in one kernel call (`ModelRunner.greedy_steps`),
+    hand the drafter the features of every committed token: its cache equals a fresh forward's
+    after every step, and the output plain decoding's."""
     target, dspark = wide_pair
     _, ps, sp, _ = plain
+    multi = []
+    real = ModelRunner.greedy_steps
+
+    def spy(self, *a, **kw):
+        got = real(self, *a, **kw)
+        multi.append(got is not None and len(got[0]) > 1 and len(got) == 3)
+        return got
+
+    monkeypatch.setattr(ModelRunner, "greedy_steps", spy)
     ref = LLM(str(target))
     llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=4, policy=policy, cost_model=COST))
-    for p in ps[:4]:
+    fresh = load_model(target, fuse=False, load_tokenizer=False).model.eval()
+    eng = llm.engine
+    for i, p in enumerate(ps[:4]):
         (w,) = ref.generate([p], sp)
-        (o,) = llm.generate([p], sp)
-        assert o.finish_reason == "length" and o.error is None, o.error
-        assert_equal_but_near_ties(ref.engine.target.model, [p], [o.token_ids], [w.token_ids])
-    st = llm.engine.stats
+        multi.clear()  # (plain decoding's own multi-step calls)
+        seq = eng.add_request(f"r{i}", p, sp)
+        while eng.has_unfinished():
+            eng.step()
+            if not seq.is_finished and not seq.is_prefilling:
+                assert seq.draft_computed == seq.num_computed
+                assert eng.proposer.cache_error(seq, fresh) <= 1e-4
+        assert seq.finish_reason == "length" and seq.error is None, seq.error
+        assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
+    st = eng.stats
     assert st.speculative_steps > 0
-    if policy == "test-every-other-step":  # (dspark's choice reads measured step times: plain steps not certain)
+    if policy != "dspark":  # (dspark's choice reads measured step times: plain steps not certain)
         assert st.decode_steps > st.speculative_steps  # plain steps and drafting steps both ran
+        assert any(multi)
 
 
 def test_constrained_request(target_dir, dspark_dir, plain):

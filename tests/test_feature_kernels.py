@@ -128,3 +128,46 @@ def test_one_call_features_follow_the_listed_layers(tmp_path, tokenizer, kernels
         one = feature_rounds(load_with_distinct_norms(path, "float32"), layers)
         for i, (a, b) in enumerate(zip(one, both)):
             assert torch.equal(a, b[:, cols] if i % 2 else b)
+
+
+def test_features_without_kernels_agree(tmp_path, tokenizer, kernels_on):
+    """The PyTorch path (kernels off: padded batches, tree rows under a per-row mask) returns the
+    same rows' features, up to float rounding."""
+    path = make_model_dir(tmp_path, seed=6, tokenizer=tokenizer, **SHAPE)
+    on = feature_rounds(load_with_distinct_norms(path, "float32"))
+    cpu_kernels.set_enabled(False)
+    off = feature_rounds(load_with_distinct_norms(path, "float32"))
+    assert len(on) == len(off)
+    for a, b in zip(on, off):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_return_the_features_of_every_fed_token(dtype, tmp_path, tokenizer, kernels_on):
+    """A lone row's greedy steps in one call (`ModelRunner.greedy_steps`, multi-step plain decoding)
+    with features: the tokens and the features of the fed tokens (the feed, then each proposal but
+    the last) are bitwise those of one `run` a step, on consecutive and on paged slots."""
+    path = make_model_dir(tmp_path, seed=6, tokenizer=tokenizer, **SHAPE)
+    loaded = load_with_distinct_norms(path, dtype)
+    if not loaded.model._decoder() or loaded.model._native_io() is None:
+        pytest.skip("this CPU's products are oneDNN's: no one-call steps")
+    V = loaded.config.vocab_size
+    feed = [3, 17, 250, 9]
+    for paged in (False, True):
+        runner = ModelRunner(loaded, num_blocks=24, block_size=4)
+        if paged:  # another sequence's blocks between this one's
+            for n in range(4, 40, 4):
+                runner.kv.reserve(1, n)
+                runner.kv.reserve(0, n)
+        runner.kv.reserve(0, 40)
+        runner.run([0], [[5, 6, 7]], [0], [1])
+        toks, _, feats = runner.greedy_steps(0, feed, 3, 5, feature_layers=LAYERS)
+        assert feats.shape == (len(feed) + 4, len(LAYERS) * BIG["hidden"]) and feats.dtype == getattr(torch, dtype)
+        want_feats, fed, start = [], list(feed), 3
+        for t in toks:
+            logits, f = runner.run([0], [fed], [start], [1], feature_layers=LAYERS)
+            assert int(logits[0].argmax()) == t and 0 <= t < V
+            want_feats.append(f)
+            start += len(fed)
+            fed = [t]
+        assert torch.equal(feats, torch.cat(want_feats)[: len(feed) + 4])

@@ -99,8 +99,8 @@ class LLMEngine:
         self.proposer = self.speculation.proposer if self.speculation else None
         self.policy = self.speculation.policy if self.speculation else None
         # a drafter on the target's features (proposers/dspark.py) gets every committed row's features:
-        # a prefix-cache hit would skip the target's forward over it, so the target caches no prefix,
-        # and no step commits tokens without a forward that returns them (multi-step is off)
+        # a prefix-cache hit would skip the target's forward over it, so the target caches no prefix;
+        # every forward that commits tokens returns them (multi-step calls too: `_multi_step`)
         self.feature_layers = tuple(self.proposer.feature_layers) if self.proposer is not None else ()
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # this step's, by seq_id (target_forward)
         self.runner = ModelRunner(target, num_blocks, cfg.block_size, recurrent_rollback=cfg.recurrent_rollback,
@@ -119,7 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
-            multi_step=1 if self.feature_layers else cfg.multi_step,
+            multi_step=cfg.multi_step,
         )
         # a policy that knows the next step runs plain (a coasting lease) lets a lone greedy row
         # commit several tokens in one call there, as plain decoding does
@@ -298,11 +298,12 @@ class LLMEngine:
         the target's greedy steps in one kernel call (`ModelRunner.greedy_steps`, what as many
         one-token steps compute: each token the argmax of the logits after the ones before). The
         tokens are committed one at a time with the stop checks, as every step's are; K/V written
-        past a stop is dropped by bookkeeping. None: the usual step (a sampled or processed row,
-        a prefill, several rows, proposals to verify, a model without the fused steps, a drafter
-        that reads the features of every committed token)."""
+        past a stop is dropped by bookkeeping. A drafter on the target's features gets those of
+        every fed token (postprocess hands it the committed ones). None: the usual step (a sampled
+        or processed row, a prefill, several rows, proposals to verify, a model without the fused
+        steps)."""
         self._multi_stepped = 0
-        if len(scheduled) != 1 or self.feature_layers:  # (a drafter on features needs every forward's)
+        if len(scheduled) != 1:
             return None
         s = scheduled[0]
         seq = s.seq
@@ -310,9 +311,12 @@ class LLMEngine:
                 or blocks.get(seq.seq_id, NO_DRAFT).token_ids:
             return None
         feed = seq.all_ids[seq.num_computed : seq.num_tokens]
-        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft)
+        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft,
+                                       feature_layers=self.feature_layers)
         if got is None:
             return None
+        if self.feature_layers:  # [len(feed) + num_draft, F * hidden], from position num_computed
+            self._features = {seq.seq_id: (seq.num_computed, got[2])}
         self._multi_stepped = len(got[0])
         return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None)
 

@@ -330,7 +330,7 @@ class NativeForward:
         return kern, io
 
     def greedy_steps(self, feed: list[int], start: int, k: int, kv_cache: torch.Tensor, slot0: int | None,
-                     slots: torch.Tensor | None, confidence: bool = False):
+                     slots: torch.Tensor | None, confidence: bool = False, feature_layers: tuple[int, ...] = ()):
         """A drafter's k greedy steps for one sequence in one kernel call (`dw_draft_greedy`): feed
         `feed` at positions start.., take the last row's argmax, feed it, ... k times; the K/V of
         every fed token written (the k-th proposal is not fed). The calls `ModelRunner.run`, the
@@ -338,7 +338,9 @@ class NativeForward:
         without the Python of each step. slot0: the first slot when positions 0.. lie on
         consecutive slots, else `slots` holds each position's slot. Returns (tokens, max softmax
         probability per step or None), or None where this model's forward is not one call
-        (another kernel layout, a bias on the head, too many tokens fed)."""
+        (another kernel layout, a bias on the head, too many tokens fed). With `feature_layers` a
+        third entry: the listed layers' outputs of every fed token, [len(feed) + k - 1, F * hidden]
+        (what `forward` returns for them, as the steps' one-call forwards copy them out)."""
         fused = self._fused_steps(kv_cache, [feed], [k])
         if fused is None:
             return None
@@ -348,6 +350,8 @@ class NativeForward:
         args = self._model_args(kv_cache, cos, sin, slot0=-1 if slot0 is None else slot0,
                                 slots=0 if slots is None else slots.data_ptr(),
                                 Lmax=0 if slots is None else slots.numel())
+        keep: list = []
+        feats = self._features_into(args, keep, n0 + k - 1, self.model.norm.weight.dtype, feature_layers)
         feed_c = (ctypes.c_int64 * n0)(*feed)
         toks = (ctypes.c_int64 * k)()
         conf = (ctypes.c_float * k)() if confidence else None
@@ -355,7 +359,8 @@ class NativeForward:
                                ctypes.addressof(toks), 0 if conf is None else ctypes.addressof(conf), 0, 0)
         if rc != 0:
             raise MemoryError("fused draft steps: no scratch memory")
-        return list(toks), (list(conf) if conf is not None else None)
+        out = list(toks), (list(conf) if conf is not None else None)
+        return out if feats is None else (*out, feats)
 
     def greedy_steps_rows(self, feeds: list[list[int]], starts: list[int], ks: list[int], kv_cache: torch.Tensor,
                           slots: torch.Tensor, confidence: bool = False, runners_up: bool = False):

@@ -140,17 +140,19 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def greedy_steps(self, seq_id: int, feed: list[int], start: int, k: int, confidence: bool = False):
+    def greedy_steps(self, seq_id: int, feed: list[int], start: int, k: int, confidence: bool = False,
+                     feature_layers: tuple[int, ...] = ()):
         """k greedy proposals of one sequence in one call (`LlamaModel.greedy_steps`): what k calls of
         `run` (feed, then each proposal but the last) and the argmax of their logits give. None
-        where the model cannot (a hybrid or non-CPU model, another kernel layout): then `run`."""
+        where the model cannot (a hybrid or non-CPU model, another kernel layout): then `run`.
+        `feature_layers`: a third entry, the features of every fed token [len(feed) + k - 1, F * hidden]."""
         fn = getattr(self.model, "greedy_steps", None)
         if fn is None or self.state is not None or self.device.type != "cpu":
             return None
         end = start + len(feed) + k - 1  # keys at the last step
         first = self.kv.contiguous_start(seq_id, end)
         slots = None if first is not None else self.kv.slots([seq_id], [end])[0].contiguous()
-        return fn(feed, start, k, self.cache, first, slots, confidence)
+        return fn(feed, start, k, self.cache, first, slots, confidence, feature_layers)
 
     def greedy_steps_rows(self, seq_ids: list[int], feeds: list[list[int]], starts: list[int], ks: list[int],
                           confidence: bool = False, runners_up: bool = False):

@@ -91,11 +91,12 @@ static long argmax_conf2_row(float *logits, long V, float *conf, int64_t *tok2, 
  * feeds the n0 tokens of `feed` at positions start..start+n0-1, step s > 0 feeds step s-1's token
  * at position start+n0+s-1; every step writes the fed tokens' K/V (the last proposal is not fed).
  * The model's fields of `args` as dw_decoder takes them (its rows' fields B, T, pos, L, lens, news
- * and offs are set here, step by step; no features); args->slot0 >= 0: positions 0.. on consecutive slots from
+ * and offs are set here, step by step); args->slot0 >= 0: positions 0.. on consecutive slots from
  * slot0; else args->slots gives each position's slot (one row of args->Lmax slots). out_tok [k];
  * out_conf [k] (may be NULL): max softmax probability of each step's logits; out_tok2, out_p2 [k] (NULL:
- * not computed): each step's runner-up token and its probability. Returns 0, or -1 when scratch
- * memory was not available. */
+ * not computed): each step's runner-up token and its probability. args->feat (or NULL): the listed
+ * layers' outputs of the n0 + k - 1 fed rows in feeding order, [n0 + k - 1, nfeat * hid]. Returns 0,
+ * or -1 when scratch memory was not available. */
 int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, const int64_t *feed, long n0,
                     long start, long k, int64_t *out_tok, float *out_conf, int64_t *out_tok2, float *out_p2) {
     long es = args->bf ? 2 : 4, hid = args->hid, V = io->V;
@@ -113,7 +114,9 @@ int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, 
         dw_embed_rows(io, ids, T, hid, es, x);
         long L = p0 + T, lens = L, news = T;
         struct dw_decoder_args step = *args;
-        step.B = 1, step.T = T, step.pos = pos, step.L = L, step.offs = NULL, step.feat = NULL;
+        step.B = 1, step.T = T, step.pos = pos, step.L = L, step.offs = NULL;
+        if (args->feat) /* this step's rows of the n0 + k - 1 fed: from row 0, or n0 + s - 1 */
+            step.feat = (char *)args->feat + es * args->nfeat * hid * (s == 0 ? 0 : n0 + s - 1);
         if (args->slot0 >= 0) { /* consecutive slots */
             step.slots = NULL, step.Lmax = 0, step.lens = NULL, step.news = NULL;
         } else {
