@@ -26,7 +26,7 @@ def add_parser(sub):
                         "chat-open, file-edit, json-edit; comma-separated) or a JSONL path "
                         "(default: code-easy,code-hard,grounded; --quick: grounded,code-hard)")
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, suffix:k=N, "
-                                                    "dspark:k=N, with an optional "
+                                                    "dspark:k=N, eagle3:k=N, with an optional "
                                                     ":policy=fixed|adaptive|goodput|dspark (e.g. draft:k=4:policy=goodput), "
                                                     ":forced=N, :tree=N (draft: a tree of at most k nodes, N children per expanded node), "
                                                     ":rollback=snapshot|replay and :copy=2 (the same config "
@@ -85,7 +85,8 @@ def add_parser(sub):
 def _add_model_args(p) -> None:
     """The models and where they run: in-process, or a server under --url."""
     p.add_argument("--model", help="target model directory (default: the embedded target; not used with --url)")
-    p.add_argument("--draft", help="draft model directory, or a DSpark drafter's for dspark configs (default: the "
+    p.add_argument("--draft", help="draft model directory, or a DSpark / EAGLE-3 drafter's for dspark / eagle3 configs "
+                                   "(default: the "
                                    "embedded draft when --model is not given; with --model, draft configs need it)")
     p.add_argument("--url", default=None,
                    help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000); the settings record "

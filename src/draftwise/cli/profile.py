@@ -71,7 +71,7 @@ def run(args) -> int:
 
     from ..lab.progress import make_progress, stderr_console
 
-    from ..model.pair import LoadedDSpark, load_pair
+    from ..model.pair import LoadedDSpark, LoadedEagle3, load_pair
     from ..policies.profile import measure_profile, profile_cache_path
     from ..proposers import proposer_class
 
@@ -81,7 +81,7 @@ def run(args) -> int:
     needs_draft = spec.method is not None and proposer_class(spec.method).needs_draft_model
     target, draft = load_pair(args.model, args.draft, needs_draft=needs_draft, dtype=args.dtype,
                               draft_dtype=args.draft_dtype, device=args.device, method=spec.method or "draft")
-    if isinstance(draft, LoadedDSpark):  # a drafter on the target's features: the engine reads the target's profile
+    if isinstance(draft, (LoadedDSpark, LoadedEagle3)):  # a drafter on the target's features: the target's profile
         draft = None
     console = stderr_console(args.progress)
     console.print(f"draftwise profile: target {target.path}" + (f", draft {draft.path}" if draft else ", no draft")

@@ -7,6 +7,7 @@
     draftwise train all --out models [--target-minutes N] [--draft-minutes N]
     draftwise train random-draft --target DIR --out DIR [--shape draft] [--seed N]   (a useless drafter)
     draftwise train dspark --target DIR --out DIR [--minutes N | --tokens N] [--block-size G] [--resume]
+    draftwise train eagle3 --target DIR --out DIR [--minutes N | --tokens N] [--steps N] [--eval-draft DIR] [--resume]
 
 Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` continues from them.
 """
@@ -29,11 +30,11 @@ def add_parser(subparsers):
 
     p = subparsers.add_parser("train", help="train the tokenizer / target / draft on the stdlib corpus",
                               description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tokenizer", "target", "draft", "all", "random-draft", "dspark"])
+    p.add_argument("what", choices=["tokenizer", "target", "draft", "all", "random-draft", "dspark", "eagle3"])
     p.add_argument("--out", required=True, help="output directory (HF format)")
     p.add_argument("--tokenizer", help="tokenizer directory (target; default: the one in --out, trained there first "
                                        "when missing)")
-    p.add_argument("--target", help="target model directory (draft, random-draft, dspark; a name under models/ "
+    p.add_argument("--target", help="target model directory (draft, random-draft, dspark, eagle3; a name under models/ "
                                     "counts)")
     p.add_argument("--minutes", type=float, help="training-time budget in minutes (target, draft: this or --tokens "
                                                  "is needed; all uses --target-minutes and --draft-minutes)")
@@ -85,18 +86,24 @@ def add_parser(subparsers):
 
 def _add_dspark_args(p) -> None:
     from ..train.dspark import DSPARK_DEFAULTS as S
+    from ..train.eagle3 import EAGLE3_DEFAULTS as E
 
     p.add_argument("--block-size", type=positive_int, default=5,
                    help="dspark: gamma, the tokens one drafter forward proposes (default 5)")
     p.add_argument("--markov-rank", type=int, default=None,
                    help="dspark: rank of the Markov head's transition bias (default: hidden/4, at most 256)")
-    p.add_argument("--feature-layers", help="dspark: the target's layers whose outputs the drafter reads, "
+    p.add_argument("--feature-layers", help="dspark, eagle3: the target's layers whose outputs the drafter reads, "
                                             "comma-separated, 0-based (default: 1, L/2, L-2, L-1)")
     p.add_argument("--backbone-layers", type=positive_int, default=1,
                    help="dspark: the drafter's transformer layers (default 1)")
     p.add_argument("--anchors", type=positive_int, default=S["anchors"],
                    help=f"dspark: blocks drawn per training window (default {S['anchors']}; batch 4 x 256 tokens, "
                         f"lr {S['lr']:g}, warm-up {S['warmup_steps']} unless set)")
+    p.add_argument("--steps", type=positive_int, default=5,
+                   help=f"eagle3: draft steps unrolled by training-time test (default 5; batch 4 x 256 tokens, "
+                        f"lr {E['lr']:g}, warm-up {E['warmup_steps']} unless set)")
+    p.add_argument("--eval-draft", help="eagle3: also measure this draft model's held-out acceptance at the same "
+                                        "positions (a model directory sharing the target's vocabulary; default: none)")
 
 
 def _log(msg: str) -> None:
@@ -139,6 +146,8 @@ def run(args) -> int:
         pipeline.random_draft(args.out, args.target, shape=args.shape or "draft", seed=args.seed)
     elif args.what == "dspark":
         _train_dspark(args)
+    elif args.what == "eagle3":
+        _train_eagle3(args)
     elif args.what == "draft":
         if not args.target:
             raise UserError("train draft needs --target DIR (the model to distil from)")
@@ -158,25 +167,35 @@ def run(args) -> int:
     return 0
 
 
-def _train_dspark(args) -> None:
-    from ..train.dspark import train_dspark
-
+def _check_target(args) -> None:
     if not args.target:
-        raise UserError("train dspark needs --target DIR (a model directory: the drafter reads its features)")
+        raise UserError(f"train {args.what} needs --target DIR (a model directory: the drafter reads its features)")
     if not Path(args.target, "config.json").is_file():
         raise UserError(f"{args.target}: not a model directory (no config.json); --target names the model the drafter reads")
     if args.minutes is None and args.tokens is None:
-        raise UserError("train dspark needs --minutes or --tokens")
-    layers = None
-    if args.feature_layers:
-        try:
-            layers = [int(x) for x in args.feature_layers.split(",")]
-        except ValueError:
-            raise UserError(f"--feature-layers: comma-separated integers, got {args.feature_layers!r}") from None
-        n = json.loads(Path(args.target, "config.json").read_text()).get("num_hidden_layers")
-        if layers != sorted(set(layers)) or layers[0] < 0 or (isinstance(n, int) and layers[-1] >= n):
-            raise UserError(f"--feature-layers {args.feature_layers}: strictly increasing layer ids of the target "
-                            f"(0 .. {n - 1 if isinstance(n, int) else '?'})")
+        raise UserError(f"train {args.what} needs --minutes or --tokens")
+
+
+def _feature_layers(args) -> list[int] | None:
+    """--feature-layers, checked against the target's layer count."""
+    if not args.feature_layers:
+        return None
+    try:
+        layers = [int(x) for x in args.feature_layers.split(",")]
+    except ValueError:
+        raise UserError(f"--feature-layers: comma-separated integers, got {args.feature_layers!r}") from None
+    n = json.loads(Path(args.target, "config.json").read_text()).get("num_hidden_layers")
+    if layers != sorted(set(layers)) or layers[0] < 0 or (isinstance(n, int) and layers[-1] >= n):
+        raise UserError(f"--feature-layers {args.feature_layers}: strictly increasing layer ids of the target "
+                        f"(0 .. {n - 1 if isinstance(n, int) else '?'})")
+    return layers
+
+
+def _train_dspark(args) -> None:
+    from ..train.dspark import train_dspark
+
+    _check_target(args)
+    layers = _feature_layers(args)
     overrides = {k: v for k, v in _overrides(args).items() if k != "shape"}
     overrides["anchors"] = args.anchors
     try:
@@ -186,6 +205,26 @@ def _train_dspark(args) -> None:
                      overrides=overrides, log=_log,
                      progress=args.progress)
     except ValueError as e:  # a config the target cannot serve (feature layers, rank)
+        raise UserError(str(e)) from None
+
+
+def _train_eagle3(args) -> None:
+    from ..paths import resolve_model
+    from ..train.eagle3 import train_eagle3
+
+    _check_target(args)
+    layers = _feature_layers(args)
+    draft = None
+    if args.eval_draft:
+        draft = str(resolve_model(args.eval_draft))
+        if not Path(draft, "config.json").is_file():
+            raise UserError(f"--eval-draft {args.eval_draft}: not a model directory (no config.json)")
+    overrides = {k: v for k, v in _overrides(args).items() if k != "shape"}
+    try:
+        train_eagle3(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
+                     ckpt_dir=args.ckpt_dir or "checkpoints/eagle3", resume=args.resume, steps=args.steps,
+                     feature_layers=layers, overrides=overrides, log=_log, progress=args.progress, draft_dir=draft)
+    except ValueError as e:  # a config the target cannot serve
         raise UserError(str(e)) from None
 
 

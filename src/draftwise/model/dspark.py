@@ -26,7 +26,6 @@ context positions, H the target's width, V its vocabulary.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,10 +33,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from .attention import sdpa
-from .config import ModelLoadError
+from .drafter_io import load_drafter_weights, save_drafter
+from .drafter_rope import RopeTable
 from .dspark_config import DSparkConfig
 from .llama import RMSNorm, apply_rope
 from .packed_weights import PackedLinear
@@ -109,21 +108,27 @@ class BlockLayer(nn.Module):
         return k, v.reshape(B, L, self.Hkv, self.D)
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        """x [B, Q, h]; k_ctx, v_ctx [B, S, Hkv, D]; mask [B, 1, Q, S + Q] (True: attend)."""
+        """x [B, Q, h]; k_ctx, v_ctx [B, S, Hkv, D]; mask [B, 1, Q, S + Q] (True: attend) -> [B, Q, h]."""
+        return self.forward_kv(x, cos, sin, k_ctx, v_ctx, mask)[0]
+
+    def forward_kv(self, x, cos, sin, k_ctx, v_ctx, mask):
+        """`forward`, also returning the rows' own k (rotated), v [B, Q, Hkv, D] (what a drafter whose
+        later steps attend its earlier ones keeps: EAGLE-3)."""
         B, Q, _ = x.shape
         h = self.input_layernorm(x)
         q, k_blk, v_blk = self._qkv(h, with_q=True)
         q = apply_rope(q.reshape(B, Q, self.H, self.D), cos, sin).to(x.dtype)
         k_blk = apply_rope(k_blk.reshape(B, Q, self.Hkv, self.D), cos, sin).to(x.dtype)
+        v_blk = v_blk.reshape(B, Q, self.Hkv, self.D)
         k = torch.cat((k_ctx.to(x.dtype), k_blk), dim=1).transpose(1, 2)  # [B, Hkv, S + Q, D]
-        v = torch.cat((v_ctx.to(x.dtype), v_blk.reshape(B, Q, self.Hkv, self.D)), dim=1).transpose(1, 2)
+        v = torch.cat((v_ctx.to(x.dtype), v_blk), dim=1).transpose(1, 2)
         y = sdpa(q.transpose(1, 2), k, v, mask, self.D ** -0.5).transpose(1, 2).reshape(B, Q, -1)  # [B, Q, H*D]
         x = x + (self.packed["o"](y) if self.packed else self.o_proj(y))
         h = self.post_attention_layernorm(x)
         if self.packed:
             gate, up = self.packed["gate_up"](h).chunk(2, dim=-1)
-            return x + self.packed["down"](F.silu(gate) * up)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+            return x + self.packed["down"](F.silu(gate) * up), k_blk, v_blk
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), k_blk, v_blk
 
 
 @dataclass
@@ -156,7 +161,7 @@ class DSparkDrafter(nn.Module):
         self.confidence = nn.Linear(h + cfg.markov_rank, 1)
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
-        self._rope_table: dict = {}  # device -> (cos, sin_signed) [max_position_embeddings + 1, D]
+        self._rope = RopeTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
     def prepare(self) -> "DSparkDrafter":
         """Inference on a CPU: the projections packed for the kernels (`BlockLayer.prepare`); the
@@ -182,21 +187,8 @@ class DSparkDrafter(nn.Module):
         return self._target[0].compute_logits(hidden)
 
     def rope(self, positions: torch.Tensor):
-        """positions [B, L] -> cos, sin_signed [B, L, 1, D] (the target's RoPE convention), read from
-        a table of every position up to max_position_embeddings (built once per device: a block's
-        few rows would otherwise pay a sin and a cos call each round)."""
-        P = self.cfg.max_position_embeddings
-        table = self._rope_table.get(positions.device)
-        if table is None:
-            D = self.cfg.head_dim  # (float32 whatever the weights' dtype)
-            inv_freq = 1.0 / self.cfg.rope_theta ** (torch.arange(0, D, 2, device=positions.device).float() / D)
-            emb = torch.arange(P + 1, device=positions.device).float()[:, None] * inv_freq
-            emb = torch.cat((emb, emb), dim=-1)  # [P + 1, D]
-            sin = emb.sin()
-            half = D // 2
-            table = self._rope_table[positions.device] = (emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), -1))
-        idx = positions.clamp(max=P)
-        return table[0][idx][:, :, None], table[1][idx][:, :, None]
+        """positions [B, L] -> cos, sin_signed [B, L, 1, D] (`RopeTable`)."""
+        return self._rope(positions)
 
     # -- the parallel stage -------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [B, S, F*H] -> [B, S, H]
@@ -282,29 +274,11 @@ class DSparkDrafter(nn.Module):
 
 def save_dspark(drafter: DSparkDrafter, out: str | Path, dtype: torch.dtype = torch.float32) -> None:
     """config.json + model.safetensors (the drafter's own weights only)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_drafter(drafter, drafter.cfg.to_dict(), out, dtype)
 
 
 def load_dspark(path: str | Path, target, dtype: torch.dtype = torch.float32) -> DSparkDrafter:
     """A drafter directory, checked against and sharing `target` (a LlamaModel)."""
-    path = Path(path)
     cfg = DSparkConfig.from_dir(path).check(target.cfg)
-    drafter = DSparkDrafter(cfg)
-    f = path / "model.safetensors"
-    if not f.is_file():
-        raise ModelLoadError(f"{f}: not found")
-    state = load_file(str(f))
-    expected = drafter.state_dict()
-    bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
-    if bad:
-        raise ModelLoadError(f"{f}: tensor {bad[0]!r} missing or of another shape")
-    unknown = sorted(k for k in state if k not in expected)
-    if unknown:
-        raise ModelLoadError(f"{f}: tensor {unknown[0]!r} is not part of the drafter config.json describes "
-                             "(its fields disagree with the weights)")
-    drafter.load_state_dict(state)
+    drafter = load_drafter_weights(DSparkDrafter(cfg), path)
     return drafter.to(dtype).eval().requires_grad_(False).share(target)

@@ -14,7 +14,8 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 - a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
   beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
   unless `draft_dtype` says otherwise, its projections packed for the CPU kernels (`prepare`): a
-  `LoadedDSpark` (the `dspark` method reads it).
+  `LoadedDSpark` (the `dspark` method reads it); an EAGLE-3 drafter (`Eagle3Drafter`) the same way
+  with `load_eagle3`: a `LoadedEagle3` (the `eagle3` method reads it).
 
 It takes `needs_draft: bool` rather than a proposer, so that model/ stays below proposers/.
 """
@@ -33,6 +34,8 @@ from .config import ModelLoadError
 from .draft_vocab import kept_tokens, prune_head, token_ranking
 from .dspark import DSparkDrafter, load_dspark
 from .dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkConfig
+from .eagle3 import Eagle3Drafter, load_eagle3
+from .eagle3_config import ARCHITECTURE as EAGLE3_ARCHITECTURE, Eagle3Config
 from .loader import LoadedModel, load_model, resolve_dtype
 
 
@@ -66,28 +69,51 @@ class LoadedDSpark:
     model: DSparkDrafter
 
 
+@dataclass
+class LoadedEagle3:
+    """An EAGLE-3 drafter loaded beside its target (it shares the target's embeddings, norm and head)."""
+
+    path: Path
+    config: Eagle3Config
+    model: Eagle3Drafter
+
+
 class ModelPair(NamedTuple):
     target: LoadedModel
-    # None: plain decoding, or a method without a draft model (n-gram); a LoadedDSpark for a DSpark directory
-    draft: LoadedModel | LoadedDSpark | None
+    # None: plain decoding, or a method without a draft model (n-gram); a LoadedDSpark / LoadedEagle3 for
+    # a drafter directory on the target's features
+    draft: LoadedModel | LoadedDSpark | LoadedEagle3 | None
+
+
+# config.json's architectures of the drafters on the target's features -> (their name in errors, loader, result)
+_FEATURE_DRAFTERS = {DSPARK_ARCHITECTURE: ("a DSpark", load_dspark, LoadedDSpark),
+                     EAGLE3_ARCHITECTURE: ("an EAGLE-3", load_eagle3, LoadedEagle3)}
+
+
+def drafter_architecture(path: str | Path) -> str | None:
+    """config.json's architecture where `path` holds a drafter on the target's features (DSpark's or
+    EAGLE-3's), else None (a language model, or no readable config)."""
+    try:
+        arch = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return arch[0] if isinstance(arch, list) and len(arch) == 1 and arch[0] in _FEATURE_DRAFTERS else None
 
 
 def is_dspark_dir(path: str | Path) -> bool:
     """Whether `path` holds a DSpark drafter (config.json's architectures), not a language model."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("architectures") == [DSPARK_ARCHITECTURE]
-    except (OSError, ValueError, AttributeError):
-        return False
+    return drafter_architecture(path) == DSPARK_ARCHITECTURE
 
 
-def _load_dspark(path: Path, target: LoadedModel, dtype: str, device: str) -> LoadedDSpark:
+def _load_feature_drafter(path: Path, arch: str, target: LoadedModel, dtype: str, device: str):
+    name, load, result = _FEATURE_DRAFTERS[arch]
     try:
-        drafter = load_dspark(path, target.model, dtype=resolve_dtype(dtype)).to(device)
+        drafter = load(path, target.model, dtype=resolve_dtype(dtype)).to(device)
         if torch.device(device).type == "cpu":
             drafter.prepare()
     except ModelLoadError as e:
-        raise ModelLoadError(f"{path}: not a DSpark drafter for the target {target.path} ({e})") from None
-    return LoadedDSpark(path, drafter.cfg, drafter)
+        raise ModelLoadError(f"{path}: not {name} drafter for the target {target.path} ({e})") from None
+    return result(path, drafter.cfg, drafter)
 
 
 def load_pair(
@@ -122,10 +148,12 @@ def load_pair(
                         quantization=quantization)
     if draft_dir is None:
         return ModelPair(target, None)
-    if is_dspark_dir(resolve_model(draft_dir)):
+    arch = drafter_architecture(resolve_model(draft_dir))
+    if arch is not None:
         if draft_own:
-            raise ValueError(f"{draft_own[0]} applies to a draft model, not to a DSpark drafter")
-        return ModelPair(target, _load_dspark(resolve_model(draft_dir), target, draft_dtype or dtype, device))
+            raise ValueError(f"{draft_own[0]} applies to a draft model, not to {_FEATURE_DRAFTERS[arch][0]} drafter")
+        return ModelPair(target, _load_feature_drafter(resolve_model(draft_dir), arch, target, draft_dtype or dtype,
+                                                       device))
     dq = quantization if draft_quantization is None else draft_quantization  # ("none": load_model's float weights)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
                              load_tokenizer=False, quantization=dq)

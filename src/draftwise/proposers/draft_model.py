@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cpu_kernels import argmax_confidence
-from ..model.pair import LoadedDSpark
+from ..model.pair import LoadedDSpark, LoadedEagle3
 from ..model.runner import ModelRunner
 from ..sampling import process_logits
 from ..sampling.rejection import categorical_from_uniform
@@ -75,6 +75,8 @@ class DraftModelProposer:
             raise ValueError("speculative method 'draft' needs a draft model (--draft DIR)")
         if isinstance(draft, LoadedDSpark):
             raise ValueError(f"{draft.path} is a DSpark drafter, not a draft model: use --method dspark")
+        if isinstance(draft, LoadedEagle3):
+            raise ValueError(f"{draft.path} is an EAGLE-3 drafter, not a draft model: use --method eagle3")
         if target is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocabulary size ({draft.config.vocab_size}, {draft.path}/config.json) does not match "

@@ -21,7 +21,7 @@ The sharing arrangement:
 - **Drafting** (`propose`): one forward for every drafting row: the block [anchor, mask x
   (gamma-1)] at positions L .. L+gamma-1 (L = the row's committed context, the anchor its last
   committed token), each row's context K/V gathered from its slots and padded to the longest
-  (padding never seen: `HIDDEN_POSITION`). Then `draw` left to right with `_Chooser`: at position k
+  (padding never seen: `HIDDEN_POSITION`). Then `draw` left to right with `StepChooser`: at position k
   `process_logits` (temperature, top-k/top-p, penalties over history + the tokens drafted before k,
   a constrained row's grammar bitmask from a fork of its matcher) gives q_k; greedy rows take its
   argmax, sampled rows draw from it with their own generator. q_k reads the drafted x_{k-1}
@@ -38,69 +38,9 @@ import torch
 
 from ..kv import KVManager, pool_tensor
 from ..model.dspark import HIDDEN_POSITION
-from ..model.pair import LoadedDSpark
-from ..sampling import process_logits
-from ..sampling.grammar import bitmask_width
-from ..sampling.processors import changes_logits
-from ..sampling.rejection import categorical_from_uniform
+from ..model.pair import LoadedDSpark, LoadedEagle3
 from .base import DraftBlock, register_proposer
-
-
-class _Chooser:
-    """`choose(k, logits [B, V]) -> [B]` for `DSparkDrafter.draw`: q_k per row, the token drawn from
-    it, and what the row keeps (tokens, q_k of sampled rows) while it still drafts."""
-
-    def __init__(self, seqs, lengths: list[int], eos_ids: list[int]):
-        self.seqs, self.lengths, self.eos_ids = seqs, lengths, eos_ids
-        self.tokens: list[list[int]] = [[] for _ in seqs]
-        self.probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        self.cursors = {i: s.grammar.cursor() for i, s in enumerate(seqs) if s.grammar is not None}
-        # rows whose q is the raw logits for the whole round (greedy, nothing to process, no grammar)
-        self.raw = [s.params.is_greedy and i not in self.cursors and not changes_logits(s.params, len(s.output_ids))
-                    for i, s in enumerate(seqs)]
-
-    def active(self, i: int, k: int) -> bool:
-        return k < self.lengths[i] and not (i in self.cursors and self.cursors[i].done)
-
-    def __call__(self, k: int, logits: torch.Tensor) -> torch.Tensor:  # [B, V] float32 -> [B]
-        rows = [i for i in range(len(self.seqs)) if self.active(i, k)]
-        out = logits.argmax(-1)  # [B] (rows done drafting: unused)
-        todo = [i for i in rows if not self.raw[i]]
-        if todo:
-            seqs = [self.seqs[i] for i in todo]
-            q_logits = process_logits(
-                logits[todo], [s.params for s in seqs], [s.prompt_ids for s in seqs],
-                [s.output_ids + self.tokens[i] for s, i in zip(seqs, todo)],
-                eos_ids=[self.eos_ids] * len(todo), token_bitmask=self._bitmask(todo, logits.shape[1]),
-            )  # [T, V]
-            sampled = [r for r, i in enumerate(todo) if not self.seqs[i].params.is_greedy]
-            if sampled:
-                q = torch.softmax(q_logits[sampled], dim=-1)  # [S, V]
-                gens = [self.seqs[todo[r]].generator for r in sampled]
-                u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g,
-                                          device=g.device if g is not None else "cpu").cpu() for g in gens])
-                drawn = categorical_from_uniform(q, u.to(q.device))
-                for n, r in enumerate(sampled):
-                    self.probs[todo[r]].append(q[n])
-                    out[todo[r]] = drawn[n]
-            for r, i in enumerate(todo):
-                if self.seqs[i].params.is_greedy:
-                    out[i] = q_logits[r].argmax()
-        for i in rows:
-            tok = int(out[i])
-            self.tokens[i].append(tok)
-            if i in self.cursors:
-                self.cursors[i].accept(tok)
-        return out
-
-    def _bitmask(self, rows: list[int], vocab: int) -> torch.Tensor | None:  # [T, W] int32 or None
-        if not any(i in self.cursors for i in rows):
-            return None
-        out = torch.full((len(rows), bitmask_width(vocab)), -1, dtype=torch.int32)
-        for r, i in enumerate(rows):
-            if i in self.cursors:
-                self.cursors[i].fill(out[r])
-        return out
+from .step_chooser import StepChooser
 
 
 @register_proposer("dspark")
@@ -111,7 +51,9 @@ class DSparkProposer:
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
                  eos_ids: list[int] | None = None, **_):
         if not isinstance(draft, LoadedDSpark):
-            where = f"; {draft.path} is a language model, not a DSpark drafter" if draft is not None else ""
+            where = "" if draft is None else (f"; {draft.path} is an EAGLE-3 drafter: use --method eagle3"
+                                              if isinstance(draft, LoadedEagle3) else
+                                              f"; {draft.path} is a language model, not a DSpark drafter")
             raise ValueError("speculative method 'dspark' needs a DSpark drafter directory (--draft DIR: "
                              f"config.json of architecture DSparkDrafter and model.safetensors){where}")
         if target is not None:
@@ -191,7 +133,7 @@ class DSparkProposer:
         last = last[:, None] if last is not None else None  # [B, 1, H]: the fused feature of position L-1
         hidden = self.drafter.block_hidden(anchors[:, None], anchor_pos, kv, ctx_pos, last)[:, 0]  # [B, gamma, H]
         cut = [min(num_draft[i], self.gamma) for i in rows]
-        choose = _Chooser([seqs[i] for i in rows], cut, self.eos_ids)
+        choose = StepChooser([seqs[i] for i in rows], cut, self.eos_ids)
         drafted = self.drafter.draw(hidden[:, : max(cut)], anchors, choose)  # confidence [B, k]
         conf = drafted.confidence.tolist()
         for r, i in enumerate(rows):

@@ -15,7 +15,7 @@ import torch
 from .dspark_blocks import block_forward, block_targets, sample_anchors
 
 
-def _summary(c_star: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> dict:
+def acceptance_summary(c_star: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> dict:
     """c_star, agree, valid [B, N, gamma] -> per-position means and the expected accepted length."""
     v = valid.float()
     per_pos = (c_star * v).sum((0, 1)) / v.sum((0, 1)).clamp_min(1)
@@ -30,7 +30,7 @@ def _summary(c_star: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> 
             "greedy_accepted": round(float(greedy_run.sum()), 4), "blocks": int(whole.sum())}
 
 
-def _anchors(windows: torch.Tensor, anchors: int, g: torch.Generator) -> list[torch.Tensor]:
+def eval_anchors(windows: torch.Tensor, anchors: int, g: torch.Generator) -> list[torch.Tensor]:
     return [sample_anchors(w.shape[0], w.shape[1], anchors, g) for w in windows.split(2)]
 
 
@@ -39,11 +39,11 @@ def block_acceptance(drafter, target, windows: torch.Tensor, anchors: int, seed:
     """A DSpark drafter on windows [N, T]."""
     g = torch.Generator().manual_seed(seed)
     parts = []
-    for w, a in zip(windows.split(2), _anchors(windows, anchors, g)):
+    for w, a in zip(windows.split(2), eval_anchors(windows, anchors, g)):
         q_logits, p, _, _, valid = block_forward(drafter, target, w, a)
         q = torch.softmax(q_logits.float(), -1)
         parts.append((1 - 0.5 * (q - p).abs().sum(-1), q.argmax(-1) == p.argmax(-1), valid))
-    return _summary(*(torch.cat(x, 0) for x in zip(*parts)))
+    return acceptance_summary(*(torch.cat(x, 0) for x in zip(*parts)))
 
 
 @torch.no_grad()
@@ -51,11 +51,11 @@ def draft_acceptance(draft, target, windows: torch.Tensor, anchors: int, gamma: 
     """A separate draft model (`LlamaModel`, same vocabulary) at the same blocks' positions."""
     g = torch.Generator().manual_seed(seed)
     parts = []
-    for w, a in zip(windows.split(2), _anchors(windows, anchors, g)):
+    for w, a in zip(windows.split(2), eval_anchors(windows, anchors, g)):
         _, _, rows, valid = block_targets(w, a, gamma)
         flat = rows.flatten(1)[..., None]
         pick = lambda logits: torch.softmax(logits.float(), -1).gather(  # noqa: E731
             1, flat.expand(-1, -1, logits.shape[-1])).view(*rows.shape, -1)
         q, p = pick(draft.logits(w)), pick(target.logits(w))
         parts.append((1 - 0.5 * (q - p).abs().sum(-1), q.argmax(-1) == p.argmax(-1), valid))
-    return _summary(*(torch.cat(x, 0) for x in zip(*parts)))
+    return acceptance_summary(*(torch.cat(x, 0) for x in zip(*parts)))

@@ -1,0 +1,155 @@
+"""The EAGLE-3 drafter in the engine (`--method eagle3 --draft DIR`): k autoregressive steps of one
+decoder layer on the target's fused features (model/eagle3.py), with its own paged cache.
+
+The sharing arrangement is DSpark's (proposers/dspark.py):
+
+- **Features.** The proposer declares the target layers it reads (`feature_layers`); the engine's
+  target forwards return their outputs and postprocess hands each sequence's *committed* rows to
+  `commit_features` (a prefill chunk's rows; a verification's last committed token and accepted
+  proposals). Committed position t's row is fc_in([norm(g_t) ; norm(emb(x_{t+1}))]): x_{t+1} is
+  committed by then (the token after a chunk, or the accepted / recovered / bonus token).
+- **The drafter's cache** holds each committed row's K/V (`kv`, a `KVManager` over
+  `cache [1, 2, slots, Hkv, D]`; the scheduler frees it with the sequence's other blocks) and the
+  row itself (`rows [slots, H]`: the last committed one is the next round's step 1). Only committed
+  rows are written, so its length is the target's `num_computed` after every step
+  (`seq.draft_computed`) and rollback is bookkeeping: blocks reserved past it are truncated, and
+  the draft steps' own K/V never enter it. A preempted sequence's recompute refills it.
+- **Drafting** (`propose`): k steps for every drafting row, one forward of the layer per step for
+  the whole batch (`Eagle3Drafter.draft`): step 1 is the row of the last committed position L-1,
+  step j the drafter's own output of step j-1 with the token it drew there; every step attends the
+  row's context K/V (positions < L-1, gathered from its slots and padded to the longest) and the
+  round's earlier steps. `StepChooser` turns each step's logits into q_j (`process_logits`: the
+  same temperature, top-k/top-p, penalties and grammar mask as the target's) and draws: greedy rows
+  its argmax, sampled rows from it with their own generator, DraftBlock.probs = those q_j, so the
+  rejection sampler stays exact. Confidences are max_x q_j(x). A row drafts num_draft tokens,
+  fewer where its grammar ends.
+
+p is the target, q the draft.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv import KVManager, pool_tensor
+from ..model.dspark import HIDDEN_POSITION
+from ..model.pair import LoadedDSpark, LoadedEagle3
+from .base import DraftBlock, register_proposer
+from .step_chooser import StepChooser
+
+
+@register_proposer("eagle3")
+class Eagle3Proposer:
+    needs_draft_model = True
+    kv_pool_factor = 1  # the drafter's pool: as many blocks as the target's
+
+    def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
+                 eos_ids: list[int] | None = None, **_):
+        if not isinstance(draft, LoadedEagle3):
+            where = "" if draft is None else (f"; {draft.path} is a DSpark drafter: use --method dspark"
+                                              if isinstance(draft, LoadedDSpark) else
+                                              f"; {draft.path} is a language model, not an EAGLE-3 drafter")
+            raise ValueError("speculative method 'eagle3' needs an EAGLE-3 drafter directory (--draft DIR: "
+                             f"config.json of architecture Eagle3Drafter and model.safetensors){where}")
+        if target is not None:
+            if target.config.hybrid is not None:
+                raise ValueError("speculative method 'eagle3' reads an attention-only target's features; "
+                                 f"{target.path} is a hybrid model")
+            draft.config.check(target.config)
+        self.drafter = draft.model
+        cfg = draft.config
+        self.feature_layers = tuple(cfg.target_feature_layers)
+        self.eos_ids = list(eos_ids or [])
+        self.kv = KVManager(num_blocks, block_size)
+        dtype = next(self.drafter.parameters()).dtype
+        self.device = next(self.drafter.parameters()).device
+        slots = num_blocks * block_size
+        self.cache = pool_tensor((1, 2, slots, cfg.num_key_value_heads, cfg.head_dim), dtype,
+                                 self.device)  # [1, 2, slots, Hkv, D]
+        self.rows = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=self.device)  # [slots, H]
+        self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
+
+    @torch.inference_mode()
+    def commit_features(self, seq, start, features):
+        """The rows and K/V of committed positions start .. start + n - 1, written into the drafter's
+        cache; its length becomes start + n (blocks reserved past it are truncated)."""
+        n = features.shape[0]
+        if start != seq.draft_computed:
+            raise ValueError(f"eagle3 drafter: features from position {start}, but its cache holds "
+                             f"{seq.draft_computed} positions")
+        if n == 0:
+            return
+        end = start + n
+        nxt = seq.all_ids[start + 1: end + 1]  # x_{t+1} of each row
+        if len(nxt) != n:
+            raise ValueError(f"eagle3 drafter: features up to position {end - 1}, but the sequence has "
+                             f"{seq.num_tokens} tokens (a row reads the token after it)")
+        self.kv.reserve(seq.seq_id, end)
+        self.kv.truncate(seq.seq_id, end)
+        slots = self.kv.slots([seq.seq_id], [end])[0, start:end].to(self.device)  # [n]
+        d = self.drafter
+        rows = d.row_input(d.fuse(features[None].to(self.device)), torch.tensor([nxt], device=self.device))  # [1, n, H]
+        k, v = d.kv(rows, torch.arange(start, end, device=self.device)[None])  # [1, n, Hkv, D] each
+        self.cache[0, 0, slots] = k[0].to(self.cache.dtype)
+        self.cache[0, 1, slots] = v[0].to(self.cache.dtype)
+        self.rows[slots] = rows[0].to(self.rows.dtype)
+        seq.draft_computed = end
+
+    def context(self, seq_ids: list[int], lengths: list[int]):
+        """The rows' cached context, padded to the longest: (k, v [B, S, Hkv, D], positions [B, S]
+        (HIDDEN_POSITION = padding), last [B, H] the row of each one's last position)."""
+        slots = self.kv.slots(seq_ids, lengths).to(self.device)  # [B, S]
+        S = slots.shape[1]
+        pos = torch.arange(S, device=self.device).expand(len(seq_ids), S)
+        lens = torch.tensor(lengths, device=self.device)[:, None]
+        pos = torch.where(pos < lens, pos, torch.full_like(pos, HIDDEN_POSITION))  # [B, S]
+        last = self.rows[slots.gather(1, (lens - 1).clamp(min=0))[:, 0]]  # [B, H]
+        return self.cache[0, 0][slots], self.cache[0, 1][slots], pos, last
+
+    @torch.inference_mode()
+    def propose(self, seqs, num_draft, num_forced=None):
+        blocks = [DraftBlock([], None, []) for _ in seqs]
+        rows = [i for i, n in enumerate(num_draft) if n > 0]
+        if not rows:
+            return blocks
+        lengths = []
+        for i in rows:
+            s = seqs[i]
+            if s.draft_computed != s.num_tokens - 1 or s.draft_computed < 1:
+                raise ValueError(f"eagle3 drafter: its cache holds {s.draft_computed} positions, the committed "
+                                 f"context {s.num_tokens - 1}")
+            lengths.append(s.draft_computed)
+        k, v, pos, last = self.context([seqs[i].seq_id for i in rows], lengths)
+        start = torch.tensor(lengths, device=self.device) - 1  # [B]: step 1 is position L-1's row
+        cut = [num_draft[i] for i in rows]
+        choose = StepChooser([seqs[i] for i in rows], cut, self.eos_ids)
+        self.drafter.draft(last, start, k, v, pos < start[:, None], max(cut), choose)
+        for r, i in enumerate(rows):
+            toks = choose.tokens[r]
+            probs = torch.stack(choose.probs[r]) if choose.probs[r] else None  # [n, V]: q_j of a sampled row
+            blocks[i] = DraftBlock(toks, probs, choose.max_q[r][: len(toks)])
+        return blocks
+
+    @torch.inference_mode()
+    def cache_error(self, seq, target) -> float:
+        """The largest difference, relative to the largest value, between the drafter's cached rows and
+        K/V of `seq` and those of a fresh forward of `target` (the LlamaModel, no cache) over its
+        committed tokens (`draftwise check`'s rollback check)."""
+        n = seq.draft_computed
+        ids = torch.tensor([seq.all_ids[: n + 1]], device=self.device)
+        _, feats = target(ids[:, :n], feature_layers=self.feature_layers)
+        d = self.drafter
+        rows = d.row_input(d.fuse(feats), ids[:, 1:])  # [1, n, H]
+        k, v = d.kv(rows, torch.arange(n, device=self.device)[None])
+        slots = self.kv.slots([seq.seq_id], [n]).to(self.device)[0]  # [n]
+        worst = 0.0
+        pairs = ((self.cache[0, 0][slots], k[0]), (self.cache[0, 1][slots], v[0]), (self.rows[slots], rows[0]))
+        for got, fresh in pairs:
+            fresh = fresh.float()
+            worst = max(worst, float((got.float() - fresh).abs().max() / max(1.0, float(fresh.abs().max()))))
+        return worst
+
+    def postprocess(self, seq, block, num_accepted, num_tokens_before):
+        """Nothing to roll back: the cache holds committed rows only (`commit_features`)."""
+
+    def finish(self, seq):
+        """The scheduler frees the sequence's blocks of the drafter's cache."""
