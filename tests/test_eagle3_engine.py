@@ -24,7 +24,9 @@ from draftwise.proposers import DraftBlock, register_proposer
 from draftwise.proposers.eagle3 import Eagle3Proposer
 from draftwise.sampling import process_logits
 from draftwise.train.eagle3 import build_drafter
-from test_dspark_engine import assert_equal_but_near_ties, make_dspark_dir
+from draftwise.model.runner import ModelRunner
+from test_dspark_engine import AnnouncedPlainSteps, assert_equal_but_near_ties, make_dspark_dir  # noqa: F401 (registers its policy)
+from tiny_models import make_model_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output
 
@@ -284,3 +286,39 @@ def test_generate_and_bench_from_the_command_line(tmp_path, target_dir, eagle3_d
     (spec,) = [r for r in runs if r["config"] == "eagle3:k=4"]
     assert spec["method"] == "eagle3" and spec["completed"] == 3 and spec["speculation"]["proposed_tokens"] > 0
     assert spec["correctness"]["compared"] == 3 and spec["correctness"]["mismatching_requests"] == 0
+
+
+def test_a_lone_row_with_multi_step_plain_steps_keeps_the_features(tmp_path, tokenizer, plain, monkeypatch):
+    """A lone greedy row's plain steps, several tokens in one kernel call (`ModelRunner.greedy_steps`,
+    on a target whose head the fused steps take), hand the drafter the features of every committed
+    token: its cache equals a fresh forward's after every step, and the output plain decoding's."""
+    target = make_model_dir(tmp_path / "target", seed=0, tokenizer=tokenizer, vocab_size=2048, layers=2, hidden=64)
+    eagle3 = make_eagle3_dir(tmp_path / "eagle3", target)
+    _, ps, sp, _ = plain
+    multi = []
+    real = ModelRunner.greedy_steps
+
+    def spy(self, *a, **kw):
+        got = real(self, *a, **kw)
+        multi.append(got is not None and len(got[0]) > 1 and len(got) == 3)
+        return got
+
+    monkeypatch.setattr(ModelRunner, "greedy_steps", spy)
+    ref = LLM(str(target))
+    llm = LLM(str(target), draft=str(eagle3), spec=SpecConfig(method="eagle3", k=4, policy="test-announced-plain-steps"))
+    fresh = load_model(target, fuse=False, load_tokenizer=False).model.eval()
+    eng = llm.engine
+    for i, p in enumerate(ps[:4]):
+        (w,) = ref.generate([p], sp)
+        multi.clear()  # (plain decoding's own multi-step calls)
+        seq = eng.add_request(f"r{i}", p, sp)
+        while eng.has_unfinished():
+            eng.step()
+            if not seq.is_finished and not seq.is_prefilling:
+                assert seq.draft_computed == seq.num_computed
+                assert eng.proposer.cache_error(seq, fresh) <= 1e-4
+        assert seq.finish_reason == "length" and seq.error is None, seq.error
+        assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
+    st = eng.stats
+    assert 0 < st.speculative_steps < st.decode_steps
+    assert any(multi)
