@@ -16,7 +16,9 @@ import torch
 
 from ..model.loader import LoadedModel
 from ..policies import CostModel, StepTiming, policy_class
+from ..policies.cost import OnlineCost
 from ..proposers import DraftBlock, proposer_for
+from ..proposers.base import StepCosted
 from ..proposers.tree_budget import SizedTrees, TreeBudget
 from ..sampling.grammar import forced_tail
 from .config import EngineConfig, SpecConfig
@@ -70,6 +72,12 @@ class Speculation:
         profiled = None if self.proposer.feature_layers else draft
         cost = cost_model(spec, config, target, profiled) if pcls.needs_cost_model else None
         self.policy = pcls(k=spec.k, cost=cost, has_draft_model=profiled is not None)
+        # a proposer that sizes its drafts by a verified row's cost (suffix): the policy's profile
+        # when it has one (else none), plus what the measured steps add
+        self.step_cost = None
+        if isinstance(self.proposer, StepCosted):
+            self.step_cost = OnlineCost(cost if cost is not None else CostModel((0.0,) * 4, (0.0,) * 3))
+            self.proposer.set_step_cost(self.step_cost)
         if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
             self.proposer.confidence = self.policy.needs_confidence
         # a policy that may read the confidences says after each plan whether this step does
@@ -125,6 +133,8 @@ class Speculation:
         acceptance is per position, the tree's main chain and how much of it was accepted."""
         if not drafted.is_tree:
             self.proposer.postprocess(seq, drafted, num_accepted, num_tokens_before)
+            if self.step_cost is not None and drafted.token_ids:
+                self.proposer.observe_verified(seq, drafted, len(verified.token_ids), num_accepted)
             self.policy.observe(seq, drafted, len(verified.token_ids), num_accepted)
             return
         nodes = list(path) if path is not None else list(verified.nodes or ())[:num_accepted]
@@ -150,6 +160,8 @@ class Speculation:
             untimed, seconds = seconds, None
         if not timed:  # its decode part was not timed apart from the prefill chunks
             seconds = None
+        if self.step_cost is not None and seconds is not None:
+            self.step_cost.observe(b, tokens, ctx, [], seconds - catch_up)
         predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed,
                                                         num_steps=max(1, several_steps)))
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)

@@ -15,7 +15,7 @@ engine's `Sequence` satisfies) and never import engine/.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -136,6 +136,23 @@ class Proposer(Protocol):
     def finish(self, seq: History) -> None:
         """The sequence ended (finished, aborted or failed): drop what the drafter keeps for it (a
         drafter that learns across requests may keep its committed output)."""
+
+
+class StepCost(Protocol):
+    """A step's predicted seconds (policies/cost.py's `OnlineCost` satisfies it)."""
+
+    def tokens_seconds(self, num_seqs: int, context: float) -> Callable[[int], float]:
+        """Seconds of a decode step of num_seqs rows at this mean context, as a function of the tokens fed."""
+
+
+@runtime_checkable
+class StepCosted(Protocol):
+    """A proposer that sizes its drafts by what a verified row costs: the engine hands it the step
+    cost model, and after verification what each drafted block had verified and accepted."""
+
+    def set_step_cost(self, cost: StepCost) -> None: ...
+
+    def observe_verified(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None: ...
 
 
 METHODS = Registry("speculative method", " or none")

@@ -9,15 +9,18 @@ Two `SuffixIndex`es (suffix_index.py) answer "what followed this context before,
   `suffix_cache_tokens` tokens (used = drafted from, or added).
 
 Each index drafts from the longest suffix of the history it has seen followed by something (m
-tokens, m < `suffix_depth`), following the most frequent continuation, for at most
-min(num_draft, `suffix_spec_factor` x m) tokens and while the running product of the frequencies
-stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum of those running
-products) is higher wins, the request's own on a tie. The parameters:
+tokens, m < `suffix_depth`), following the most frequent continuation, while the running product
+of the frequencies stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum
+of those running products) is higher wins, the request's own on a tie. In an engine (which hands
+the proposer its step cost, `set_step_cost`) a draft runs to num_draft tokens and the step's rows
+keep the prefixes that maximise expected committed tokens per second, with acceptance rates
+calibrated on verified drafts (suffix_length.py); without a step cost, a draft has at most
+min(num_draft, `suffix_spec_factor` x m) tokens. The parameters:
 - `suffix_depth` (24): the longest context that conditions the frequencies. Matches run out well
   before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the draft
   re-anchors on the last depth - 1 tokens). Indexing does not depend on it (a token enters three
   position lists); a longer match compares more tokens of each occurrence.
-- `suffix_spec_factor` (1.0): draft length per matched token. A match of 1-2 tokens is a weak
+- `suffix_spec_factor` (1.0): draft length per matched token, without a step cost. A match of 1-2 tokens is a weak
   guess (n-gram lookup measured 17-24% acceptance after one), a match of 12 or more is nearly
   always a copy (97%): long matches draft long (up to k, at most 16), short ones barely.
 - `suffix_min_prob` (0.1): stop where earlier occurrences disagree so much that the estimated
@@ -45,8 +48,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from .base import DraftBlock, register_proposer
+from .base import DraftBlock, StepCost, register_proposer
 from .suffix_index import Draft, SuffixIndex
+from .suffix_length import AcceptanceTable, best_lengths
 
 
 class OutputCache:
@@ -108,30 +112,47 @@ class SuffixProposer:
         self.local: dict[int, _Local] = {}  # seq_id -> the request's own index
         self.cache = OutputCache(suffix_depth, suffix_cache_tokens)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
+        self.step_cost: StepCost | None = None  # set by the engine: drafts sized by suffix_length.py's rule
+        self.acceptance = AcceptanceTable()
+        self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (match length, tokens) of its last draft
+
+    def set_step_cost(self, cost: StepCost) -> None:
+        """Size drafts by the step's cost (suffix_length.py) instead of `suffix_spec_factor`."""
+        self.step_cost = cost
 
     def propose(self, seqs, num_draft, num_forced=None):
         self.catch_up_seconds = 0.0
-        return [self._propose(s, n) if n > 0 else DraftBlock([], None) for s, n in zip(seqs, num_draft)]
+        drafts = [self._draft(s, n) if n > 0 else Draft() for s, n in zip(seqs, num_draft)]
+        if self.step_cost is not None and any(d.token_ids for d in drafts):
+            priors = [_estimates(d) for d in drafts]
+            gains = [self.acceptance.gains(d.match_length, p) for d, p in zip(drafts, priors)]
+            context = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) / len(seqs)
+            keep = best_lengths(gains, self.step_cost.tokens_seconds(len(seqs), context))
+            drafts = [_cut(d, n) for d, n in zip(drafts, keep)]
+        blocks = []
+        for s, d in zip(seqs, drafts):
+            if d.token_ids:
+                self.drafted[s.seq_id] = (d.match_length, list(d.token_ids))
+            conf = _estimates(d) if self.confidence else None
+            blocks.append(DraftBlock(d.token_ids, None, conf))
+        return blocks
 
-    def _propose(self, seq, n: int) -> DraftBlock:
+    def _draft(self, seq, n: int) -> Draft:
+        """The better of the two indexes' drafts (a constrained row's ends before its grammar's first refusal)."""
         context = tail(seq, self.depth - 1)
-        own = self._catch_up(seq).draft(context, n, self.min_prob, self.spec_factor)
+        # with a step cost, the length is chosen afterwards: draft up to n wherever the match is
+        factor = self.spec_factor if self.step_cost is None else float(n)
+        own = self._catch_up(seq).draft(context, n, self.min_prob, factor)
         best = own
         if self.cache.docs:
-            other = self.cache.index.draft(context, n, self.min_prob, self.spec_factor)
+            other = self.cache.index.draft(context, n, self.min_prob, factor)
             if (other.score, other.match_length) > (own.score, own.match_length):
                 best = other
                 self.cache.touch(other.doc)
-        tokens, probs = best.token_ids, best.probs
         grammar = getattr(seq, "grammar", None)
-        if grammar is not None and tokens:
-            tokens = _allowed_prefix(grammar, tokens)
-            probs = probs[: len(tokens)]
-        conf = None
-        if self.confidence:
-            m = best.match_length
-            conf = [f * (1.0 - 1.0 / (m + j)) for j, f in enumerate(probs, 1)]
-        return DraftBlock(tokens, None, conf)
+        if grammar is not None and best.token_ids:
+            best = _cut(best, len(_allowed_prefix(grammar, best.token_ids)))
+        return best
 
     def _catch_up(self, seq) -> SuffixIndex:
         """The request's index, extended by the tokens committed since it last drafted."""
@@ -151,12 +172,29 @@ class SuffixProposer:
             self.catch_up_seconds += time.perf_counter() - t0
         return st.index
 
+    def observe_verified(self, seq, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
+        """Calibrate the acceptance table on what verification tested of the row's last draft."""
+        last = self.drafted.pop(seq.seq_id, None)
+        if last is None or not num_verified or last[1][: len(block.token_ids)] != block.token_ids:
+            return
+        self.acceptance.observe(last[0], min(num_verified, len(block.token_ids)), num_accepted)
+
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass  # the request's index catches up on committed tokens when it next drafts
 
     def finish(self, seq) -> None:
         self.local.pop(seq.seq_id, None)
+        self.drafted.pop(seq.seq_id, None)
         self.cache.add(seq.seq_id, seq.output_ids)
+
+
+def _estimates(d: Draft) -> list[float]:
+    """The index's estimate of each proposal's acceptance: f_j (1 - 1/(m + j))."""
+    return [f * (1.0 - 1.0 / (d.match_length + j)) for j, f in enumerate(d.probs, 1)]
+
+
+def _cut(d: Draft, n: int) -> Draft:
+    return d if n >= len(d.token_ids) else Draft(d.token_ids[:n], d.probs[:n], d.match_length, d.doc)
 
 
 def _allowed_prefix(grammar, tokens: list[int]) -> list[int]:
