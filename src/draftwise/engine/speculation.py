@@ -72,11 +72,12 @@ class Speculation:
         profiled = None if self.proposer.feature_layers else draft
         cost = cost_model(spec, config, target, profiled) if pcls.needs_cost_model else None
         self.policy = pcls(k=spec.k, cost=cost, has_draft_model=profiled is not None)
-        # a proposer that sizes its drafts by a verified row's cost (suffix): the policy's profile
-        # when it has one (else none), plus what the measured steps add
+        # a proposer that sizes its drafts by a verified row's cost (suffix): the decode steps'
+        # measured seconds, fitted in rows and tokens (an OnlineCost over an empty profile: at one
+        # row a profile's grid holds single differences of its noise, docs/ARCHITECTURE.md)
         self.step_cost = None
         if isinstance(self.proposer, StepCosted):
-            self.step_cost = OnlineCost(cost if cost is not None else CostModel((0.0,) * 4, (0.0,) * 3))
+            self.step_cost = OnlineCost(CostModel((0.0,) * 4, (0.0,) * 3))
             self.proposer.set_step_cost(self.step_cost)
         if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
             self.proposer.confidence = self.policy.needs_confidence
