@@ -87,6 +87,27 @@ def test_a_speculative_row_that_drafts_nothing_takes_its_tokens_in_one_call(targ
 
 
 
+def test_a_long_draft_budget_does_not_lengthen_a_plain_call(target):
+    """suffix:k=16 with nothing to propose (no earlier occurrence): the lone row's call runs at most
+    `multi_step` tokens, not 1 + k, so the drafter looks again after them; the output is plain's."""
+    from draftwise import SpecConfig
+
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = [1000 + i for i in range(12)]
+    plain = LLM(str(target), dtype="float32", multi_step=1).generate([prompt], sp)[0].token_ids
+    llm = LLM(str(target), spec=SpecConfig(method="suffix", k=16), dtype="float32", multi_step=8)
+    asked = []
+    orig = llm.engine.runner.greedy_steps
+
+    def counted(seq_id, feed, start, n):
+        asked.append(n)
+        return orig(seq_id, feed, start, n)
+
+    llm.engine.runner.greedy_steps = counted
+    assert llm.generate([prompt], sp)[0].token_ids == plain
+    assert asked and max(asked) == 8, asked
+
+
 def test_a_policy_sure_of_plain_steps_gets_multi_step_tokens_a_call(target):
     """A speculative engine whose policy says the next step drafts nothing for certain
     (`plain_next`: the goodput policy's coasting lease of plain decoding) lets a lone greedy row

@@ -75,12 +75,18 @@ TEXT = list(range(10, 40))
 def test_proposer_sizes_its_draft_by_the_step_cost():
     prop = SuffixProposer(suffix_depth=8)
     assert isinstance(prop, StepCosted)
-    h = History(TEXT, TEXT[:2])  # a match of 2: spec_factor alone would draft 2
-    assert len(prop.propose([h], [16])[0].token_ids) == 2
-    prop.set_step_cost(LinearCost(1.0, 0.0))  # free rows: everything drafted
-    assert prop.propose([h], [16])[0].token_ids == TEXT[2:18]
+    h = History(TEXT, TEXT[:7])  # a match of 7 (depth - 1): spec_factor drafts 7
+    assert prop.propose([h], [16])[0].token_ids == TEXT[7:14]
+    prop.set_step_cost(LinearCost(1.0, 0.0))  # free rows: the whole draft
+    assert prop.propose([h], [16])[0].token_ids == TEXT[7:14]
     prop.set_step_cost(LinearCost(1.0, 10.0))  # a row costs ten steps: nothing pays
     assert prop.propose([h], [16])[0].token_ids == []
+    # estimates 1 - 1/(7 + j): G = 0.875, 0.778, 0.7, ...; at 0.8 of a step a row, 1.875 / 1.8 beats
+    # 2.653 / 2.6 and 1 / 1; at 0.4, four rows (3.989 / 2.6)
+    prop.set_step_cost(LinearCost(1.0, 0.8))
+    assert prop.propose([h], [16])[0].token_ids == TEXT[7:8]
+    prop.set_step_cost(LinearCost(1.0, 0.4))
+    assert prop.propose([h], [16])[0].token_ids == TEXT[7:11]
 
 
 def test_proposer_learns_from_verified_proposals_only():

@@ -293,8 +293,9 @@ class LLMEngine:
 
     def _multi_step(self, scheduled: list[ScheduledSeq], blocks: dict[int, DraftBlock]) -> Verification | None:
         """Plain decoding of a lone greedy sequence with nothing to process, which the scheduler let
-        commit 1 + num_draft tokens (without speculation: nothing waiting, `EngineConfig.multi_step`;
-        with it: a step in which the sequence drafts nothing, e.g. the policy runs plain steps):
+        commit 1 + num_draft tokens, at most `EngineConfig.multi_step` (without speculation: nothing
+        waiting; with it: a step in which the sequence drafts nothing, e.g. the policy runs plain
+        steps or the drafter found nothing to propose):
         the target's greedy steps in one kernel call (`ModelRunner.greedy_steps`, what as many
         one-token steps compute: each token the argmax of the logits after the ones before). The
         tokens are committed one at a time with the stop checks, as every step's are; K/V written
@@ -311,7 +312,8 @@ class LLMEngine:
                 or blocks.get(seq.seq_id, NO_DRAFT).token_ids:
             return None
         feed = seq.all_ids[seq.num_computed : seq.num_tokens]
-        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, 1 + s.num_draft,
+        # at most multi_step tokens, whatever k: a speculative row's drafter looks again after them
+        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, min(1 + s.num_draft, self.scheduler.multi_step),
                                        feature_layers=self.feature_layers)
         if got is None:
             return None

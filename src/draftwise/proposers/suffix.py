@@ -9,18 +9,18 @@ Two `SuffixIndex`es (suffix_index.py) answer "what followed this context before,
   `suffix_cache_tokens` tokens (used = drafted from, or added).
 
 Each index drafts from the longest suffix of the history it has seen followed by something (m
-tokens, m < `suffix_depth`), following the most frequent continuation, while the running product
-of the frequencies stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum
-of those running products) is higher wins, the request's own on a tie. In an engine (which hands
-the proposer its step cost, `set_step_cost`) a draft runs to num_draft tokens and the step's rows
-keep the prefixes that maximise expected committed tokens per second, with acceptance rates
-calibrated on verified drafts (suffix_length.py); without a step cost, a draft has at most
-min(num_draft, `suffix_spec_factor` x m) tokens. The parameters:
+tokens, m < `suffix_depth`), following the most frequent continuation, for at most
+min(num_draft, `suffix_spec_factor` x m) tokens and while the running product of the frequencies
+stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum of those running
+products) is higher wins, the request's own on a tie. In an engine (which hands the proposer its
+step cost, `set_step_cost`) the step's rows then keep the prefixes of their drafts that maximise
+expected committed tokens per second, with acceptance rates calibrated on verified drafts
+(suffix_length.py). The parameters:
 - `suffix_depth` (24): the longest context that conditions the frequencies. Matches run out well
   before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the draft
   re-anchors on the last depth - 1 tokens). Indexing does not depend on it (a token enters three
   position lists); a longer match compares more tokens of each occurrence.
-- `suffix_spec_factor` (1.0): draft length per matched token, without a step cost. A match of 1-2 tokens is a weak
+- `suffix_spec_factor` (1.0): draft length per matched token. A match of 1-2 tokens is a weak
   guess (n-gram lookup measured 17-24% acceptance after one), a match of 12 or more is nearly
   always a copy (97%): long matches draft long (up to k, at most 16), short ones barely.
 - `suffix_min_prob` (0.1): stop where earlier occurrences disagree so much that the estimated
@@ -140,12 +140,10 @@ class SuffixProposer:
     def _draft(self, seq, n: int) -> Draft:
         """The better of the two indexes' drafts (a constrained row's ends before its grammar's first refusal)."""
         context = tail(seq, self.depth - 1)
-        # with a step cost, the length is chosen afterwards: draft up to n wherever the match is
-        factor = self.spec_factor if self.step_cost is None else float(n)
-        own = self._catch_up(seq).draft(context, n, self.min_prob, factor)
+        own = self._catch_up(seq).draft(context, n, self.min_prob, self.spec_factor)
         best = own
         if self.cache.docs:
-            other = self.cache.index.draft(context, n, self.min_prob, factor)
+            other = self.cache.index.draft(context, n, self.min_prob, self.spec_factor)
             if (other.score, other.match_length) > (own.score, own.match_length):
                 best = other
                 self.cache.touch(other.doc)
