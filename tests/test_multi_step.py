@@ -99,9 +99,9 @@ def test_a_long_draft_budget_does_not_lengthen_a_plain_call(target):
     asked = []
     orig = llm.engine.runner.greedy_steps
 
-    def counted(seq_id, feed, start, n):
+    def counted(seq_id, feed, start, n, **kw):
         asked.append(n)
-        return orig(seq_id, feed, start, n)
+        return orig(seq_id, feed, start, n, **kw)
 
     llm.engine.runner.greedy_steps = counted
     assert llm.generate([prompt], sp)[0].token_ids == plain
