@@ -3,13 +3,15 @@ cost of a verification block against a decode step; prefill.
 
     .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
         [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
+        [--steps-only]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
 groups; `int8`: every block as int8 groups; a comma list runs them in one process, but each engine
 holds its own copy of the models):
 
 - step cost: one target step of 1 token and of k + 1 tokens (logits for every row, as
-  verification asks), after a 64-token context; the median of 7 means of 10 warm steps;
+  verification asks), after a 64-token context; the median of 7 means of 10 warm steps
+  (`--steps-only`: only these, with the plain target alone loaded);
 - decode: the 6 code chat prompts of qwen_coder_prompts.py, `--tokens` greedy tokens each (EOS
   ignored), plain / `--method draft` with the 0.5B (k = `--k`) / n-gram / `cross`: SmolLM2-135M
   (models/smollm2, another tokenizer) drafting across vocabularies, at each k of `--cross-k`; tok/s counts the tokens
@@ -121,7 +123,10 @@ def main() -> int:
     ap.add_argument("--cross-quant", default="none", choices=["none", "int8", "int4"],
                     help="the cross config's draft quantization (--draft-quantization)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--steps-only", action="store_true", help="only the step cost (the plain target alone)")
     args = ap.parse_args()
+    if args.steps_only:
+        args.configs = "plain"
     global CLOCK
     if args.clock == "cpu":
         CLOCK, args.threads = time.process_time, 1
@@ -140,12 +145,17 @@ def main() -> int:
         result["steps"][quant] = {"1 row ms": round(t1, 2), f"{args.k + 1} rows ms": round(tk, 2),
                                   "ratio": round(tk / t1, 3)}
         print(f"{quant}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)", flush=True)
+        if args.steps_only:
+            continue
         long_ids = chat_ids(TARGET, plain.tokenizer, LONG_PROMPT)
         decode(plain, chat_ids(TARGET, plain.tokenizer, PROMPTS[1]), 2)  # warm-up (another prompt: no prefix
         _, _, _, ttft = decode(plain, long_ids, 2)                        # cached for the one measured)
         result["prefill"][quant] = {"prompt tokens": len(long_ids), "seconds": round(ttft, 3),
                                     "tokens/s": round(len(long_ids) / ttft, 1)}
         print(f"{quant}: prefill {len(long_ids)} tokens in {ttft:.2f} s ({len(long_ids) / ttft:.1f} tok/s)", flush=True)
+    if args.steps_only:
+        print(f"load at end: {os.getloadavg()}", flush=True)
+        return 0
     tok = next(iter(llms.values())).tokenizer
     prompts = [chat_ids(TARGET, tok, p) for p in PROMPTS]
     for llm in llms.values():

@@ -152,7 +152,7 @@ def write_gguf(path: str | Path, arch: str = "llama", qtype: str = "F32", seed: 
         elif arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
             t = _permute(t, kv_heads)
         if t.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
-            data = gguf.quants.quantize(t, qt)
+            data = quantize_q4k(t) if qt == gguf.GGMLQuantizationType.Q4_K else gguf.quants.quantize(t, qt)
             w.add_tensor(gguf_name(name), data, raw_dtype=qt)
         else:
             w.add_tensor(gguf_name(name), t)
@@ -163,6 +163,33 @@ def write_gguf(path: str | Path, arch: str = "llama", qtype: str = "F32", seed: 
     w.write_tensors_to_file()
     w.close()
     return sd
+
+
+def quantize_q4k(w: np.ndarray) -> np.ndarray:
+    """float32 [O, N] (N a multiple of 256) -> Q4_K blocks [O, N/256 * 144] uint8, as llama.cpp lays
+    them out (d, dmin float16; 12 bytes of 6-bit sub-block scales and minima; 128 bytes of nibbles,
+    32-byte chunk c holding sub-block 2c low and 2c + 1 high), without its importance search: per
+    sub-block of 32, step (max - min) / 15 and minimum -min (min clipped to <= 0), both quantised to
+    6 bits against the super-block's largest. (The gguf package dequantises Q4_K but cannot quantise it.)"""
+    o, n = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(-1), 0)
+    scale, m = (x.max(-1) - lo) / 15, -lo  # [B, 8]
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (m.max(-1, keepdims=True) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(df > 0, df, 1)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(m / np.where(dmf > 0, dmf, 1)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.rint((x + (dmf * mn)[..., None]) / np.where(step > 0, step, 1)), 0, 15).astype(np.uint8)
+    scales = np.zeros((len(x), 12), dtype=np.uint8)
+    scales[:, 0:4], scales[:, 4:8] = sc[:, :4], mn[:, :4]
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    scales[:, 0:4] |= (sc[:, 4:] >> 4) << 6
+    scales[:, 4:8] |= (mn[:, 4:] >> 4) << 6
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+    raw = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=1)
+    return raw.reshape(o, -1)
 
 
 def write_spm_gguf(path: str | Path) -> None:

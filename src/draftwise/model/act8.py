@@ -14,10 +14,23 @@ rounding (half a step of max|x| / 127 per group), below the 4-6-bit weights' own
 perplexity measures it (benchmarks/qwen_coder_quality.py). The kernels take any number of rows:
 for a prefill chunk too, byte products outrun dequantising the weight to float32 for F.linear.
 
+Q4_K super-blocks (w = d * sc_j * q - dmin * mn_j, sc_j and mn_j 6-bit integers per 32 inputs, d
+and dmin float16 per 256) run with their integer sub-scales where the import kept them (`.qsub`,
+`.qsuper`, gguf_import.py) and N is a multiple of 256: activations quantised per 256 (one step a
+super-block) and, as llama.cpp's Q4_K x Q8_K product,
+
+    y = sum_b xs_b * (d_b * sum_j sc_j (q_j . xq_j) - dmin_b * sum_j mn_j bsum_j)
+
+with bsum_j the int8 sum of sub-block j's activations, everything inside the brackets integer: one
+float conversion a super-block instead of a multiply and two FMAs a group of 32 (what a verification
+block's extra rows cost). DRAFTWISE_Q4K=0 keeps such weights as int4 groups of 32.
+
 Used where the kernels were built with AVX-512 VNNI (`cpu_kernels.vnni()`) for GGUF blocks kept as
 they are (loader.py); DRAFTWISE_ACT8=0 keeps the float-activation products.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +38,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 
 GROUP = 32
+SUPER = 256  # inputs per Q4_K super-block
 
 
 def enabled() -> bool:
@@ -39,6 +53,19 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     step = g.abs().amax(dim=-1, keepdim=True) / 127.0
     q = torch.where(step > 0, torch.round(g / torch.where(step > 0, step, torch.ones_like(step))), torch.zeros_like(g))
     return (q * step).reshape(shape)
+
+
+def super_blocks_wanted(n: int) -> bool:
+    """Whether a kept Q4_K weight of n inputs runs as super-blocks (`dw_linear_q4k_a8`)."""
+    return enabled() and n % SUPER == 0 and os.environ.get("DRAFTWISE_Q4K", "1") != "0"
+
+
+def _int8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [.., N] -> (q [.., N/group, group] float32 holding int8 values, step [.., N/group, 1])."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    step = g.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(step > 0, torch.round(g / torch.where(step > 0, step, torch.ones_like(step))), torch.zeros_like(g))
+    return q, step
 
 
 def group_sums(x: torch.Tensor) -> torch.Tensor:
@@ -96,14 +123,73 @@ def q4_reference(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor, bias) -> to
     return F.linear(quantized_rows(x), dq, bias) + F.linear(group_sums(x), smf[..., 1])
 
 
+def q4k_steps(sub: torch.Tensor, sup: torch.Tensor) -> torch.Tensor:
+    """Integer sub-scales (sub [O, N/32, 2] uint8: sc, mn; sup [O, N/256, 2] float16: d, dmin) -> the
+    int4 groups' (step, minimum) [O, N/32, 2] float16: d * sc and -(dmin * mn) rounded to float16
+    (gguf_blocks.q4k_blocks' values)."""
+    o, g = sub.shape[:2]
+    ds = sup.float().repeat_interleave(SUPER // GROUP, dim=1)  # [O, G, 2]
+    sf = sub.float()
+    return torch.stack([ds[..., 0] * sf[..., 0], -(ds[..., 1] * sf[..., 1])], dim=-1).half().reshape(o, g, 2)
+
+
+def pack_q4k(q: torch.Tensor, sub: torch.Tensor, sup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [O, N/2] uint8, sub [O, N/32, 2] uint8, sup [O, N/256, 2] float16) -> (qv as pack_q4's, ks
+    [ceil(O/16), N/256, 320] uint8: per 16 outputs and super-block sc [8][16], mn [4][16][2], d [16]
+    and dmin [16] float16)."""
+    s = sup.shape[1]
+    qv = _padded(q).reshape(-1, 16, s * 8, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    subp, supp = _padded(sub), _padded(sup)
+    sc = subp[..., 0].reshape(-1, 16, s, 8).permute(0, 2, 3, 1).reshape(-1, s, 128)
+    mn = subp[..., 1].reshape(-1, 16, s, 4, 2).permute(0, 2, 3, 1, 4).reshape(-1, s, 128)
+    dd = supp.reshape(-1, 16, s, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(-1, s, 64)
+    return qv, torch.cat([sc, mn, dd], dim=-1).contiguous()
+
+
+def unpack_q4k(qv: torch.Tensor, ks: torch.Tensor, o: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q4k's inverse: (q [O, N/2], sub [O, N/32, 2], sup [O, N/256, 2])."""
+    b, s = ks.shape[:2]
+    q = qv.permute(0, 3, 1, 2, 4).reshape(b * 16, s * 8 * 16)[:o]
+    sc = ks[..., :128].reshape(b, s, 8, 16).permute(0, 3, 1, 2)
+    mn = ks[..., 128:256].reshape(b, s, 4, 16, 2).permute(0, 3, 1, 2, 4).reshape(b, 16, s, 8)
+    sub = torch.stack([sc, mn], dim=-1).reshape(b * 16, s * 8, 2)[:o]
+    sup = ks[..., 256:].contiguous().view(torch.float16).reshape(b, s, 2, 16).permute(0, 3, 1, 2)
+    return q.contiguous(), sub.contiguous(), sup.reshape(b * 16, s, 2)[:o].contiguous()
+
+
+def q4k_reference(x: torch.Tensor, q: torch.Tensor, sub: torch.Tensor, sup: torch.Tensor, bias) -> torch.Tensor:
+    """float32 [.., O]: dw_linear_q4k_a8's arithmetic step by step. Integer sums (exact in float64),
+    then per super-block t = float(isc) * d, t = t - float(imn) * dmin (one rounding, the FMA),
+    y = t * xs + y (one rounding), super-blocks in order; the bias last."""
+    o, n = q.shape[0], 2 * q.shape[1]
+    s = n // SUPER
+    xq, xs = _int8_rows(x.reshape(-1, n), SUPER)  # [R, S, 256], [R, S, 1]
+    xq = xq.double().reshape(-1, s, 8, GROUP)
+    b = q.reshape(o, s, 8, GROUP // 2)
+    vals = torch.cat([b & 15, b >> 4], dim=-1).double()  # [O, S, 8, 32]
+    dots = torch.einsum("rsjk,osjk->rosj", xq, vals)  # [R, O, S, 8], exact
+    sc, mn = sub[..., 0].double().reshape(o, s, 8), sub[..., 1].double().reshape(o, s, 8)
+    isc = (dots * sc).sum(-1)  # [R, O, S]
+    imn = (xq.sum(-1)[:, None] * mn).sum(-1)
+    d, dmin = sup[..., 0].float(), sup[..., 1].float()  # [O, S]
+    y = torch.zeros(xq.shape[0], o)
+    for i in range(s):
+        t = isc[..., i].float() * d[:, i]
+        t = (t.double() - imn[..., i].float().double() * dmin[:, i].double()).float()
+        y = (t.double() * xs[:, i].double() + y.double()).float()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], o)
+
+
 def run(kind: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias, out_features: int,
         out_dtype: torch.dtype) -> torch.Tensor:
-    """x [.., N] through vnni.c's product of `kind` ("q8g" or "q4") into out_dtype [.., O]."""
+    """x [.., N] through vnni.c's product of `kind` ("q8g", "q4" or "q4k") into out_dtype [.., O]."""
     k = cpu_kernels.kernels()
     x = x.contiguous()
     n = x.shape[-1]
     out = torch.empty(*x.shape[:-1], out_features, dtype=out_dtype)
-    fn = k.gemm_q8g_a8 if kind == "q8g" else k.linear_q4_a8
+    fn = {"q8g": k.gemm_q8g_a8, "q4": k.linear_q4_a8, "q4k": k.linear_q4k_a8}[kind]
     fn(x.data_ptr(), w.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
        x.numel() // n, out_features, n, torch.get_num_threads(), int(x.dtype == torch.bfloat16),
        int(out_dtype == torch.bfloat16))

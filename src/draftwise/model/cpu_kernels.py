@@ -166,6 +166,7 @@ class Kernels:
             "dw_gemm_q8g": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_gemm_q8g_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_linear_q4_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+            "dw_linear_q4k_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_vnni": [],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],

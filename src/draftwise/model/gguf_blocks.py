@@ -12,7 +12,9 @@ Two layouts hold every block type:
   every other type (Q6_K, Q5_K, Q2_K, Q3_K, IQ*) from its dequantised values: d = max|w| / 127 per
   group of 32, a finer grid than the 5- or 6-bit one it came from.
 
-`blocks_of(t)` picks the layout by type: ("int4", q, sm) or ("int8", q, d).
+`blocks_of(t)` picks the layout by type: ("int4", q, sm) or ("int8", q, d). A Q4_K tensor's integer
+sub-scales are kept beside its int4 groups too (`q4k_subscales`): the VNNI kernels run them as
+super-blocks (act8.py).
 """
 from __future__ import annotations
 
@@ -59,6 +61,21 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1))
     sm = torch.from_numpy(np.concatenate([d, m], axis=-1))
     return q.contiguous(), sm.contiguous()
+
+
+def q4k_subscales(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K reader tensor's integer sub-scales as stored: (sub [O, N/32, 2] uint8: each sub-block's
+    6-bit scale sc and minimum mn; sup [O, N/256, 2] float16: each super-block's d and dmin), so that
+    w = d * sc * q - dmin * mn exactly (the form `dw_linear_q4k_a8` runs, act8.py)."""
+    from gguf.quants import Q4_K
+
+    blocks = _raw(t, 144)
+    rows, nb = blocks.shape[:2]
+    flat = blocks.reshape(-1, 144)
+    sc, mn = Q4_K.get_scale_min(flat[:, 4:16].copy())  # [B, 8] each
+    sub = np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(rows, nb * 8, 2)
+    sup = flat[:, 0:4].copy().view(np.float16).reshape(rows, nb, 2)
+    return torch.from_numpy(sub).contiguous(), torch.from_numpy(sup).contiguous()
 
 
 def q4k_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,4 +141,4 @@ def blocks_of(t) -> tuple[str, torch.Tensor, torch.Tensor] | None:
     return ("int8", *int8_groups(dequantized(t)))
 
 
-__all__ = ["blocks_of", "dequantized", "int4_blocks", "q4k_blocks", "q5_0_blocks", "q8_blocks"]
+__all__ = ["blocks_of", "dequantized", "int4_blocks", "q4k_blocks", "q4k_subscales", "q5_0_blocks", "q8_blocks"]

@@ -299,7 +299,11 @@ class LlamaModel(NativeForward, nn.Module):
                 stored = common_blocks(lins)  # a GGUF's blocks, kept (loader.py)
                 if stored is not None:
                     kind, blocks = stored
-                    return (Int4Linear if kind == "int4" else Int8Linear)([], biases, blocks=blocks)
+                    if kind == "int8":
+                        return Int8Linear([], biases, blocks=blocks)
+                    subscales = [getattr(lin, "q4k_subscales", None) for lin in lins]  # Q4_K's (loader.py)
+                    return Int4Linear([], biases, blocks=blocks,
+                                      subscales=subscales if all(s is not None for s in subscales) else None)
                 if quantization == "int4" and lins[0].weight.shape[1] % GROUP == 0:
                     return Int4Linear.of(*lins)
                 return Int8Linear.of(*lins)  # (int4: inputs not in whole groups stay int8)

@@ -126,6 +126,8 @@ def _build_model(path: Path, cfg: ModelConfig, dt: torch.dtype, device: str, fus
     expected = dict(model.state_dict())
     loaded, stored = _read_weights(path, cfg, expected, dt)
     blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
+    subscales = {name: _stored_subscales(path, name, parts, tuple(expected[name].shape))
+                 for name, parts in stored.items()}
     projections = {kind for name, (kind, _, _) in blocks.items() if name.endswith("_proj.weight")}
     as_stored = quantization is None
     if projections and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
@@ -154,7 +156,10 @@ def _build_model(path: Path, cfg: ModelConfig, dt: torch.dtype, device: str, fus
         model.to(device)
     model.eval().requires_grad_(False)
     _attach_blocks(model, kept, dt)
-    del loaded, stored, blocks, kept  # the modules hold them now: fuse_projections frees each as it packs it
+    for name, sc in subscales.items():  # a Q4_K projection run as stored: its super-blocks too (act8.py)
+        if sc is not None and name.endswith("_proj.weight") and name in kept and kept[name][2] is blocks[name][2]:
+            model.get_submodule(name[: -len(".weight")]).q4k_subscales = sc
+    del loaded, stored, blocks, kept, subscales  # the modules hold them now: fuse_projections frees each as it packs it
     if fuse:
         model.fuse_projections(quantization) if quantization else model.fuse_projections()
     return model
@@ -213,9 +218,13 @@ def _attach_head(head, kind: str, q: torch.Tensor, sc: torch.Tensor) -> None:
     head.int8_blocks = (q, sc) if kind == "int8" else int8_groups(dequantize_int4(q, sc))
 
 
+# a weight stored quantized: its blocks, and a Q4_K one's integer sub-scales (gguf_import.py)
+STORED_PARTS = ("qweight", "qscale", "qsub", "qsuper")
+
+
 def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor], dt: torch.dtype):
     """(float tensors by name, in `dt`; quantized blocks as stored: weight name -> {"qweight",
-    "qscale"}) from the directory's safetensors files, each checked against `expected`'s names and
+    "qscale"[, "qsub", "qsuper"]}) from the directory's safetensors files, each checked against `expected`'s names and
     shapes."""
     loaded: dict[str, torch.Tensor] = {}
     stored: dict[str, dict[str, torch.Tensor]] = {}  # weight name -> its quantized blocks as stored
@@ -230,7 +239,7 @@ def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor
             read = _tensor_reader(f)
             for name in sf.keys():
                 stem, _, part = name.rpartition(".")
-                if part in ("qweight", "qscale") and f"{stem}.weight" in expected:  # stored quantized (gguf_import)
+                if part in STORED_PARTS and f"{stem}.weight" in expected:  # stored quantized (gguf_import)
                     stored.setdefault(f"{stem}.weight", {})[part] = read(name)
                     continue
                 if name not in expected:
@@ -298,7 +307,7 @@ def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape:
     (`.qweight` int8 [O, N], `.qscale` float16 [O, N/32]), checked against the shape config.json
     implies."""
     stem = name[: -len(".weight")]
-    if set(parts) != {"qweight", "qscale"}:
+    if not {"qweight", "qscale"} <= set(parts):
         missing = ({"qweight", "qscale"} - set(parts)).pop()
         raise ModelLoadError(f"{path}: tensor '{stem}.{missing}' missing (quantized weights need both qweight and qscale)")
     q, sc = parts["qweight"], parts["qscale"]
@@ -311,6 +320,24 @@ def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape:
                              f"{tuple(sc.shape)} {sc.dtype} do not hold a {o}x{n} weight (want int4 {(o, n // 2)} "
                              f"uint8 / {(o, n // GROUP, 2)} float16, or int8 {(o, n)} / {(o, n // GROUP)} float16)")
     return ("int4" if int4 else "int8"), q.contiguous(), sc.contiguous()
+
+
+def _stored_subscales(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
+    """A Q4_K weight's integer sub-scales as `import-gguf --keep-quantized` stores them beside its
+    int4 blocks (`.qsub` uint8 [O, N/32, 2], `.qsuper` float16 [O, N/256, 2]), or None where it
+    stores none; checked against the weight's shape."""
+    stem = name[: -len(".weight")]
+    have = {"qsub", "qsuper"} & set(parts)
+    if not have:
+        return None
+    o, n = shape
+    sub, sup = parts.get("qsub"), parts.get("qsuper")
+    if (have != {"qsub", "qsuper"} or n % 256 or sub.dtype != torch.uint8 or sup.dtype != torch.float16
+            or tuple(sub.shape) != (o, n // GROUP, 2) or tuple(sup.shape) != (o, n // 256, 2)
+            or parts["qweight"].dtype != torch.uint8):
+        raise ModelLoadError(f"{path}: Q4_K sub-scales '{stem}.qsub' / '{stem}.qsuper' do not hold a {o}x{n} int4 "
+                             f"weight's (want both, uint8 {(o, n // GROUP, 2)} / float16 {(o, n // 256, 2)})")
+    return sub.contiguous(), sup.contiguous()
 
 
 def _read_json(f: Path) -> dict:

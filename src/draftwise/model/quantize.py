@@ -222,7 +222,8 @@ class Int4Linear(nn.Module):
     float_out = False
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
-                 blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 subscales: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         super().__init__()
         if blocks is not None:  # already int4 (a GGUF's Q4 blocks, loader.py): kept as they are
             q, sm = (torch.cat(t) for t in zip(*blocks))
@@ -232,10 +233,15 @@ class Int4Linear(nn.Module):
             self.out_features, self.in_features = w.shape
             q, sm = quantize_int4(w)
         self.act8 = blocks is not None and act8.enabled()  # kept blocks on a VNNI build (act8.py)
-        if self.act8:
+        # Q4_K blocks with their integer sub-scales (`subscales`: (sub, sup) per block): super-blocks
+        self.super_blocks = self.act8 and subscales is not None and act8.super_blocks_wanted(self.in_features)
+        if self.super_blocks:
+            sub, sup = (torch.cat(t) for t in zip(*subscales))
+            q, sm = act8.pack_q4k(q, sub, sup)
+        elif self.act8:
             q, sm = act8.pack_q4(q, sm)
         self.register_buffer("qweight", q)  # [O, N/2] uint8 (act8: vnni.c's layout)
-        self.register_buffer("scale", sm)  # [O, N/32, 2] float16 (act8: vnni.c's layout)
+        self.register_buffer("scale", sm)  # [O, N/32, 2] float16 (act8: vnni.c's layout; super-blocks: sub-scales)
         self.bias = None if biases is None else torch.cat([b.detach().float() for b in biases]).contiguous()
 
     @staticmethod
@@ -249,6 +255,9 @@ class Int4Linear(nn.Module):
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [O, N/2] uint8, sm [O, N/32, 2] float16) in quantize_int4's layout."""
+        if self.super_blocks:
+            q, sub, sup = act8.unpack_q4k(self.qweight, self.scale, self.out_features)
+            return q, act8.q4k_steps(sub, sup)
         if self.act8:
             return act8.unpack_q4(self.qweight, self.scale, self.out_features)
         return self.qweight, self.scale
@@ -256,12 +265,16 @@ class Int4Linear(nn.Module):
     @property
     def kernel(self) -> tuple[int, torch.Tensor]:
         """(dw_decoder's product kind, the weight it reads): see kernels/decoder.c."""
-        return (7 if self.act8 else 4), self.qweight
+        return (8 if self.super_blocks else 7 if self.act8 else 4), self.qweight
 
     def forward(self, x):  # [.., N] -> [.., O]
         rows = x.numel() // self.in_features
         if self.act8 and x.device.type == "cpu" and rows > 0 and cpu_kernels.usable(x.dtype):  # any rows: act8.py
-            return act8.run("q4", x, self.qweight, self.scale, self.bias, self.out_features, x.dtype)
+            return act8.run("q4k" if self.super_blocks else "q4", x, self.qweight, self.scale, self.bias,
+                            self.out_features, x.dtype)
+        if self.super_blocks:
+            q, sub, sup = act8.unpack_q4k(self.qweight, self.scale, self.out_features)
+            return act8.q4k_reference(x, q, sub, sup, self.bias).to(x.dtype)
         if self.act8:
             return act8.q4_reference(x, *self.blocks(), self.bias).to(x.dtype)
         if x.device.type == "cpu" and 0 < rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x.dtype):
@@ -277,7 +290,7 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP}" + (
-            ", int8 activations" if self.act8 else "")
+            ", Q4_K super-blocks" if self.super_blocks else "") + (", int8 activations" if self.act8 else "")
 
 
 def int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

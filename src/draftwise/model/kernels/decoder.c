@@ -11,7 +11,8 @@
  * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
  * (w int8 packed by dw_pack, scale [O] float32, bias float32), 4 dw_linear_q4 (int4 groups,
  * scale the float16 (step, minimum) pairs), 5 dw_gemm_q8g (int8 packed, scale the group scales),
- * 6 dw_gemm_q8g_a8 and 7 dw_linear_q4_a8 (the same weights in vnni.c's layouts, int8 activations):
+ * 6 dw_gemm_q8g_a8 and 7 dw_linear_q4_a8 (the same weights in vnni.c's layouts, int8 activations), 8
+ * dw_linear_q4k_a8 (Q4_K super-blocks in vnni.c's layout, scale their sub-scales):
  * what the per-layer path calls for that weight, with the same arguments. */
 static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
@@ -25,6 +26,7 @@ static void dw_product(int kind, const void *x, const void *w, const void *bias,
     case 5: dw_gemm_q8g(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     case 6: dw_gemm_q8g_a8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     case 7: dw_linear_q4_a8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
+    case 8: dw_linear_q4k_a8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     default: dw_gemm_q8(x, w, scale, bias, out, rows, O, N, threads, bf, bf); break;
     }
 }

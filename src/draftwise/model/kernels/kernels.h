@@ -193,6 +193,8 @@ void dw_gemm_q8g_a8(const void *x, const int8_t *wv, const uint16_t *gs, const f
                     long O, long N, int threads, int bf, int obf);
 void dw_linear_q4_a8(const void *x, const uint8_t *qv, const uint16_t *sm, const float *bias, void *out, long rows,
                      long O, long N, int threads, int bf, int obf);
+void dw_linear_q4k_a8(const void *x, const uint8_t *qv, const uint8_t *ks, const float *bias, void *out, long rows,
+                      long O, long N, int threads, int bf, int obf);
 
 /* gemm.c: weights packed by dw_pack (float32, bfloat16, int8) */
 void dw_gemm_f32(const float *x, const float *wp, const float *bias, float *out, long rows, long O, long N,

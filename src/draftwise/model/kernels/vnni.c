@@ -16,6 +16,18 @@
  * low nibble is input i, its high one input i + 16), scales [ceil(O/16)][N/32][2][16] float16 (d,
  * then m). y += float(sum q * xq) * (d * xs) + m * sum(x), sum(x) the group's float sum.
  *
+ * Q4_K super-blocks (dw_linear_q4k_a8): w = d * sc_j * q - dmin * mn_j for sub-block j (32 inputs) of
+ * a super-block of 256, sc_j and mn_j 6-bit integers, d and dmin float16 per super-block. The
+ * activations are quantised per 256 (one step xs a row and super-block) with the int8 sums of each
+ * 32 (bsums), and the sub-scales are applied in integer arithmetic, llama.cpp's Q4_K x Q8_K form:
+ *   y += xs * (d * float(sum_j sc_j * (q_j . xq_j)) - dmin * float(sum_j mn_j * bsum_j)),
+ * one float conversion a super-block instead of a multiply and two FMAs a group. q_j . xq_j is summed
+ * as two halves of 16 inputs (|sum| <= 16 * 15 * 127 < 2^15: each an int16 value in its int32 lane),
+ * so VPDPWSSD against sc_j (the lane's high half 0) multiplies and accumulates it in one instruction;
+ * the minima's sum is VPDPWSSD of (mn_2p, mn_2p+1) pairs against (bsum_2p, bsum_2p+1) pairs. Nibbles
+ * as the int4 groups' layout; sub-scales [ceil(O/16)][N/256][320] bytes: sc [8][16], mn [4][16][2]
+ * (pair p's two minima side by side per output), d [16] and dmin [16] float16.
+ *
  * Each (row, output) is one fixed sequence of operations: a row's result does not depend on the
  * other rows or the threads (verification and decoding agree bitwise). */
 #include "kernels.h"
@@ -163,6 +175,97 @@ static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, 
     for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 
+/* rows of x [rows, N] -> xq (int8, [rows, N]), xs [rows, N/256] (the super-blocks' steps) and bs
+ * [rows, N/32] (int16 sums of xq per 32: |sum| <= 32 * 127). Rounded as a8_quantize rounds. */
+static void a8_quantize_k(const void *x, long rows, long N, int bf, int8_t *xq, float *xs, int16_t *bs) {
+    long S = N / 256;
+    for (long r = 0; r < rows; r++)
+        for (long b = 0; b < S; b++) {
+            long i0 = r * N + b * 256;
+            __m512 v[16];
+            __m512 mx = _mm512_setzero_ps();
+            for (int c = 0; c < 16; c++) {
+                if (bf)
+                    v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i0 + 16 * c))), 16));
+                else
+                    v[c] = _mm512_loadu_ps((const float *)x + i0 + 16 * c);
+                mx = _mm512_max_ps(mx, _mm512_abs_ps(v[c]));
+            }
+            float step = _mm512_reduce_max_ps(mx) / 127.0f;
+            __m512 sv = _mm512_set1_ps(step > 0.0f ? step : 1.0f);
+            for (int c = 0; c < 16; c += 2) {
+                __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+                if (step > 0.0f) {
+                    q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[c], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[c + 1], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                }
+                _mm_storeu_si128((__m128i *)(xq + i0 + 16 * c), _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128((__m128i *)(xq + i0 + 16 * c + 16), _mm512_cvtepi32_epi8(q1));
+                bs[r * (N / 32) + b * 8 + c / 2] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            }
+            xs[r * S + b] = step;
+        }
+}
+
+/* Q4_K super-blocks: NR rows from r0 of output block ob */
+static inline __attribute__((always_inline)) void q4k_block_a8(const int8_t *xq, const float *xs, const int16_t *bs,
+                                                               const uint8_t *qv, const uint8_t *ks, const float *bias,
+                                                               void *out, long r0, int NR, long ob, long O, long N,
+                                                               int obf) {
+    const long G = N / 32, S = N / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[A8_RB];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *w = qv + ob * G * 256, *k = ks + ob * S * 320;
+    for (long b = 0; b < S; b++, k += 320) {
+        /* integer sums of the super-block: sc_j * dot_j (two chains of the halves for few rows:
+         * VPDPWSSD's latency), then the minima */
+        __m512i isc[A8_RB], isc2[A8_RB];
+        for (int r = 0; r < NR; r++) isc[r] = isc2[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++, w += 256) {
+            __m512i lo[4], hi[4];
+            __builtin_prefetch(w + 1024, 0, 0);
+            __builtin_prefetch(w + 1088, 0, 0);
+            for (int c = 0; c < 4; c++) {
+                __m512i v = _mm512_loadu_si512((const void *)(w + c * 64));
+                lo[c] = _mm512_and_si512(v, m4);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k + 16 * j)));
+            for (int r = 0; r < NR; r++) {
+                const int8_t *x = xq + (r0 + r) * N + (b * 8 + j) * 32;
+                __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    s = _mm512_dpbusd_epi32(s, lo[c], bcast4(x + 4 * c));
+                    s2 = _mm512_dpbusd_epi32(s2, hi[c], bcast4(x + 16 + 4 * c));
+                }
+                isc[r] = _mm512_dpwssd_epi32(isc[r], s, sc);
+                if (NR <= 2)
+                    isc2[r] = _mm512_dpwssd_epi32(isc2[r], s2, sc);
+                else
+                    isc[r] = _mm512_dpwssd_epi32(isc[r], s2, sc);
+            }
+        }
+        __m512i imn[A8_RB];
+        for (int r = 0; r < NR; r++) imn[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(k + 128 + 32 * p)));
+            for (int r = 0; r < NR; r++)
+                imn[r] = _mm512_dpwssd_epi32(imn[r], mn, bcast4((const int8_t *)(bs + (r0 + r) * G + b * 8 + 2 * p)));
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k + 256)));
+        __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k + 288)));
+        for (int r = 0; r < NR; r++) {
+            if (NR <= 2) isc[r] = _mm512_add_epi32(isc[r], isc2[r]);
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[r]), d);
+            t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn[r]), dm, t); /* t - mins * dmin, one rounding */
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[(r0 + r) * S + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+}
+
 #define A8_ROWS(CALL)                                                        \
     for (long r0 = 0; r0 < rows; r0 += A8_RB) {                              \
         switch (rows - r0 < A8_RB ? rows - r0 : A8_RB) {                     \
@@ -175,24 +278,31 @@ static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, 
         }                                                                    \
     }
 
-static void a8_product(int kind, const void *x, const void *w, const uint16_t *scale, const float *bias, void *out,
+static void a8_product(int kind, const void *x, const void *w, const void *scale, const float *bias, void *out,
                        long rows, long O, long N, int threads, int bf, int obf) {
     long G = N / 32;
     int8_t *xq = (int8_t *)malloc(rows * N + 64);
     float *xs = (float *)malloc(sizeof(float) * (2 * rows * G + 16));
     float *xsum = xs + rows * G;
     int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (rows * G + 16));
-    a8_quantize(x, rows, N, bf, xq, xs, xsum, qsum);
+    int16_t *bs = (int16_t *)qsum;
+    if (kind == 44)
+        a8_quantize_k(x, rows, N, bf, xq, xs, bs);
+    else
+        a8_quantize(x, rows, N, bf, xq, xs, xsum, qsum);
     long blocks = (O + 15) / 16;
     long nt = dw_threads_for(threads, O * N, Q8_MIN_PARALLEL);
     if (nt > blocks) nt = blocks;
 #define Q8G_CALL(NR) q8g_block(xq, xs, qsum, (const int8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
 #define Q4_CALL(NR) q4_block_a8(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
+#define Q4K_CALL(NR) q4k_block_a8(xq, xs, bs, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
     DW_SHARES(nt, t, {
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
         for (long ob = b0; ob < b1; ob++) {
             if (kind == 8) {
                 A8_ROWS(Q8G_CALL)
+            } else if (kind == 44) {
+                A8_ROWS(Q4K_CALL)
             } else {
                 A8_ROWS(Q4_CALL)
             }
@@ -200,6 +310,7 @@ static void a8_product(int kind, const void *x, const void *w, const uint16_t *s
     });
 #undef Q8G_CALL
 #undef Q4_CALL
+#undef Q4K_CALL
     free(xq);
     free(xs);
     free(qsum);
@@ -221,5 +332,13 @@ void dw_linear_q4_a8(const void *x, const uint8_t *qv, const uint16_t *sm, const
                      long O, long N, int threads, int bf, int obf) {
 #ifdef DW_A8
     a8_product(4, x, qv, sm, bias, out, rows, O, N, threads, bf, obf);
+#endif
+}
+
+/* the same for Q4_K super-blocks packed as above (N a multiple of 256), ks their sub-scales */
+void dw_linear_q4k_a8(const void *x, const uint8_t *qv, const uint8_t *ks, const float *bias, void *out, long rows,
+                      long O, long N, int threads, int bf, int obf) {
+#ifdef DW_A8
+    a8_product(44, x, qv, ks, bias, out, rows, O, N, threads, bf, obf);
 #endif
 }
