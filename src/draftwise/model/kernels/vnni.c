@@ -47,10 +47,18 @@ int dw_vnni(void) {
 #ifdef DW_A8
 #define A8_RB 6 /* rows per register block */
 
-/* 4 activation bytes broadcast to every lane, read as one int32 from memory: the compiler folds it
- * into VPDPBUSD's operand (a register broadcast from a general register cost a shuffle port) */
+/* 4 bytes broadcast to every lane, read as one int32 from memory (a register broadcast from a
+ * general register cost a shuffle port) */
 typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 static inline __m512i bcast4(const int8_t *p) { return _mm512_set1_epi32(*(const i32u *)p); }
+
+/* acc + w (unsigned bytes) . the 4 activation bytes at p, broadcast to every lane as VPDPBUSD's
+ * memory operand ({1to16}): GCC kept a separate VPBROADCASTD per product for the intrinsics, and
+ * folding it made a 5-row block of Q4_K super-blocks ~25% faster on AMD EPYC (Zen 4) */
+static inline __m512i dpbusd_x(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32u *)p));
+    return acc;
+}
 
 /* rows of x [rows, N] -> xq (int8, [rows, N]), xs [rows, N/32] (the groups' steps) and xsum
  * [rows, N/32] (the groups' float sums), qsum [rows, N/32] (sum of xq). Two 16-lane vectors a
@@ -120,8 +128,8 @@ static inline __attribute__((always_inline)) void q8g_block(const int8_t *xq, co
             __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + c * 64 + 64)), flip);
             for (int r = 0; r < NR; r++) {
                 const int8_t *x4 = xq + (r0 + r) * N + g * 32 + c * 4;
-                s[r] = _mm512_dpbusd_epi32(s[r], w0, bcast4(x4));
-                s2[r] = _mm512_dpbusd_epi32(s2[r], w1, bcast4(x4 + 4));
+                s[r] = dpbusd_x(s[r], w0, x4);
+                s2[r] = dpbusd_x(s2[r], w1, x4 + 4);
             }
         }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (ob * G + g) * 16)));
@@ -160,11 +168,11 @@ static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, 
              * interleave (an add a row and group less; integer sums: the same either way) */
             __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
-                s = _mm512_dpbusd_epi32(s, lo[j], bcast4(x + 4 * j));
+                s = dpbusd_x(s, lo[j], x + 4 * j);
                 if (NR == 1)
-                    s2 = _mm512_dpbusd_epi32(s2, hi[j], bcast4(x + 16 + 4 * j));
+                    s2 = dpbusd_x(s2, hi[j], x + 16 + 4 * j);
                 else
-                    s = _mm512_dpbusd_epi32(s, hi[j], bcast4(x + 16 + 4 * j));
+                    s = dpbusd_x(s, hi[j], x + 16 + 4 * j);
             }
             if (NR == 1) s = _mm512_add_epi32(s, s2);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
@@ -237,8 +245,8 @@ static inline __attribute__((always_inline)) void q4k_block_a8(const int8_t *xq,
                 const int8_t *x = xq + (r0 + r) * N + (b * 8 + j) * 32;
                 __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
                 for (int c = 0; c < 4; c++) {
-                    s = _mm512_dpbusd_epi32(s, lo[c], bcast4(x + 4 * c));
-                    s2 = _mm512_dpbusd_epi32(s2, hi[c], bcast4(x + 16 + 4 * c));
+                    s = dpbusd_x(s, lo[c], x + 4 * c);
+                    s2 = dpbusd_x(s2, hi[c], x + 16 + 4 * c);
                 }
                 isc[r] = _mm512_dpwssd_epi32(isc[r], s, sc);
                 if (NR <= 2)
