@@ -139,7 +139,7 @@ def test_directory_holds_the_subscales(q4k_model):
     sd = load_file(str(q4k_model / "model.safetensors"))
     p = "model.layers.0.mlp.down_proj"
     assert sd[f"{p}.qsub"].shape == (256, 16, 2) and sd[f"{p}.qsuper"].shape == (256, 2, 2)
-    assert torch.equal(act8.q4k_steps(sd[f"{p}.qsub"], sd[f"{p}.qsuper"]), sd[f"{p}.qscale"])
+    assert f"{p}.qscale" not in sd  # (the groups' steps and minima follow from the sub-scales)
 
 
 def test_broken_subscales_are_a_clear_error(q4k_model, tmp_path):
@@ -180,12 +180,12 @@ def test_model_speculative_equals_plain_and_one_call_equals_layer_by_layer(q4k_m
 
 def test_float_paths_read_the_files_values(q4k_model):
     """fuse=False (training's path) dequantises the kept blocks: the file's Q4_K values to float16
-    rounding of the sub-block steps, as before the sub-scales were kept."""
+    rounding of the sub-block steps (the int4 groups' form)."""
     m = load_model(q4k_model, fuse=False, load_tokenizer=False).model
     w = m.model.layers[0].mlp.down_proj.weight
     sd = load_file(str(q4k_model / "model.safetensors"))
     p = "model.layers.0.mlp.down_proj"
-    assert torch.equal(w, dequantize_int4(sd[f"{p}.qweight"], sd[f"{p}.qscale"]))
+    assert torch.equal(w, dequantize_int4(sd[f"{p}.qweight"], act8.q4k_steps(sd[f"{p}.qsub"], sd[f"{p}.qsuper"])))
     exact = _exact(sd[f"{p}.qsub"], sd[f"{p}.qsuper"], sd[f"{p}.qweight"])
     assert float((w - exact).abs().max()) <= float(exact.abs().max()) * 2.0 ** -9
     assert np.isfinite(w.numpy()).all()

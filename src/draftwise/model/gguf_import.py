@@ -18,9 +18,10 @@ head stored in any quantized type are written as blocks (gguf_blocks.py), under 
 `<name>.qscale` with `quantization_config` in config.json, never as floats: Q4_0, Q4_1 and Q4_K as
 draftwise's int4 (quantize.py: groups of 32 inputs, a float16 step and minimum per group, the same
 nibble order; Q4_0's x = d * (q - 8) is d * q + m with m = -8d, exact in float16; Q4_K's sub-blocks
-of 32 have the same form; their integer sub-scales are written too, `<name>.qsub` uint8 [O, N/32, 2]
-(sc, mn) and `<name>.qsuper` float16 [O, N/256, 2] (d, dmin), which the VNNI kernels run as
-super-blocks, act8.py), Q8_0 and Q5_0 as int8 with a float16 scale per group of 32 (run by
+of 32 have the same form; their integer sub-scales are written instead of `.qscale`, `<name>.qsub`
+uint8 [O, N/32, 2] (sc, mn) and `<name>.qsuper` float16 [O, N/256, 2] (d, dmin): the loader derives
+the groups' float16 steps and minima from them, and the VNNI kernels run them as super-blocks,
+act8.py), Q8_0 and Q5_0 as int8 with a float16 scale per group of 32 (run by
 `dw_gemm_q8g`; both exactly), the other types (Q6_K, Q5_K, ...) as int8 groups re-quantised from
 their dequantised values, one tensor at a time. The model then runs on the file's own values, not
 on values re-quantised from a float import (`load_model` dequantises them only for the float
@@ -217,12 +218,14 @@ def convert_weights(reader, cfg: dict, arch: str, dtype: torch.dtype, source: st
             if permuted and heads:  # a row permutation: each output's blocks move with it
                 q, sm = unpermute(q, heads), unpermute(sm, heads)
             stem = name[: -len(".weight")]
-            out[f"{stem}.qweight"], out[f"{stem}.qscale"] = q.contiguous(), sm.contiguous()
-            if t.tensor_type == gguf.GGMLQuantizationType.Q4_K:  # its integer sub-scales too (act8.py)
+            out[f"{stem}.qweight"] = q.contiguous()
+            if t.tensor_type == gguf.GGMLQuantizationType.Q4_K:  # its integer sub-scales (sm follows from them)
                 sub, sup = q4k_subscales(t)
                 if permuted and heads:
                     sub, sup = unpermute(sub, heads), unpermute(sup, heads)
                 out[f"{stem}.qsub"], out[f"{stem}.qsuper"] = sub.contiguous(), sup.contiguous()
+            else:
+                out[f"{stem}.qscale"] = sm.contiguous()
             continue
         w = torch.from_numpy(dequantize(t, source))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from ..paths import models_dir, resolve_model
 from . import cpu_kernels
+from .act8 import q4k_steps
 from .config import ModelConfig, ModelLoadError
 from .hybrid import HybridModel
 from .llama import LlamaModel, rope_inv_freq
@@ -125,9 +126,10 @@ def _build_model(path: Path, cfg: ModelConfig, dt: torch.dtype, device: str, fus
         model = model_class(cfg)(cfg)
     expected = dict(model.state_dict())
     loaded, stored = _read_weights(path, cfg, expected, dt)
-    blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape)) for name, parts in stored.items()}
     subscales = {name: _stored_subscales(path, name, parts, tuple(expected[name].shape))
                  for name, parts in stored.items()}
+    blocks = {name: _stored_blocks(path, name, parts, tuple(expected[name].shape), subscales[name])
+              for name, parts in stored.items()}
     projections = {kind for name, (kind, _, _) in blocks.items() if name.endswith("_proj.weight")}
     as_stored = quantization is None
     if projections and as_stored:  # stored quantized: runs on its own blocks (fuse_projections)
@@ -301,15 +303,18 @@ def stored_quantization(path: str | Path) -> str | None:
     return "int4" if qc.get("int4_tensors") else "int8" if qc.get("int8_tensors") else None
 
 
-def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
+def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...], subscales=None):
     """A weight stored quantized by `import-gguf --keep-quantized`: ("int4", q, sm) for Q4 blocks
-    (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]) or ("int8", q, d) for Q8_0 blocks
-    (`.qweight` int8 [O, N], `.qscale` float16 [O, N/32]), checked against the shape config.json
-    implies."""
+    (`.qweight` uint8 [O, N/2], `.qscale` float16 [O, N/32, 2]; a Q4_K weight stores its sub-scales
+    instead, `subscales`, from which sm follows) or ("int8", q, d) for Q8_0 blocks (`.qweight` int8
+    [O, N], `.qscale` float16 [O, N/32]), checked against the shape config.json implies."""
     stem = name[: -len(".weight")]
+    if "qscale" not in parts and subscales is not None:
+        parts = {**parts, "qscale": q4k_steps(*subscales)}
     if not {"qweight", "qscale"} <= set(parts):
         missing = ({"qweight", "qscale"} - set(parts)).pop()
-        raise ModelLoadError(f"{path}: tensor '{stem}.{missing}' missing (quantized weights need both qweight and qscale)")
+        raise ModelLoadError(f"{path}: tensor '{stem}.{missing}' missing (quantized weights need both qweight and "
+                             "qscale, or a Q4_K weight's qweight, qsub and qsuper)")
     q, sc = parts["qweight"], parts["qscale"]
     o, n = shape
     int4 = q.dtype == torch.uint8
@@ -323,12 +328,12 @@ def _stored_blocks(path: Path, name: str, parts: dict[str, torch.Tensor], shape:
 
 
 def _stored_subscales(path: Path, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
-    """A Q4_K weight's integer sub-scales as `import-gguf --keep-quantized` stores them beside its
-    int4 blocks (`.qsub` uint8 [O, N/32, 2], `.qsuper` float16 [O, N/256, 2]), or None where it
+    """A Q4_K weight's integer sub-scales as `import-gguf --keep-quantized` stores them with its
+    4-bit values (`.qsub` uint8 [O, N/32, 2], `.qsuper` float16 [O, N/256, 2]), or None where it
     stores none; checked against the weight's shape."""
     stem = name[: -len(".weight")]
     have = {"qsub", "qsuper"} & set(parts)
-    if not have:
+    if not have or "qweight" not in parts:  # (a missing qweight: _stored_blocks says so)
         return None
     o, n = shape
     sub, sup = parts.get("qsub"), parts.get("qsuper")
