@@ -68,7 +68,11 @@ def test_layout_round_trips():
 def test_kernel_matches_the_reference(o, n, rows, dtype):
     layer, (q, sub, sup, _) = _layer(o, n)
     assert layer.super_blocks and layer.kernel[0] == 8
-    x = (torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 3
+    x[:, 5::97] *= 30  # outliers: the other sub-blocks of their super-blocks on finer power-of-two steps
+    x = x.to(dtype)
+    e = act8.super_block_rows(x.float())[1]
+    assert {1.0, 8.0} <= set(e.unique().tolist())
     ref = act8.q4k_reference(x, q, sub, sup, layer.bias)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (rows, o)
@@ -81,17 +85,20 @@ def test_kernel_matches_the_reference(o, n, rows, dtype):
 
 @needs_vnni
 def test_the_integer_sums_do_not_overflow_at_the_extremes():
-    """Every nibble 15, every sub-scale 63, activations at +-max: the halves' sums reach 16 * 15 * 127,
-    the int16 bound VPDPWSSD reads them in."""
+    """Every nibble 15, every sub-scale 63, activations at +-max on the finest sub-step (e = 8): the
+    halves' sums reach 16 * 15 * 127 (the int16 bound VPDPWSSD reads them in), the scaled sums
+    8 * 32 * 127, the super-block's 8 * 63 * 8 * 32 * 15 * 127."""
     o, n = 16, 512
     q = torch.full((o, n // 2), 0xFF, dtype=torch.uint8)
     sub = torch.full((o, n // 32, 2), 63, dtype=torch.uint8)
     sup = torch.full((o, n // 256, 2), 1e-3, dtype=torch.float16)
     layer = Int4Linear([], None, blocks=[(q, act8.q4k_steps(sub, sup))], subscales=[(sub, sup)])
-    for x in (torch.full((2, n), 5.0), torch.full((2, n), -5.0)):
+    big = torch.full((2, n), 0.5)
+    big[:, ::256] = 4.0  # one input a super-block 8x the rest: its other sub-blocks on steps 8x finer
+    for x in (torch.full((2, n), 5.0), torch.full((2, n), -5.0), big, -big):
         out, ref = layer(x), act8.q4k_reference(x, q, sub, sup, None)
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
-        torch.testing.assert_close(out, x @ _exact(sub, sup, q).t(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(out, x @ _exact(sub, sup, q).t(), rtol=1e-2, atol=0)  # (an overflow: far off)
 
 
 @needs_vnni
@@ -105,9 +112,14 @@ def test_rows_independent_and_threads_do_not_matter(dtype):
 def test_close_to_float_activations():
     layer, (q, sub, sup, _) = _layer(256, 1024, seed=3, bias=False)
     x = torch.randn(5, 1024)
+    x[:, 7::64] *= 20  # outliers
     ref = x @ _exact(sub, sup, q).t()
     rel = float((layer(x) - ref).norm() / ref.norm())
-    assert 0 < rel < 0.02  # the activations' rounding per 256, not a broken product
+    assert 0 < rel < 0.02  # the activations' rounding, not a broken product
+    xq, e, xs = act8.super_block_rows(x)
+    coarse = xs * 8 * torch.round(x.reshape(xq.shape) / (xs * 8)[..., None]).flatten(-2)  # one step per 256
+    fine = (xq * e[..., None] * xs[..., None]).reshape(5, -1)
+    assert float((fine - x).norm()) < 0.75 * float((coarse.reshape(5, -1) - x).norm())  # the sub-steps pay
 
 
 def test_switch_and_shapes_keep_the_groups(monkeypatch):
