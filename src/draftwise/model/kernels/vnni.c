@@ -25,7 +25,7 @@
  * one float conversion a super-block instead of a multiply and two FMAs a group. q_j . xq_j is summed
  * as two halves of 16 inputs (|sum| <= 16 * 15 * 127 < 2^15: each an int16 value in its int32 lane),
  * so VPDPWSSD against e_j sc_j (the lane's high half 0) multiplies and accumulates it in one instruction;
- * the minima's sum is VPDPWSSD of (mn_2p, mn_2p+1) pairs against (bsum_2p, bsum_2p+1) pairs. Nibbles
+ * the minima's sum is VPDPWSSD of (mn_2p, mn_2p+1) pairs against (e bsum_2p, e bsum_2p+1) pairs. Nibbles
  * as the int4 groups' layout; sub-scales [ceil(O/16)][N/256][320] bytes: sc [8][16], mn [4][16][2]
  * (pair p's two minima side by side per output), d [16] and dmin [16] float16.
  *
