@@ -225,9 +225,9 @@ STORED_PARTS = ("qweight", "qscale", "qsub", "qsuper")
 
 
 def _read_weights(path: Path, cfg: ModelConfig, expected: dict[str, torch.Tensor], dt: torch.dtype):
-    """(float tensors by name, in `dt`; quantized blocks as stored: weight name -> {"qweight",
-    "qscale"[, "qsub", "qsuper"]}) from the directory's safetensors files, each checked against `expected`'s names and
-    shapes."""
+    """(float tensors by name, in `dt`; quantized blocks as stored: weight name -> its parts of
+    STORED_PARTS) from the directory's safetensors files, each checked against `expected`'s names
+    and shapes."""
     loaded: dict[str, torch.Tensor] = {}
     stored: dict[str, dict[str, torch.Tensor]] = {}  # weight name -> its quantized blocks as stored
     for f in _weight_files(path):

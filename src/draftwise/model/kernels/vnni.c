@@ -197,10 +197,10 @@ static void a8_quantize_k(const void *x, long rows, long N, int bf, int8_t *xq, 
             __m512 v[16];
             float gmax[8];
             for (int c = 0; c < 16; c++) {
-                if (bf)
-                    v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i0 + 16 * c))), 16));
-                else
+                if (bf) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i0 + 16 * c));
+                    v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                } else
                     v[c] = _mm512_loadu_ps((const float *)x + i0 + 16 * c);
             }
             float amax = 0.0f;
@@ -216,8 +216,9 @@ static void a8_quantize_k(const void *x, long rows, long N, int bf, int8_t *xq, 
                 __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
                 if (step > 0.0f) {
                     __m512 sv = _mm512_set1_ps(sj);
-                    q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[2 * j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                    q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[2 * j + 1], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                    q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[2 * j], sv), rne));
+                    q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v[2 * j + 1], sv), rne));
                 }
                 _mm_storeu_si128((__m128i *)(xq + i0 + 32 * j), _mm512_cvtepi32_epi8(q0));
                 _mm_storeu_si128((__m128i *)(xq + i0 + 32 * j + 16), _mm512_cvtepi32_epi8(q1));
