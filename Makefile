@@ -61,10 +61,13 @@ QWEN_05B := qwen2.5-coder-0.5b-instruct
 
 qwen-coder: models/$(QWEN_15B)/config.json models/$(QWEN_05B)/config.json
 
-models/$(QWEN_15B)/config.json: $(CACHE)/gguf/$(QWEN_15B)-q4_k_m.gguf | $(STAMP)
+# an import made before the kept-block format changed (gguf_blocks.py newer than it) is redone
+GGUF_FORMAT := src/draftwise/model/gguf_blocks.py
+
+models/$(QWEN_15B)/config.json: $(CACHE)/gguf/$(QWEN_15B)-q4_k_m.gguf $(GGUF_FORMAT) | $(STAMP)
 	$(BIN)/draftwise import-gguf $< --out models/$(QWEN_15B) --keep-quantized
 
-models/$(QWEN_05B)/config.json: $(CACHE)/gguf/$(QWEN_05B)-q4_k_m.gguf | $(STAMP)
+models/$(QWEN_05B)/config.json: $(CACHE)/gguf/$(QWEN_05B)-q4_k_m.gguf $(GGUF_FORMAT) | $(STAMP)
 	$(BIN)/draftwise import-gguf $< --out models/$(QWEN_05B) --keep-quantized
 
 $(CACHE)/gguf/$(QWEN_15B)-q4_k_m.gguf: | $(STAMP)
