@@ -86,3 +86,16 @@ def test_greedy_and_rollback_explanations_state_their_thresholds():
         kind="rollback"))
     assert head == "largest logit error 1.00e-06 (tolerance 0.0001); 0 proposals rejected"
     assert "no rollback was exercised" in lines[-1]
+
+
+def test_python_dash_m_reports_a_user_error_as_one_line(tmp_path):
+    """`python -m draftwise.cli.main` runs the module as __main__: a subcommand's UserError (the
+    package module's class) is still one line on stderr with exit status 2, not a traceback."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-m", "draftwise.cli.main", "train", "eagle3", "--target",
+                          str(tmp_path / "none"), "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.strip().count("\n") == 0 and "not a model directory" in got.stderr
+    assert "Traceback" not in got.stderr

@@ -53,5 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # (python -m: the package's module, whose UserError the subcommands raise)
+    from draftwise.cli.main import main as package_main
+
+    sys.exit(package_main())
