@@ -37,9 +37,8 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVManager, pool_tensor
-from ..model.dspark import HIDDEN_POSITION
-from ..model.pair import LoadedDSpark, LoadedEagle3
 from .base import DraftBlock, register_proposer
+from .feature_cache import checked_drafter, commit_slots, padded_context
 from .step_chooser import StepChooser
 
 
@@ -50,17 +49,7 @@ class DSparkProposer:
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
                  eos_ids: list[int] | None = None, **_):
-        if not isinstance(draft, LoadedDSpark):
-            where = "" if draft is None else (f"; {draft.path} is an EAGLE-3 drafter: use --method eagle3"
-                                              if isinstance(draft, LoadedEagle3) else
-                                              f"; {draft.path} is a language model, not a DSpark drafter")
-            raise ValueError("speculative method 'dspark' needs a DSpark drafter directory (--draft DIR: "
-                             f"config.json of architecture DSparkDrafter and model.safetensors){where}")
-        if target is not None:
-            if target.config.hybrid is not None:
-                raise ValueError("speculative method 'dspark' reads an attention-only target's features; "
-                                 f"{target.path} is a hybrid model")
-            draft.config.check(target.config)
+        draft = checked_drafter("dspark", draft, target)
         self.drafter = draft.model
         cfg = draft.config
         self.feature_layers = tuple(cfg.target_feature_layers)
@@ -81,15 +70,13 @@ class DSparkProposer:
         """The context K/V of committed positions start .. start + n - 1, written into the drafter's
         cache; its length becomes start + n (blocks reserved past it are truncated)."""
         n = features.shape[0]
-        if start != seq.draft_computed:
-            raise ValueError(f"dspark drafter: features from position {start}, but its cache holds "
-                             f"{seq.draft_computed} positions")
         if n == 0:
+            if start != seq.draft_computed:
+                raise ValueError(f"dspark drafter: features from position {start}, but its cache holds "
+                                 f"{seq.draft_computed} positions")
             return
         end = start + n
-        self.kv.reserve(seq.seq_id, end)
-        self.kv.truncate(seq.seq_id, end)
-        slots = self.kv.slots([seq.seq_id], [end])[0, start:end].to(self.device)  # [n]
+        slots = commit_slots(self.kv, seq, start, n, "dspark", self.device)  # [n]
         pos = torch.arange(start, end, device=self.device)[None]  # [1, n]
         fused = self.drafter.fuse(features[None].to(self.device))  # [1, n, H]
         for layer, (k, v) in enumerate(self.drafter.context_kv(fused, pos)):  # [1, n, Hkv, D] each
@@ -103,14 +90,8 @@ class DSparkProposer:
         """Each drafter layer's context K/V of the rows, gathered from their slots and padded to the
         longest, and the fused feature of each row's last position: ([(k, v) [B, S, Hkv, D] per layer],
         positions [B, S] (HIDDEN_POSITION = padding), last [B, H] or None without `anchor_feature`)."""
-        slots = self.kv.slots(seq_ids, lengths).to(self.device)  # [B, S]
-        S = slots.shape[1]
-        pos = torch.arange(S, device=self.device).expand(len(seq_ids), S)
-        lens = torch.tensor(lengths, device=self.device)[:, None]
-        pos = torch.where(pos < lens, pos, torch.full_like(pos, HIDDEN_POSITION))  # [B, S]
-        last = None
-        if self.fused is not None:
-            last = self.fused[slots.gather(1, (lens - 1).clamp(min=0))[:, 0]]  # [B, H]
+        slots, pos, last_slot = padded_context(self.kv, seq_ids, lengths, self.device)
+        last = self.fused[last_slot] if self.fused is not None else None  # [B, H]
         kv = [(self.cache[layer, 0][slots], self.cache[layer, 1][slots]) for layer in range(self.cache.shape[0])]
         return kv, pos, last
 

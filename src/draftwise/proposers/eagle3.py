@@ -31,9 +31,8 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVManager, pool_tensor
-from ..model.dspark import HIDDEN_POSITION
-from ..model.pair import LoadedDSpark, LoadedEagle3
 from .base import DraftBlock, register_proposer
+from .feature_cache import checked_drafter, commit_slots, padded_context
 from .step_chooser import StepChooser
 
 
@@ -44,17 +43,7 @@ class Eagle3Proposer:
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
                  eos_ids: list[int] | None = None, **_):
-        if not isinstance(draft, LoadedEagle3):
-            where = "" if draft is None else (f"; {draft.path} is a DSpark drafter: use --method dspark"
-                                              if isinstance(draft, LoadedDSpark) else
-                                              f"; {draft.path} is a language model, not an EAGLE-3 drafter")
-            raise ValueError("speculative method 'eagle3' needs an EAGLE-3 drafter directory (--draft DIR: "
-                             f"config.json of architecture Eagle3Drafter and model.safetensors){where}")
-        if target is not None:
-            if target.config.hybrid is not None:
-                raise ValueError("speculative method 'eagle3' reads an attention-only target's features; "
-                                 f"{target.path} is a hybrid model")
-            draft.config.check(target.config)
+        draft = checked_drafter("eagle3", draft, target)
         self.drafter = draft.model
         cfg = draft.config
         self.feature_layers = tuple(cfg.target_feature_layers)
@@ -83,9 +72,7 @@ class Eagle3Proposer:
         if len(nxt) != n:
             raise ValueError(f"eagle3 drafter: features up to position {end - 1}, but the sequence has "
                              f"{seq.num_tokens} tokens (a row reads the token after it)")
-        self.kv.reserve(seq.seq_id, end)
-        self.kv.truncate(seq.seq_id, end)
-        slots = self.kv.slots([seq.seq_id], [end])[0, start:end].to(self.device)  # [n]
+        slots = commit_slots(self.kv, seq, start, n, "eagle3", self.device)  # [n]
         d = self.drafter
         rows = d.row_input(d.fuse(features[None].to(self.device)), torch.tensor([nxt], device=self.device))  # [1, n, H]
         k, v = d.kv(rows, torch.arange(start, end, device=self.device)[None])  # [1, n, Hkv, D] each
@@ -97,13 +84,8 @@ class Eagle3Proposer:
     def context(self, seq_ids: list[int], lengths: list[int]):
         """The rows' cached context, padded to the longest: (k, v [B, S, Hkv, D], positions [B, S]
         (HIDDEN_POSITION = padding), last [B, H] the row of each one's last position)."""
-        slots = self.kv.slots(seq_ids, lengths).to(self.device)  # [B, S]
-        S = slots.shape[1]
-        pos = torch.arange(S, device=self.device).expand(len(seq_ids), S)
-        lens = torch.tensor(lengths, device=self.device)[:, None]
-        pos = torch.where(pos < lens, pos, torch.full_like(pos, HIDDEN_POSITION))  # [B, S]
-        last = self.rows[slots.gather(1, (lens - 1).clamp(min=0))[:, 0]]  # [B, H]
-        return self.cache[0, 0][slots], self.cache[0, 1][slots], pos, last
+        slots, pos, last = padded_context(self.kv, seq_ids, lengths, self.device)
+        return self.cache[0, 0][slots], self.cache[0, 1][slots], pos, self.rows[last]
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):

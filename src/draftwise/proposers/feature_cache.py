@@ -1,0 +1,61 @@
+"""What the drafters on the target's features (proposers/dspark.py, proposers/eagle3.py) share: the
+check of the directory they were given, and the bookkeeping of their paged caches of committed
+positions (a slot per position, written once the position is committed, rolled back by
+truncation; rows gathered from their slots and padded to the longest, the padding at
+`HIDDEN_POSITION`, which no query sees)."""
+from __future__ import annotations
+
+import torch
+
+from ..kv import KVManager
+from ..model.dspark import HIDDEN_POSITION
+from ..model.pair import LoadedDSpark, LoadedEagle3
+
+KINDS = {"dspark": (LoadedDSpark, "a DSpark drafter", "DSparkDrafter"),
+         "eagle3": (LoadedEagle3, "an EAGLE-3 drafter", "Eagle3Drafter")}
+
+
+def checked_drafter(method: str, draft, target):
+    """`draft` (what load_pair loaded) if it is `method`'s kind of drafter and fits `target`; else a
+    ValueError naming what it is and what to use."""
+    cls, what, arch = KINDS[method]
+    if not isinstance(draft, cls):
+        where = ""
+        if draft is not None:
+            other = next((m for m, (c, _, _) in KINDS.items() if isinstance(draft, c)), None)
+            where = (f"; {draft.path} is {KINDS[other][1]}: use --method {other}" if other else
+                     f"; {draft.path} is a language model, not {what}")
+        raise ValueError(f"speculative method '{method}' needs {what} directory (--draft DIR: "
+                         f"config.json of architecture {arch} and model.safetensors){where}")
+    if target is not None:
+        if target.config.hybrid is not None:
+            raise ValueError(f"speculative method '{method}' reads an attention-only target's features; "
+                             f"{target.path} is a hybrid model")
+        draft.config.check(target.config)
+    return draft
+
+
+def commit_slots(kv: KVManager, seq, start: int, n: int, method: str, device) -> torch.Tensor:
+    """The slots [n] of seq's committed positions start .. start + n - 1, the cache's length made
+    start + n (blocks reserved past it truncated): the features must continue where it ends."""
+    if start != seq.draft_computed:
+        raise ValueError(f"{method} drafter: features from position {start}, but its cache holds "
+                         f"{seq.draft_computed} positions")
+    end = start + n
+    kv.reserve(seq.seq_id, end)
+    kv.truncate(seq.seq_id, end)
+    return kv.slots([seq.seq_id], [end])[0, start:end].to(device)
+
+
+def padded_context(kv: KVManager, seq_ids: list[int], lengths: list[int], device):
+    """(slots [B, S], positions [B, S] with HIDDEN_POSITION past each row's length, the slot of each
+    row's last position [B]) for rows of `lengths` committed positions."""
+    slots = kv.slots(seq_ids, lengths).to(device)  # [B, S]
+    S = slots.shape[1]
+    pos = torch.arange(S, device=device).expand(len(seq_ids), S)
+    lens = torch.tensor(lengths, device=device)[:, None]
+    pos = torch.where(pos < lens, pos, torch.full_like(pos, HIDDEN_POSITION))
+    return slots, pos, slots.gather(1, (lens - 1).clamp(min=0))[:, 0]
+
+
+__all__ = ["checked_drafter", "commit_slots", "padded_context"]
