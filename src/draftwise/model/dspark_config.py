@@ -26,6 +26,17 @@ def default_feature_layers(num_layers: int) -> list[int]:
     return sorted({low, num_layers // 2, max(num_layers - 2, 0), num_layers - 1})
 
 
+def check_fits_target(vocab_size: int, hidden_size: int, layers: list[int], tcfg: ModelConfig) -> None:
+    """A drafter on a target's features (DSpark, EAGLE-3) shares its vocabulary and width and reads
+    layers it has: else a ModelLoadError naming the difference."""
+    if (tcfg.vocab_size, tcfg.hidden_size) != (vocab_size, hidden_size):
+        raise ModelLoadError(f"drafter vocab/hidden {vocab_size}/{hidden_size} differ from the "
+                             f"target's {tcfg.vocab_size}/{tcfg.hidden_size}")
+    if layers[-1] >= tcfg.num_hidden_layers:
+        raise ModelLoadError(f"config.json 'target_feature_layers' {layers}: the target has "
+                             f"{tcfg.num_hidden_layers} layers")
+
+
 def default_markov_rank(hidden_size: int) -> int:
     """DSpark's rank is 256 for 2560-4096-wide targets; a narrow target gets hidden/4 (the toy: 96)."""
     return min(256, max(8, hidden_size // 4))
@@ -83,12 +94,7 @@ class DSparkConfig:
             raise ModelLoadError(f"config.json 'confidence_temperatures': {self.block_size} positive numbers "
                                  f"(one per block position) or none, got {temps}")
         if tcfg is not None:
-            if (tcfg.vocab_size, tcfg.hidden_size) != (self.vocab_size, self.hidden_size):
-                raise ModelLoadError(f"drafter vocab/hidden {self.vocab_size}/{self.hidden_size} differ from the "
-                                     f"target's {tcfg.vocab_size}/{tcfg.hidden_size}")
-            if layers[-1] >= tcfg.num_hidden_layers:
-                raise ModelLoadError(f"config.json 'target_feature_layers' {layers}: the target has "
-                                     f"{tcfg.num_hidden_layers} layers")
+            check_fits_target(self.vocab_size, self.hidden_size, layers, tcfg)
         return self
 
     def to_dict(self) -> dict:

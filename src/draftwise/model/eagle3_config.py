@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig, ModelLoadError
-from .dspark_config import default_feature_layers
+from .dspark_config import check_fits_target, default_feature_layers
 
 ARCHITECTURE = "Eagle3Drafter"
 
@@ -66,12 +66,7 @@ class Eagle3Config:
             raise ModelLoadError(f"config.json: num_attention_heads {self.num_attention_heads} is not a multiple "
                                  f"of num_key_value_heads {self.num_key_value_heads}")
         if tcfg is not None:
-            if (tcfg.vocab_size, tcfg.hidden_size) != (self.vocab_size, self.hidden_size):
-                raise ModelLoadError(f"drafter vocab/hidden {self.vocab_size}/{self.hidden_size} differ from the "
-                                     f"target's {tcfg.vocab_size}/{tcfg.hidden_size}")
-            if layers[-1] >= tcfg.num_hidden_layers:
-                raise ModelLoadError(f"config.json 'target_feature_layers' {layers}: the target has "
-                                     f"{tcfg.num_hidden_layers} layers")
+            check_fits_target(self.vocab_size, self.hidden_size, layers, tcfg)
         return self
 
     def to_dict(self) -> dict:
