@@ -201,3 +201,59 @@ def test_a_coasting_arm_keeps_measuring_its_steps():
     modes, _ = drive(150)
     switch = next(i for i in range(len(modes)) if "plain" not in modes[i:])
     assert switch < 2 * CFG.far_coast_steps + CFG.burst, modes
+
+
+def test_a_cold_step_is_left_out_of_the_arms_figures(monkeypatch):
+    """Steps the engine began after being away longer than they took (another engine's time
+    slice, an idle wait) run with cold caches: goodput adds their time to the exploration budget
+    but records none of them in any arm's figures, however slow; the same steps warm are recorded."""
+    from draftwise.policies import StepTiming
+
+    recorded = []
+    real = Arms.record
+    monkeypatch.setattr(Arms, "record", lambda self, *a, **kw: (recorded.append(a[0]), real(self, *a, **kw))[1])
+
+    def run(cold: bool) -> int:
+        policy = GoodputPolicy(k=4, cost=COST, has_draft_model=True)
+        seqs = rows(1)
+        for _ in range(40):  # warm steps of whatever arm the policy picks
+            lengths = policy.plan(seqs, [4])
+            policy.observe_step(timing(1, 1 + sum(lengths), lengths, 0.004))
+        recorded.clear()
+        for _ in range(16):
+            credit = policy.check.credit
+            lengths = policy.plan(seqs, [4])
+            policy.observe_step(StepTiming(1, 1 + sum(lengths), 50.0, list(lengths), 0.5, cold=cold))  # 100x slower
+            assert not cold or policy.check.credit >= credit
+        return len(recorded)
+
+    assert run(cold=True) == 0
+    assert run(cold=False) > 0
+
+
+def test_the_engine_marks_a_step_after_a_gap_cold(target_dir, draft_dir):
+    """Speculation.observe_step: a decode step that began longer after the previous one's end than
+    it took (and than COLD_GAP) reaches the policy as cold; back-to-back steps do not."""
+    llm = LLM(str(target_dir), draft=str(draft_dir), spec=SpecConfig(method="draft", k=4, policy="goodput"))
+    spec = llm.engine.speculation
+    seen = []
+    real = spec.policy.observe_step
+
+    def spy(timing):
+        seen.append(timing.cold)
+        return real(timing)
+
+    spec.policy.observe_step = spy
+    eng = llm.engine
+    eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert seen and not any(seen[1:])  # (the first follows the prefill step)
+    seen.clear()
+    import time
+    eng.add_request("s", [5, 6, 8], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    eng.step()  # the prefill
+    time.sleep(0.05)
+    while eng.has_unfinished():
+        eng.step()
+    assert seen[0] and not any(seen[1:])

@@ -234,7 +234,7 @@ class LLMEngine:
             st.speculative_steps += any(b.token_ids for b in blocks.values())
             # the step's decode part: its time without the prefill chunks' forward
             self.speculation.observe_step(decoding, drafted, blocks, t4 - t0 - self._prefill_seconds,
-                                          timed=not self._mixed_step, several_steps=self._multi_stepped)
+                                          timed=not self._mixed_step, several_steps=self._multi_stepped, span=(t0, t4))
         st.steps += 1
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2

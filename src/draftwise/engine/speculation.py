@@ -48,11 +48,14 @@ def cost_model(spec: SpecConfig, config: EngineConfig, target: LoadedModel, draf
 class Speculation:
     """The proposer and the verification policy of an engine with a speculative method."""
 
+    COLD_GAP = 0.001  # seconds away from decoding past which a step may start cold (and its own time)
+
     def __init__(self, spec: SpecConfig, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
                  num_blocks: int, stats: EngineStats):
         # the draft model's method drafts across vocabularies where the draft's tokenizer differs
         cls, vocab_map = proposer_for(spec.method, target, draft)
         self.spec, self.stats = spec, stats
+        self._last_step_end: float | None = None  # the previous decode step's end (perf_counter)
         self.vocab_size = target.config.vocab_size
         self.proposer = cls(
             target=target, draft=draft, num_blocks=num_blocks, block_size=config.block_size,
@@ -147,10 +150,18 @@ class Speculation:
         self.policy.observe(seq, drafted.main_chain(), len(main.token_ids), on_main)
 
     def observe_step(self, decoding: list[ScheduledSeq], drafted: dict[int, DraftBlock],
-                     blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: int) -> None:
+                     blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: int,
+                     span: tuple[float, float] | None = None) -> None:
         """Tell the policy what a decode step cost; record its prediction against the clock.
         `timed`: its decode rows ran in a forward of their own (not a mixed step);
-        `several_steps`: the target steps a lone row ran in one call (multi-step; 0: one step)."""
+        `several_steps`: the target steps a lone row ran in one call (multi-step; 0: one step);
+        `span`: the step's (start, end) on the clock: a step that began longer after the previous
+        decode step's end than it took is cold (`StepTiming.cold`)."""
+        cold = False
+        if span is not None:
+            gap = span[0] - self._last_step_end if self._last_step_end is not None else 0.0
+            cold = gap > max(self.COLD_GAP, span[1] - span[0])
+            self._last_step_end = span[1]
         b = len(decoding)
         ctx = sum(s.seq.num_tokens for s in decoding) / b
         tokens = b + sum(len(blk.token_ids) for blk in blocks.values())
@@ -164,7 +175,7 @@ class Speculation:
         if self.step_cost is not None and seconds is not None:
             self.step_cost.observe(b, tokens, ctx, [], seconds - catch_up)
         predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed,
-                                                        num_steps=max(1, several_steps)))
+                                                        num_steps=max(1, several_steps), cold=cold))
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
 

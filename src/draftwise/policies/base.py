@@ -65,6 +65,9 @@ class StepTiming:
     # target steps the call ran: above 1, a lone greedy row's plain steps in one call (multi-step:
     # `seconds` None, `untimed_seconds` their time, one committed token each)
     num_steps: int = 1
+    # the engine was away longer than this step took (an idle wait, other engines' time slices): a
+    # cold start (caches holding other work's data), not what the arms' steps cost
+    cold: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ the exploration budget, and records each timed step in its arm's figures.
   catch-up it must start with is dearer than the credit's cap).
 - Switching costs are not the arms': a drafting step right after plain ones also feeds the
   drafter everything it missed, and a plain step right after drafting ones runs slower than the
-  plain steps after it; both are left out of the figures. The plan's own Python time is left out of
+  plain steps after it; both are left out of the figures, as is a cold step (`StepTiming.cold`:
+  the engine was away longer than the step took, its caches holding other work's data). The plan's own Python time is left out of
   "plain"'s and "full"'s seconds: leading, they coast without it.
 - Coasting steps (the leader run unplanned) are recorded one in `coast_observe_every`, their tokens
   as expected scaled by the arm's committed / expected ratio: the leader's figures follow the steps

@@ -112,8 +112,10 @@ class GoodputPolicy:
         committed = check.take_committed(timing.num_seqs)
         if timing.untimed_seconds is not None:  # several forwards: its time still adds to the budget
             check.accrue(timing.untimed_seconds)
-        if timing.seconds is None:  # a mixed or multi-step step (not the forward modelled): nothing to learn
-            if timing.num_steps > 1 and timing.untimed_seconds is not None:  # but what plain steps gave
+        if timing.cold and timing.seconds is not None:  # its time is the cold start's: the budget's, not an arm's
+            check.accrue(timing.seconds)
+        if timing.seconds is None or timing.cold:  # a mixed, multi-step or cold step: nothing to learn
+            if timing.num_steps > 1 and timing.untimed_seconds is not None and not timing.cold:  # but plain steps'
                 steps, model, ctx = timing.num_steps, core.model, timing.context
                 check.record_steps(steps, timing.untimed_seconds, steps * model.profile_seconds(1, 1, ctx, []),
                                    ctx, steps * model.context_slope(1, []))
