@@ -313,8 +313,8 @@ class LLMEngine:
             return None
         feed = seq.all_ids[seq.num_computed : seq.num_tokens]
         # at most multi_step tokens, whatever k: a speculative row's drafter looks again after them
-        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, min(1 + s.num_draft, self.scheduler.multi_step),
-                                       feature_layers=self.feature_layers)
+        n = min(1 + s.num_draft, self.scheduler.multi_step)
+        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, n, feature_layers=self.feature_layers)
         if got is None:
             return None
         if self.feature_layers:  # [len(feed) + num_draft, F * hidden], from position num_computed

@@ -15,8 +15,9 @@ the exploration budget, and records each timed step in its arm's figures.
 - Switching costs are not the arms': a drafting step right after plain ones also feeds the
   drafter everything it missed, and a plain step right after drafting ones runs slower than the
   plain steps after it; both are left out of the figures, as is a cold step (`StepTiming.cold`:
-  the engine was away longer than the step took, its caches holding other work's data). The plan's own Python time is left out of
-  "plain"'s and "full"'s seconds: leading, they coast without it.
+  the engine was away longer than the step took, its caches holding other work's data). The
+  plan's own Python time is left out of "plain"'s and "full"'s seconds: leading, they coast
+  without it.
 - Coasting steps (the leader run unplanned) are recorded one in `coast_observe_every`, their tokens
   as expected scaled by the arm's committed / expected ratio: the leader's figures follow the steps
   it runs, not those before the coast.
