@@ -26,6 +26,31 @@ def default_feature_layers(num_layers: int) -> list[int]:
     return sorted({low, num_layers // 2, max(num_layers - 2, 0), num_layers - 1})
 
 
+def config_from_dict(cls, architecture: str, d):
+    """A feature drafter's config (DSparkConfig, Eagle3Config: dataclasses with `extra` and `check`)
+    from config.json's object: its architecture checked, the required fields present, unknown
+    fields kept in `extra`; else a ModelLoadError naming what is wrong."""
+    if not isinstance(d, dict) or d.get("architectures") != [architecture]:
+        got = d.get("architectures") if isinstance(d, dict) else d
+        raise ModelLoadError(f"config.json 'architectures': expected [{architecture!r}], got {got!r}")
+    known = set(cls.__dataclass_fields__) - {"extra"}
+    missing = [k for k in ("vocab_size", "hidden_size", "target_feature_layers") if k not in d]
+    if missing:
+        raise ModelLoadError(f"config.json: field {missing[0]!r} missing")
+    args = {k: v for k, v in d.items() if k in known}
+    extra = {k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type")}
+    return cls(**args, extra=extra).check()
+
+
+def config_from_dir(cls, path: str | Path):
+    """`config_from_dict` of DIR/config.json; an unreadable file is a ModelLoadError."""
+    f = Path(path) / "config.json"
+    try:
+        return cls.from_dict(json.loads(f.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{f}: unreadable ({e})") from None
+
+
 def check_fits_target(vocab_size: int, hidden_size: int, layers: list[int], tcfg: ModelConfig) -> None:
     """A drafter on a target's features (DSpark, EAGLE-3) shares its vocabulary and width and reads
     layers it has: else a ModelLoadError naming the difference."""
@@ -104,21 +129,8 @@ class DSparkConfig:
 
     @staticmethod
     def from_dict(d: dict) -> "DSparkConfig":
-        if d.get("architectures") != [ARCHITECTURE]:
-            raise ModelLoadError(f"config.json 'architectures': expected [{ARCHITECTURE!r}], "
-                                 f"got {d.get('architectures')!r}")
-        known = set(DSparkConfig.__dataclass_fields__) - {"extra"}
-        missing = [k for k in ("vocab_size", "hidden_size", "target_feature_layers") if k not in d]
-        if missing:
-            raise ModelLoadError(f"config.json: field {missing[0]!r} missing")
-        args = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type")}
-        return DSparkConfig(**args, extra=extra).check()
+        return config_from_dict(DSparkConfig, ARCHITECTURE, d)
 
     @staticmethod
     def from_dir(path: str | Path) -> "DSparkConfig":
-        f = Path(path) / "config.json"
-        try:
-            return DSparkConfig.from_dict(json.loads(f.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{f}: unreadable ({e})") from None
+        return config_from_dir(DSparkConfig, path)

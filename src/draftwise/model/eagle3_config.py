@@ -9,12 +9,11 @@ final norm and LM head.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig, ModelLoadError
-from .dspark_config import check_fits_target, default_feature_layers
+from .dspark_config import check_fits_target, config_from_dict, config_from_dir, default_feature_layers
 
 ARCHITECTURE = "Eagle3Drafter"
 
@@ -76,21 +75,8 @@ class Eagle3Config:
 
     @staticmethod
     def from_dict(d: dict) -> "Eagle3Config":
-        if not isinstance(d, dict) or d.get("architectures") != [ARCHITECTURE]:
-            got = d.get("architectures") if isinstance(d, dict) else d
-            raise ModelLoadError(f"config.json 'architectures': expected [{ARCHITECTURE!r}], got {got!r}")
-        known = set(Eagle3Config.__dataclass_fields__) - {"extra"}
-        missing = [k for k in ("vocab_size", "hidden_size", "target_feature_layers") if k not in d]
-        if missing:
-            raise ModelLoadError(f"config.json: field {missing[0]!r} missing")
-        args = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known and k not in ("architectures", "model_type")}
-        return Eagle3Config(**args, extra=extra).check()
+        return config_from_dict(Eagle3Config, ARCHITECTURE, d)
 
     @staticmethod
     def from_dir(path: str | Path) -> "Eagle3Config":
-        f = Path(path) / "config.json"
-        try:
-            return Eagle3Config.from_dict(json.loads(f.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{f}: unreadable ({e})") from None
+        return config_from_dir(Eagle3Config, path)
