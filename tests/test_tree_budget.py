@@ -139,7 +139,7 @@ def test_sampled_trees_stop_branching_where_later_draws_are_never_accepted(targe
         prop.kv.reserve(s.seq_id, 8 + 6)
     first = prop.propose(seqs, [6] * 3)
     assert any(len(set(b.parents)) < len(b.parents) for b in first), "unsure slots branch at first"
-    for n in range(400):  # verified trees where a slot's first draw is accepted, a later one never
+    for n in range(3000):  # verified trees where a slot's first draw is accepted, a later one never
         prop.draw_calibration.observe_draws((-1, -1, 1, 1), [0.05 * (n % 20)] * 4, [0, 2])
         prop.draw_calibration.observe_draws((-1, -1), [0.05 * (n % 20)] * 2, [])
     for s in seqs:

@@ -44,7 +44,8 @@ from ..sampling.rejection import categorical_from_uniform
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
-from .draft_tree import TreeRecord, draft_spines, draft_trees, keep_path, spine_trees
+from .draft_tree import TreeRecord, draft_trees, keep_path, spine_trees
+from .draft_tree_sampled import draft_sampled_trees
 from .tree_budget import NodeCalibration, TreeBudget
 
 
@@ -133,7 +134,7 @@ class DraftModelProposer:
             raw = not any(changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in rows)
             got = None
             if sampled:
-                got = draft_spines(self.runner, *args, calibration=self.draw_calibration)
+                got = draft_sampled_trees(self.runner, *args, calibration=self.draw_calibration)
             elif raw and self.fused_steps:  # the chain's fused call, with each slot's runner-up
                 got = spine_trees(self.runner, [seqs[i] for i in rows], [max(1, num_draft[i]) for i in rows],
                                   [nodes[i] for i in rows], [feeds[i] for i in rows], [starts[i] for i in rows],
