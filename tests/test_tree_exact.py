@@ -98,8 +98,9 @@ def _round(tree, ctx, p, q, verify_as=None):
     return out
 
 
-def _joint(p, q, drafting, length=3, verify_as=None):
-    """The committed stream's first `length` tokens, rounds repeated from each new context."""
+def _joint(p, q, drafting, length=3, verify_as=None, trees=None):
+    """The committed stream's first `length` tokens, rounds repeated from each new context;
+    `trees(ctx, q)`: the drafted trees and their probabilities (default `_drafted_trees`)."""
     memo = {}
 
     def from_ctx(ctx):
@@ -107,7 +108,7 @@ def _joint(p, q, drafting, length=3, verify_as=None):
             return {ctx[:length]: 1.0}
         if ctx not in memo:
             dist: dict[tuple, float] = {}
-            for tree, w in _drafted_trees(ctx, drafting, q):
+            for tree, w in (trees(ctx, q) if trees else _drafted_trees(ctx, drafting, q)):
                 for seq, m in _round(tree, ctx, p, q, verify_as).items():
                     for full, m2 in from_ctx(ctx + seq).items():
                         dist[full] = dist.get(full, 0.0) + w * m * m2
@@ -144,6 +145,46 @@ def test_siblings_verified_with_the_wrong_proposal_distribution_are_biased():
     renormalised): the enumeration sees the bias, so the exact test above could fail."""
     p, q = _tables(0)
     assert _tv(_joint(p, q, "distinct", verify_as="iid"), _target_joint(p)) > 1e-3
+
+
+def _distinct(q, taken=()):
+    """Each next draw from q without replacement of `taken`: (token, its probability)."""
+    left = 1.0 - sum(float(q[t]) for t in taken)
+    return [(x, float(q[x]) / left) for x in range(V) if x not in taken]
+
+
+def _adaptive_trees(ctx, q, biased=False):
+    """A sampled tree grown as draft_tree_sampled.py grows one: where the next draw happens depends
+    on the tokens drawn before it. At the root x0; x0 == 0: a second root draw x1 and stop;
+    else x0 is fed and y0 drawn under it; y0 == 1: a second root draw after x0's subtree, else a
+    second draw under x0. `biased`: a first root draw equal to 2 is dropped for the next one (a
+    draw kept or not by its own token: a selection verification cannot undo)."""
+    for x0, w0 in _distinct(q[ctx]):
+        if x0 == 0 or (biased and x0 == 2):
+            for x1, w1 in _distinct(q[ctx], (x0,)):
+                tree = DraftTree((-1,), (x1,), "distinct") if x0 == 2 else DraftTree((-1, -1), (x0, x1), "distinct")
+                yield tree, w0 * w1
+            continue
+        for y0, w1 in _distinct(q[ctx + (x0,)]):
+            if y0 == 1:
+                for x1, w2 in _distinct(q[ctx], (x0,)):
+                    yield DraftTree((-1, 0, -1), (x0, y0, x1), "distinct"), w0 * w1 * w2
+            else:
+                for y1, w2 in _distinct(q[ctx + (x0,)], (y0,)):
+                    yield DraftTree((-1, 0, 0), (x0, y0, y1), "distinct"), w0 * w1 * w2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_tree_whose_shape_follows_earlier_draws_commits_the_targets_distribution(seed):
+    """Draws without replacement whose number and place depend on earlier draws (and a sibling
+    tried after an earlier sibling's subtree was drawn) stay exact; dropping a draw by its own
+    token does not."""
+    p, q = _tables(seed)
+    got = _joint(p, q, "distinct", trees=_adaptive_trees)
+    assert sum(got.values()) == pytest.approx(1.0, abs=1e-12)
+    assert _tv(got, _target_joint(p)) <= 1e-9
+    biased = _joint(p, q, "distinct", trees=lambda ctx, q: _adaptive_trees(ctx, q, biased=True))
+    assert _tv(biased, _target_joint(p)) > 1e-3
 
 
 @pytest.mark.parametrize("drafting", ["iid", "point"])
