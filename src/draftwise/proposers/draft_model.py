@@ -22,8 +22,9 @@ num_draft[i]: with num_forced 0 they only save draft forwards).
 
 With `tree` = W > 0 an unconstrained row that may verify N >= 2 proposals drafts a tree of at
 most N nodes instead (draft_tree.py): a greedy row W children per expanded node (EAGLE-2's
-"expand the most probable, keep the best N", candidates as point masses), a sampled row a drawn
-spine with W - 1 more draws without replacement where q is unsure; constrained rows draft chains (their
+"expand the most probable, keep the best N", candidates as point masses), a sampled row a tree
+grown draw by draw where the next draw is worth most (draft_tree_sampled.py, at most W nodes fed
+per drafter forward); constrained rows draft chains (their
 grammar fork walks one path), and so does a hybrid drafter (its recurrent state is a chain).
 A greedy tree's size comes from the step's `TreeBudget` (tree_budget.py, `set_tree_budget`): with a
 price, up to the row's node cap, the nodes whose calibrated gain pays it; the calibration learns

@@ -1,4 +1,4 @@
-"""Tree drafting with a draft model: expand the most probable, keep the best N (EAGLE-2's dynamic tree).
+"""Greedy rows' trees from a draft model: expand the most probable, keep the best N (EAGLE-2's dynamic tree).
 
 A row that may verify N proposals drafts a tree of at most N nodes instead of a chain of N:
 
@@ -25,16 +25,7 @@ Where the drafter's greedy steps run fused (raw logits, the kernels), greedy row
 tree is the best nodes among the spine and one runner-up leaf per slot (what a tree of a few
 nodes holds when siblings rarely carry children of their own), for a chain's drafting time.
 
-Sampled rows (`draft_spines`) cannot prune by score: a sibling kept because its own q is high is
-no longer a draw from q, and recursive rejection sampling would lose exactness. Their tree is a
-spine drawn from q as a chain is, and at a spine slot up to `width` - 1 more siblings drawn from q
-without replacement after the spine token, all kept (`drafting="distinct"`): one more while its
-expected gain beats that of the spine's last node, which it displaces (`_draws`: both from the
-slot's confidence max_x q(x), known before its tokens are drawn, through a calibration of first
-and later draws learned from verified sampled trees); the extra siblings are leaves, so the
-drafter runs the chain's forwards. Every choice of the tree's shape depends only on tokens
-drawn before it, never on the tokens it includes: each slot's siblings are i.i.d.-without-
-replacement draws from the q verification is given, as the exactness argument needs.
+Sampled rows draft theirs in draft_tree_sampled.py (grown, never pruned).
 
 The drafter's cache after a round holds the catch-up and the fed nodes (node fed f-th at key
 root + 1 + f); `keep_path` moves the accepted path's fed nodes onto consecutive keys, so the
@@ -50,7 +41,6 @@ import torch
 from ..model.runner import ModelRunner
 from ..model.tree_attention import TreeSpec
 from ..sampling import process_logits
-from ..sampling.rejection import categorical_from_uniform
 from .base import DraftBlock
 from .tree_budget import NodeCalibration
 
@@ -264,87 +254,3 @@ def keep_path(runner: ModelRunner, seq_id: int, num_tokens_before: int, fed: lis
     runner.move_kv(seq_id, [num_tokens_before + fed[path[j]] for j in range(m)],
                    [num_tokens_before + j for j in range(m)])
     return m
-
-
-def _draws(conf: float, left: int, width: int, calibration: NodeCalibration) -> int:
-    """Draws at a spine slot whose max q is conf, with `left` nodes left: the first, then one more
-    while its gain, P(every earlier draw rejected) times a later draw's acceptance, is at least the
-    gain of the spine's last node it displaces (the spine's s nodes from here projected at the
-    first draw's rate: rate^s), all relative to the slot's own gain."""
-    a1, a2 = calibration.rate(conf, True), calibration.rate(conf, False)
-    d = 1
-    while d < min(width, left) and (1 - a1) * (1 - a2) ** (d - 1) * a2 >= a1 ** (left - d + 1):
-        d += 1
-    return d
-
-
-def draft_spines(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
-                 feeds: list[list[int]], starts: list[int],
-                 calibration: NodeCalibration) -> list[tuple[DraftBlock, TreeRecord]]:
-    """Sampled rows' trees (see the module docstring): per sequence (block with q per slot, its
-    record: the spine node j was fed j-th, the extra siblings are leaves)."""
-    n_rows = len(seqs)
-    tokens = [[] for _ in range(n_rows)]
-    parents = [[] for _ in range(n_rows)]
-    conf = [[] for _ in range(n_rows)]
-    fed = [[] for _ in range(n_rows)]
-    slot_q = [{} for _ in range(n_rows)]  # slot -> q there ([V]); the others are never read
-    spine = [-1] * n_rows  # the last spine node (-1: the root)
-    active = list(range(n_rows))
-    while active:
-        logits = runner.run([seqs[i].seq_id for i in active], [feeds[i] for i in active],
-                            [starts[i] for i in active], [1] * len(active))  # [A, V]
-        logits = logits if logits.dtype == torch.float32 else logits.float()
-        logits = process_logits(logits, [seqs[i].params for i in active], [seqs[i].prompt_ids for i in active],
-                                [seqs[i].output_ids + _spine_tokens(tokens[i], parents[i], spine[i]) for i in active],
-                                eos_ids=[eos_ids] * len(active))
-        q = torch.softmax(logits, dim=-1)  # [A, V]
-        nxt = []
-        for row, i in enumerate(active):
-            left = num_draft[i] - len(tokens[i])
-            top = float(q[row].max())
-            c = _draws(top, left, width, calibration)
-            slot_q[i][spine[i] + 1] = q[row]
-            first = len(tokens[i])
-            for x in _draw_distinct(q[row], c, seqs[i].generator):
-                tokens[i].append(x)
-                parents[i].append(spine[i])
-                conf[i].append(top)
-                fed[i].append(-1)
-            starts[i] += len(feeds[i])
-            if len(tokens[i]) < num_draft[i]:  # another slot follows: feed the spine token
-                spine[i] = first
-                fed[i][first] = sum(f >= 0 for f in fed[i])
-                feeds[i] = [tokens[i][first]]
-                nxt.append(i)
-        active = nxt
-    out = []
-    for i in range(n_rows):
-        probs = torch.zeros(len(tokens[i]) + 1, q.shape[-1])
-        for slot, qs in slot_q[i].items():
-            probs[slot] = qs
-        out.append((DraftBlock(tokens[i], probs, conf[i], parents=tuple(parents[i]), drafting="distinct"),
-                    TreeRecord(fed[i], tuple(parents[i]), conf[i], draws=True)))
-    return out
-
-
-def _spine_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(tokens[node])
-        node = parents[node]
-    return out[::-1]
-
-
-def _draw_distinct(q: torch.Tensor, c: int, generator) -> list[int]:
-    """c tokens drawn from q ([V]) without replacement, in order, one uniform each (inverse CDF)."""
-    w = q.to(torch.float64).clone()
-    out = []
-    for _ in range(c):
-        if float(w.sum()) <= 0:
-            break
-        u = torch.rand(1, dtype=torch.float64, generator=generator)
-        x = int(categorical_from_uniform(w[None, :], u)[0])
-        out.append(x)
-        w[x] = 0.0
-    return out

@@ -49,6 +49,7 @@ class _Slot:
     reach: float  # the estimated gain of its node (1 at the root)
     survive: float = 1.0  # estimated P(every draw so far rejected)
     draws: int = 0
+    mass: float = 1.0  # q's mass not drawn yet
 
 
 @dataclass
@@ -80,6 +81,7 @@ class _Row:
         s = self.slots[node]
         u = torch.rand(1, dtype=torch.float64, generator=self.seq.generator)
         x = int(categorical_from_uniform(s.left[None, :], u)[0])
+        s.mass -= float(s.left[x])
         s.left[x] = 0.0
         rate = calibration.rate(s.conf, s.draws == 0)
         self.tokens.append(x)
@@ -94,7 +96,7 @@ class _Row:
         """Draw while a fed slot's draw leads; return the nodes to feed next (none: done)."""
         while len(self.tokens) < self.budget:
             cands = [(s.reach * s.survive * calibration.rate(s.conf, s.draws == 0), 0, node)
-                     for node, s in self.slots.items() if float(s.left.sum()) > 0]
+                     for node, s in self.slots.items() if s.mass > 1e-9]
             if len(self.zone) < self.budget:  # drafter K/V left for another fed node
                 cands += [(g * calibration.rate(self.confs[v], True), 1, v)
                           for v, g in enumerate(self.gains) if self.fed[v] < 0]
