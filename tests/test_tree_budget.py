@@ -146,3 +146,37 @@ def test_sampled_trees_stop_branching_where_later_draws_are_never_accepted(targe
         prop.finish(s)
     again = prop.propose(seqs, [6] * 3)
     assert all(b.parents == tuple(range(-1, len(b.parents) - 1)) for b in again), [b.parents for b in again]
+
+
+def test_sampled_trees_fill_their_budget_within_a_chains_drafter_cache(target_dir, near_draft_dir):
+    """Each sampled row's tree holds its k nodes (parents first), feeds at most k - 1 of them to the
+    drafter (the K/V a chain of k reserves), at most `tree` per row in one forward, every node
+    with children among them, and carries q at the root and at each fed slot (a leaf's: zeros)."""
+    target = load_model(target_dir)
+    draft = load_model(near_draft_dir, load_tokenizer=False)
+    prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=2)
+    rng = random.Random(6)
+    V = target.config.vocab_size
+    seqs = [Sequence(f"r{i}", [rng.randrange(1, V) for _ in range(7)], SamplingParams(temperature=1.0, seed=i))
+            for i in range(3)]
+    for s in seqs:
+        prop.kv.reserve(s.seq_id, 7 + 8)
+    fed_per_call = []
+    run = prop.runner.run
+
+    def spy(seq_ids, new_tokens, starts, num_logits, **kw):
+        if kw.get("trees") is not None:
+            fed_per_call.append([len(t) for t in new_tokens])
+        return run(seq_ids, new_tokens, starts, num_logits, **kw)
+
+    prop.runner.run = spy
+    blocks = prop.propose(seqs, [8] * 3)
+    assert fed_per_call and all(1 <= n <= 2 for call in fed_per_call for n in call)
+    for b in blocks:
+        assert len(b.token_ids) == 8 and all(-1 <= p < i for i, p in enumerate(b.parents))
+        fed = [i for i in range(8) if b.probs[i + 1].sum() > 0]  # nodes whose slot carries q
+        assert b.probs[0].sum() == pytest.approx(1.0, abs=1e-5) and len(fed) <= 7
+        assert {p for p in b.parents if p >= 0} <= set(fed)  # a node with children was fed
+    assert sum(n for call in fed_per_call for n in call) == sum(
+        sum(1 for i in range(8) if b.probs[i + 1].sum() > 0) for b in blocks)
+    assert any(len(set(b.parents)) < len(b.parents) for b in blocks), "some slot holds siblings"
