@@ -66,6 +66,12 @@ def decode(llm, ids: list[int], tokens: int) -> tuple[list[int], int, float, flo
     return out, n - n_first, t - first, first - t0
 
 
+def _counters(st) -> tuple:
+    """The engine's counters a decode run is measured by (differences before/after)."""
+    return (st.accepted_tokens, st.verified_tokens, st.rounds, st.committed_tokens, st.steps,
+            st.propose_seconds, st.verify_seconds, st.other_seconds)
+
+
 def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) -> float:
     """The median of `repeats` means of `n` steps of T new tokens (logits for all T)."""
     sid = 10**6
@@ -160,8 +166,7 @@ def main() -> int:
     prompts = [chat_ids(TARGET, tok, p) for p in PROMPTS]
     for llm in llms.values():
         decode(llm, prompts[0], 8)  # warm-up
-    before = {label: (llm.engine.stats.accepted_tokens, llm.engine.stats.verified_tokens, llm.engine.stats.rounds,
-                      llm.engine.stats.committed_tokens) for label, llm in llms.items()}
+    before = {label: _counters(llm.engine.stats) for label, llm in llms.items()}
     sums = {label: [0, 0.0] for label in llms}
     texts = {label: [] for label in llms}
     for r in range(args.rounds):
@@ -178,14 +183,17 @@ def main() -> int:
         base = sums[f"{quant} plain"][0] / sums[f"{quant} plain"][1]
         same = texts[label] == texts[f"{quant} plain"]
         st = llms[label].engine.stats
-        acc, ver, rounds, com = (a - b for a, b in zip((st.accepted_tokens, st.verified_tokens, st.rounds,
-                                                          st.committed_tokens), before[label]))
+        acc, ver, rounds, com, steps, *secs = (a - b for a, b in zip(_counters(st), before[label]))
         acceptance = round(acc / ver, 3) if ver else None  # accepted / verified proposals (warm-up left out)
         per_round = round(com / rounds, 3) if rounds else None  # tokens committed per verification round
         result["decode"][label] = {"tok/s": round(rate, 2), "vs plain": round(rate / base, 3), "greedy equal": same,
-                                   "acceptance": acceptance, "tokens per round": per_round}
+                                   "acceptance": acceptance, "tokens per round": per_round,
+                                   "ms per step": {name: round(x / steps * 1e3, 2) for name, x in
+                                                   zip(("propose", "verify", "other"), secs)}}
+        split = " / ".join(f"{x / steps * 1e3:.1f}" for x in secs)
         print(f"{label:22s} {rate:6.2f} tok/s  {rate / base:4.2f}x plain  acceptance {acceptance}  "
-              f"tokens/round {per_round}  greedy equal to plain: {same}", flush=True)
+              f"tokens/round {per_round}  ms/step propose/verify/other {split}  greedy equal to plain: {same}",
+              flush=True)
     print(f"load at end: {os.getloadavg()}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
