@@ -2,7 +2,8 @@
 cost of a verification block against a decode step; prefill.
 
     .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
-        [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
+        [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--cross-modes text,shared]
+        [--cross-draft DIR] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
         [--steps-only]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
@@ -14,7 +15,8 @@ holds its own copy of the models):
   (`--steps-only`: only these, with the plain target alone loaded);
 - decode: the 6 code chat prompts of qwen_coder_prompts.py, `--tokens` greedy tokens each (EOS
   ignored), plain / `--method draft` with the 0.5B (k = `--k`) / n-gram / `cross`: SmolLM2-135M
-  (models/smollm2, another tokenizer) drafting across vocabularies, at each k of `--cross-k`; tok/s counts the tokens
+  (models/smollm2, another tokenizer) drafting across vocabularies, at each k of `--cross-k`, greedy
+  rows drafting re-tokenized text or over the shared tokens (`--cross-modes`); tok/s counts the tokens
   after the first over their seconds (prefill excluded); rounds alternate the settings, so the
   machine's noise falls on all; speculative greedy tokens are checked equal to plain's;
 - prefill: the seconds to the first token of the 182-token chat prompt (plain, not in the prefix
@@ -89,7 +91,8 @@ def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) ->
     return sorted(means)[repeats // 2]
 
 
-def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cross_quant: str = "none") -> dict:
+def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cross_quant: str = "none",
+            cross_modes: list[str] = ("text",), cross_draft: str = CROSS_DRAFT) -> dict:
     from draftwise import LLM, SpecConfig
 
     q = None if quant == "stored" else quant
@@ -108,9 +111,11 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cr
         out[f"{quant} ngram"] = LLM(TARGET, spec=SpecConfig(method="ngram", k=k), quantization=q, **small)
     cq = None if cross_quant == "none" else cross_quant
     for ck in cross_ks if "cross" in configs else ():
-        out[f"{quant} smollm2{'-' + cq if cq else ''} k={ck}"] = LLM(
-            TARGET, draft=CROSS_DRAFT, spec=SpecConfig(method="draft", k=ck), quantization=q,
-            draft_quantization=cq, **small)
+        for mode in cross_modes:
+            llm = LLM(TARGET, draft=cross_draft, spec=SpecConfig(method="draft", k=ck), quantization=q,
+                      draft_quantization=cq, **small)
+            llm.engine.proposer.text = mode == "text"  # greedy rows: re-tokenized text, or the intersection
+            out[f"{quant} smollm2{'-' + cq if cq else ''} {mode} k={ck}"] = llm
     return out
 
 
@@ -128,6 +133,10 @@ def main() -> int:
     ap.add_argument("--cross-k", default="4,2", help="the cross config's k values")
     ap.add_argument("--cross-quant", default="none", choices=["none", "int8", "int4"],
                     help="the cross config's draft quantization (--draft-quantization)")
+    ap.add_argument("--cross-modes", default="text",
+                    help="the cross config's greedy drafting: text (re-tokenized), shared (the intersection's argmax)")
+    ap.add_argument("--cross-draft", default=CROSS_DRAFT,
+                    help="the cross config's draft (e.g. an import of SmolLM2's GGUF with --keep-quantized)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps-only", action="store_true", help="only the step cost (the plain target alone)")
     args = ap.parse_args()
@@ -143,7 +152,7 @@ def main() -> int:
     llms = {}
     for quant in args.quant.split(","):
         llms.update(engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")],
-                            args.cross_quant))
+                            args.cross_quant, args.cross_modes.split(","), args.cross_draft))
         plain = llms[f"{quant} plain"]
         runner = plain.engine.runner
         ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]
@@ -191,7 +200,7 @@ def main() -> int:
                                    "ms per step": {name: round(x / steps * 1e3, 2) for name, x in
                                                    zip(("propose", "verify", "other"), secs)}}
         split = " / ".join(f"{x / steps * 1e3:.1f}" for x in secs)
-        print(f"{label:22s} {rate:6.2f} tok/s  {rate / base:4.2f}x plain  acceptance {acceptance}  "
+        print(f"{label:30s} {rate:6.2f} tok/s  {rate / base:4.2f}x plain  acceptance {acceptance}  "
               f"tokens/round {per_round}  ms/step propose/verify/other {split}  greedy equal to plain: {same}",
               flush=True)
     print(f"load at end: {os.getloadavg()}", flush=True)

@@ -3,8 +3,10 @@
 Two tiny byte-level BPE tokenizers trained on different text (the target's knows CJK merges, the
 draft's does not; their special tokens sit at other ids), a tiny random target, and two drafts: a
 random one, and the target's own weights carried onto the draft's vocabulary (shared tokens keep
-their rows), which agrees with the target often. Checked: the intersection and the translation,
-the context's rollback, greedy output equal to plain at one and four concurrent requests, q a
+their rows), which agrees with the target often. Checked: the intersection and the translation, the re-tokenization
+of the draft's text into target tokens (greedy rows' proposals), the context's rollback and the
+K/V a text round keeps, greedy output equal to plain at one and four concurrent requests (greedy
+rows drafting text, or over the intersection), q a
 distribution on shared target ids, and `draftwise check` (greedy, sampled distribution, rollback,
 stops) PASS.
 """
@@ -98,6 +100,51 @@ def test_unshared_tokens_are_re_encoded_from_their_bytes(toks):
     assert draft.decode(d) == target.decode(ids) and len(ends) == len(ids) and ends[-1] == len(d)
 
 
+def test_draft_text_is_re_tokenized_into_target_tokens(toks):
+    """A text round's proposals: the draft tokens' text in the target's own tokens (merges the draft
+    lacks included), cut at a special token (its target id kept) and before bytes that end inside a
+    character."""
+    target, draft = toks
+    vmap = VocabMap(target, draft, target.get_vocab_size(), draft.get_vocab_size())
+    text = "s = '世界你好'\nprint('你好')"
+    d = draft.encode(text).ids
+    got = vmap.target_tokens(d)
+    assert got == target.encode(text).ids and target.decode(got) == text
+    assert any(vmap.draft_id(t) is None for t in got)  # (CJK merges only the target knows)
+    eot_d, eot_t = draft.token_to_id("<|endoftext|>"), target.token_to_id("<|endoftext|>")
+    assert vmap.target_tokens(d + [eot_d] + d) == target.encode(text).ids + [eot_t]
+    assert vmap.target_tokens([eot_d]) == [eot_t]
+    assert vmap.target_tokens([draft.token_to_id("<pad>")] + d) == []  # the target has no such token
+    partial = [draft.token_to_id(c) for c in _byte_chars("ab".encode() + "世".encode("utf-8")[:2])]
+    assert vmap.target_tokens(partial) == target.encode("ab").ids
+    assert sum(vmap.byte_length(t, draft=False) for t in got) == len(text.encode("utf-8"))
+    assert sum(vmap.byte_length(i, draft=True) for i in d) == len(text.encode("utf-8"))
+
+
+def _byte_chars(data: bytes) -> list[str]:
+    """Each byte as its character of the byte-level alphabet (the single-byte tokens' strings)."""
+    from draftwise.model.vocab_map import byte_alphabet
+
+    chars = {b: c for c, b in byte_alphabet().items()}
+    return [chars[b] for b in data]
+
+
+def test_a_text_rounds_k_v_stay_valid_where_the_translation_repeats_them(toks):
+    target, draft = toks
+    vmap = VocabMap(target, draft, target.get_vocab_size(), draft.get_vocab_size())
+    ctx = DraftContext()
+    ctx.extend(vmap, target.encode("x = 1\n").ids)
+    before = list(ctx.ids)
+    y = vmap.translate(target.encode("y = 2").ids)[0]
+    ctx.extend(vmap, target.encode("y = 2").ids)
+    ctx.keep_fed(before + y[:2] + [y[2] + 1, 5])  # the draft fed two of the proposals' draft tokens
+    assert ctx.computed == len(before) + 2
+    ctx.keep_fed(before + y + [5])
+    assert ctx.computed == len(ctx.ids)
+    ctx.keep_fed([before[0] + 1])
+    assert ctx.computed == 0
+
+
 def test_context_rollback_is_a_truncation(toks):
     target, draft = toks
     vmap = VocabMap(target, draft, target.get_vocab_size(), draft.get_vocab_size())
@@ -114,8 +161,10 @@ def test_context_rollback_is_a_truncation(toks):
     assert (ctx.ids, ctx.ends) == (full_ids, full_ends)
 
 
+@pytest.mark.parametrize("text", [True, False])
 @pytest.mark.parametrize("concurrent", [1, 4])
-def test_greedy_equals_plain(pair, concurrent, capsys):
+def test_greedy_equals_plain(pair, concurrent, text, capsys):
+    """Greedy rows drafting re-tokenized text (`text`) or over the intersection: plain's tokens."""
     target, rand, mapped = pair
     prompts = ["def add(a, b):", "for i in range(10):\n", "class Point:\n    def", "import os\n"]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -124,6 +173,7 @@ def test_greedy_equals_plain(pair, concurrent, capsys):
     for draft in (rand, mapped):
         llm = LLM(str(target), draft=str(draft), spec=SpecConfig(method="draft", k=4))
         assert isinstance(llm.engine.proposer, CrossVocabProposer)
+        llm.engine.proposer.text = text
         if concurrent == 1:
             got = [llm.generate([p], sp)[0].token_ids for p in prompts]
         else:

@@ -13,6 +13,9 @@ Drafting across vocabularies (proposers/cross_vocab.py) needs two things from th
   tokenizer (its special-token content as text). Token by token, so that a context translated
   so far can be cut back at any target token (proposers/cross_vocab.py keeps the cumulative
   lengths).
+- the **re-tokenization** of draft tokens into target tokens (`target_tokens`): their text encoded
+  by the target's tokenizer, the way a greedy row's proposals are made from the draft's own
+  greedy tokens (any proposals keep a greedy row exact: the target decides every token).
 
 Ids at or past a model's vocabulary size (a tokenizer larger than its model) take no part.
 """
@@ -71,7 +74,7 @@ class VocabMap:
 
     def __init__(self, target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int):
         self.target_vocab, self.draft_vocab = target_vocab, draft_vocab
-        self._draft_tokenizer = draft_tokenizer
+        self._draft_tokenizer, self._target_tokenizer = draft_tokenizer, target_tokenizer
         self._target = token_surfaces(target_tokenizer, target_vocab, "target")
         draft = token_surfaces(draft_tokenizer, draft_vocab, "draft")
         by_surface: dict[tuple[bool, bytes], int] = {}
@@ -85,6 +88,8 @@ class VocabMap:
             if d is not None and d not in used:
                 self._t2d[t] = d
                 used.add(d)
+        # a draft special token's target id (matched by content), where the target has it
+        self._special_d2t = {d: t for t, d in self._t2d.items() if self._target[t][0]}
         self.shared_target = torch.tensor(sorted(self._t2d), dtype=torch.long)  # [S] target ids
         self.shared_draft = torch.tensor([self._t2d[t] for t in sorted(self._t2d)], dtype=torch.long)  # [S]
         self._encoded: dict[int, list[int]] = {}
@@ -97,6 +102,13 @@ class VocabMap:
     def draft_id(self, target_id: int) -> int | None:
         """The draft id of an intersection token; None for any other."""
         return self._t2d.get(target_id)
+
+    def byte_length(self, token_id: int, draft: bool) -> int:
+        """How many bytes a draft (`draft`) or target token spells (a special token's content)."""
+        if draft:
+            b = self._draft_bytes.get(token_id)
+            return len(b) if b is not None else len(self._target.get(self._special_d2t.get(token_id, -1), (0, b""))[1])
+        return len(self._target.get(token_id, (False, b""))[1])
 
     def draft_tokens(self, target_id: int) -> list[int]:
         """The draft tokens that spell target token `target_id`: its draft id when shared, else its
@@ -130,6 +142,24 @@ class VocabMap:
             return []
         return ids if b"".join(self._draft_bytes.get(i, b"\0\0") for i in ids) == data else []
 
+    def target_tokens(self, draft_ids: list[int]) -> list[int]:
+        """The target tokens that spell draft tokens `draft_ids`: their bytes as text encoded by the
+        target's tokenizer, up to the first special token (its target id, where the target has it;
+        nothing after it) or the first id without a surface. Trailing bytes that end inside a UTF-8
+        character are left out, and so is everything from the first invalid byte."""
+        data, tail = bytearray(), []
+        for d in draft_ids:
+            b = self._draft_bytes.get(d)
+            if b is None:
+                t = self._special_d2t.get(d)
+                tail = [t] if t is not None else []
+                break
+            data += b
+        text = _valid_prefix(bytes(data))
+        ids = self._target_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        whole = len(text.encode("utf-8")) == len(data)  # (a special token after cut bytes: left out)
+        return [i for i in ids if i < self.target_vocab] + (tail if whole else [])
+
     def translate(self, target_ids: list[int]) -> tuple[list[int], list[int]]:
         """(draft ids, cumulative draft length after each target token) of a target sequence."""
         ids, ends = [], []
@@ -137,3 +167,11 @@ class VocabMap:
             ids.extend(self.draft_tokens(t))
             ends.append(len(ids))
         return ids, ends
+
+
+def _valid_prefix(data: bytes) -> str:
+    """The longest prefix of `data` that is valid UTF-8, decoded."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data[: e.start].decode("utf-8")

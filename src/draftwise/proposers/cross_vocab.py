@@ -1,7 +1,7 @@
 """A draft model whose tokenizer differs from the target's: drafting over the shared tokens.
 
-The draft proposes only tokens of the **intersection** of the two vocabularies (model/vocab_map.py:
-tokens whose bytes are the same in both). At each proposed position its logits over the draft
+A sampled or constrained row's draft proposes only tokens of the **intersection** of the two
+vocabularies (model/vocab_map.py: tokens whose bytes are the same in both). At each proposed position its logits over the draft
 vocabulary are placed onto the shared tokens' target ids (-inf elsewhere), then go through the
 same `process_logits` as p (temperature, top-k/p, penalties, bias, min_tokens, the grammar mask:
 all on target ids). q is thus a proper distribution over the target's vocabulary, zero outside the
@@ -9,12 +9,20 @@ intersection, and a function of the committed history and the proposals before i
 rejection sampler is exact for sampled rows, and greedy rows are exact by construction (the
 target decides every token).
 
+A greedy row without logit processors or a grammar drafts **text** instead (`_propose_text`): the
+draft's own greedy tokens over its whole vocabulary (k steps in one kernel call where the draft
+model allows it), re-tokenized by the target's tokenizer (`VocabMap.target_tokens`), up to k target
+tokens. Exact because the target decides every greedy token; it is accepted more often than the
+intersection's argmax, which cannot follow the draft where its best token is not shared.
+
 The draft's context is the committed target tokens translated one by one (`VocabMap.draft_tokens`:
 a shared token is its draft id, any other its bytes re-encoded by the draft's tokenizer), kept
 per sequence with the cumulative draft length after each target token (`DraftContext`). The
 round's proposals are appended to it as target tokens too (each one draft id); after
 verification the context is cut back to the committed target tokens (`truncate`: a list slice by
-the cumulative lengths) and the draft's K/V length with it: rollback by bookkeeping. The recovered
+the cumulative lengths) and the draft's K/V length with it: rollback by bookkeeping. A text round
+feeds the draft's own tokens, which the translated proposals need not repeat: its K/V stay valid
+over the common prefix of the two (`DraftContext.keep_fed`). The recovered
 or bonus token is translated in the next round, with the other committed tokens.
 
 The draft's positions are not the target's, so this proposer keeps its own paged cache
@@ -73,6 +81,16 @@ class DraftContext:
             del self.ids[keep:]
             self.computed = min(self.computed, keep)
 
+    def keep_fed(self, fed: list[int]) -> None:
+        """After a text round that wrote the K/V of draft ids `fed` at positions 0..: they stay valid
+        as far as `fed` agrees with `ids`."""
+        n = 0
+        for a, b in zip(fed, self.ids):
+            if a != b:
+                break
+            n += 1
+        self.computed = n
+
 
 @register_proposer("cross-vocab")
 class CrossVocabProposer:
@@ -96,6 +114,7 @@ class CrossVocabProposer:
         self.contexts: dict[int, DraftContext] = {}  # seq_id -> its draft context
         self.confidence = True  # compute max q_j per proposal (the engine turns it off when unused)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
+        self.text = True  # greedy rows draft text, re-tokenized (False: over the intersection, as sampled rows)
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
@@ -106,6 +125,8 @@ class CrossVocabProposer:
                 ctx = self.contexts[seqs[i].seq_id]
                 feeds[i], starts[i] = ctx.ids[ctx.computed:], ctx.computed
         self._catch_up_long(seqs, feeds, starts)
+        for i in [i for i in feeds if self._drafts_text(seqs[i])]:
+            self._propose_text(seqs[i], blocks[i], feeds.pop(i), starts.pop(i), num_draft[i])
         cursors = {i: seqs[i].grammar.cursor() for i in feeds if seqs[i].grammar is not None}
         raw = not any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in feeds)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in feeds}
@@ -116,6 +137,36 @@ class CrossVocabProposer:
             if p:
                 blocks[i].probs = torch.stack(p)  # [k_i, V target]
         return blocks
+
+    def _drafts_text(self, seq) -> bool:
+        """Does this row draft text (greedy, nothing changes its logits, no grammar)?"""
+        return (self.text and seq.params.is_greedy and seq.grammar is None
+                and not changes_logits(seq.params, len(seq.output_ids)))
+
+    def _propose_text(self, seq, block: DraftBlock, feed: list[int], start: int, n: int) -> None:
+        """n greedy draft steps over the draft's whole vocabulary, re-tokenized into at most n target
+        tokens (the proposals, `block`); their translation joins the context, and the K/V written stay
+        valid where it repeats the draft's tokens."""
+        ctx = self.contexts[seq.seq_id]
+        got = self.runner.greedy_steps(seq.seq_id, feed, start, n, self.confidence)
+        if got is None:  # the draft's forward is not one kernel call: step by step
+            got, fed_now, at = ([], [] if self.confidence else None), feed, start
+            for _ in range(n):
+                logits = self.runner.run([seq.seq_id], [fed_now], [at], [1]).float()  # [1, V draft]
+                at += len(fed_now)
+                (tok,), (conf,) = argmax_confidence(logits) if self.confidence else (logits.argmax(dim=1).tolist(),
+                                                                                       [None])
+                got[0].append(tok)
+                if got[1] is not None:
+                    got[1].append(conf)
+                fed_now = [tok]
+        drafted, confs = got[0], got[1]
+        toks = self.vmap.target_tokens(drafted)[:n]
+        fed = ctx.ids + drafted[:-1]  # (feed is the context's tail from `start`)
+        ctx.extend(self.vmap, toks)
+        ctx.keep_fed(fed)
+        block.token_ids.extend(toks)
+        block.confidence.extend(_spread(confs, drafted, toks, self.vmap) if confs is not None else [None] * len(toks))
 
     def _ready(self, seq, n: int) -> bool:
         """Translate the sequence's new committed tokens; reserve the draft's K/V for the round.
@@ -213,6 +264,26 @@ class CrossVocabProposer:
     def finish(self, seq):
         self.contexts.pop(seq.seq_id, None)
         self.runner.kv.free(seq.seq_id)
+
+
+def _spread(confs: list[float], drafted: list[int], toks: list[int], vmap: VocabMap) -> list[float]:
+    """Each proposed target token's confidence: the least of the draft steps whose tokens' bytes
+    overlap its own."""
+    ends, n = [], 0
+    for d in drafted:
+        n += vmap.byte_length(d, draft=True)
+        ends.append(n)
+    out, pos, j = [], 0, 0
+    for t in toks:
+        end = pos + vmap.byte_length(t, draft=False)
+        lo = j
+        while j < len(ends) - 1 and ends[j] < end:
+            j += 1
+        out.append(min(confs[lo : j + 1]))
+        if ends[j] == end:
+            j = min(j + 1, len(ends) - 1)
+        pos = end
+    return out
 
 
 def _draw(q: torch.Tensor, generators) -> list[int]:
