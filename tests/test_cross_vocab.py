@@ -184,6 +184,32 @@ def test_greedy_equals_plain(pair, concurrent, text, capsys):
     assert "drafting across vocabularies over the" in capsys.readouterr().err
 
 
+def test_a_pruned_draft_head_keeps_greedy_and_q_exact(pair, monkeypatch, tmp_path):
+    """`--draft-vocab N` on a draft of another vocabulary: its head over its own most frequent
+    tokens; greedy output equals plain, and q stays a distribution on shared target ids."""
+    from draftwise.model import draft_vocab
+    from draftwise.model.draft_vocab import MIN_TOKENS, PrunedHead
+
+    monkeypatch.setattr(draft_vocab, "COUNT_CHARS", 200_000)
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    target, _, mapped = pair
+    prompts = ["def add(a, b):", "for i in range(10):\n"]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(target)).generate(prompts, sp)]
+    llm = LLM(str(target), draft=str(mapped), spec=SpecConfig(method="draft", k=3), draft_vocab=MIN_TOKENS)
+    head = llm.engine.proposer.runner.model.lm_head
+    assert isinstance(head, PrunedHead) and len(head.kept) == MIN_TOKENS
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    eng = llm.engine
+    seq = eng.add_request("r", "def add(a, b):", SamplingParams(temperature=1.0, max_tokens=20, seed=1))
+    eng.step()
+    blk = eng.proposer.propose([seq], [3])[0]
+    assert torch.allclose(blk.probs.sum(dim=1), torch.ones(len(blk.token_ids)), atol=1e-5)
+    kept_targets = {t for t, d in zip(eng.proposer.vmap.shared_target.tolist(), eng.proposer.vmap.shared_draft.tolist())
+                    if d in set(head.kept.tolist())}
+    assert all(t in kept_targets for t in blk.token_ids)
+
+
 @pytest.mark.parametrize("constraint", [{"regex": r"[a-c]{2,5}x"}, {"choice": ["yes", "no", "maybe so"]}])
 def test_grammar_masks_q_on_target_ids(pair, constraint):
     """Constrained rows draft under the target's grammar mask: greedy output equals plain, and

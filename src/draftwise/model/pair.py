@@ -10,7 +10,8 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 - the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`;
 - `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes,
   unless `draft_quantization` names the draft's own ("none" for float weights);
-- `draft_vocab` N keeps the draft's LM head over its N most frequent tokens (draft_vocab.py);
+- `draft_vocab` N keeps the draft's LM head over its N most frequent tokens (draft_vocab.py), ranked
+  with the draft's own tokenizer (a draft of another vocabulary included);
 - a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
   beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
   unless `draft_dtype` says otherwise, its projections packed for the CPU kernels (`prepare`): a
@@ -163,10 +164,24 @@ def load_pair(
 
 
 def _prune_draft_head(draft: LoadedModel, target: LoadedModel, n: int) -> None:
-    """`--draft-vocab N`: the draft's head over its N most frequent tokens (draft_vocab.py)."""
-    tok = draft.tokenizer or target.tokenizer
-    if tok is None or draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError("--draft-vocab: the draft must share the target's vocabulary")
-    always = list(tok.get_added_tokens_decoder()) + target.eos_token_ids + draft.eos_token_ids
+    """`--draft-vocab N`: the draft's head over its N most frequent tokens (draft_vocab.py), ranked with
+    the draft's own tokenizer where it has one (a draft of another vocabulary: its own ids)."""
+    tok = draft.tokenizer or _own_tokenizer(draft.path) or target.tokenizer
+    if tok is None:
+        raise ValueError("--draft-vocab: ranking the draft's tokens needs a tokenizer.json")
+    always = list(tok.get_added_tokens_decoder()) + draft.eos_token_ids
+    if draft.config.vocab_size == target.config.vocab_size:
+        always += target.eos_token_ids
     kept = kept_tokens(token_ranking(tok), n, draft.config.vocab_size, always)
     prune_head(draft.model, kept)
+
+
+def _own_tokenizer(path: Path):
+    """The tokenizer in `path`/tokenizer.json, or None."""
+    from tokenizers import Tokenizer
+
+    f = Path(path) / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(f)) if f.is_file() else None
+    except Exception:  # tokenizers raises a bare Exception  # noqa: BLE001
+        return None
