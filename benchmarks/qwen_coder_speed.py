@@ -3,7 +3,7 @@ cost of a verification block against a decode step; prefill.
 
     .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
         [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--cross-modes text,shared]
-        [--cross-draft DIR] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
+        [--cross-draft DIR] [--cross-vocab N] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
         [--steps-only]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
@@ -92,7 +92,7 @@ def step_ms(runner, prompt: list[int], T: int, n: int = 10, repeats: int = 7) ->
 
 
 def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cross_quant: str = "none",
-            cross_modes: list[str] = ("text",), cross_draft: str = CROSS_DRAFT) -> dict:
+            cross_modes: list[str] = ("text",), cross_draft: str = CROSS_DRAFT, cross_vocab: int | None = None) -> dict:
     from draftwise import LLM, SpecConfig
 
     q = None if quant == "stored" else quant
@@ -113,9 +113,10 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cr
     for ck in cross_ks if "cross" in configs else ():
         for mode in cross_modes:
             llm = LLM(TARGET, draft=cross_draft, spec=SpecConfig(method="draft", k=ck), quantization=q,
-                      draft_quantization=cq, **small)
+                      draft_quantization=cq, draft_vocab=cross_vocab, **small)
             llm.engine.proposer.text = mode == "text"  # greedy rows: re-tokenized text, or the intersection
-            out[f"{quant} smollm2{'-' + cq if cq else ''} {mode} k={ck}"] = llm
+            tag = ("-" + cq if cq else "") + (f"-v{cross_vocab}" if cross_vocab else "")
+            out[f"{quant} smollm2{tag} {mode} k={ck}"] = llm
     return out
 
 
@@ -137,6 +138,8 @@ def main() -> int:
                     help="the cross config's greedy drafting: text (re-tokenized), shared (the intersection's argmax)")
     ap.add_argument("--cross-draft", default=CROSS_DRAFT,
                     help="the cross config's draft (e.g. an import of SmolLM2's GGUF with --keep-quantized)")
+    ap.add_argument("--cross-vocab", type=int, default=None,
+                    help="the cross config's --draft-vocab (its head over its N most frequent tokens)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps-only", action="store_true", help="only the step cost (the plain target alone)")
     args = ap.parse_args()
@@ -152,7 +155,7 @@ def main() -> int:
     llms = {}
     for quant in args.quant.split(","):
         llms.update(engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")],
-                            args.cross_quant, args.cross_modes.split(","), args.cross_draft))
+                            args.cross_quant, args.cross_modes.split(","), args.cross_draft, args.cross_vocab))
         plain = llms[f"{quant} plain"]
         runner = plain.engine.runner
         ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]

@@ -1,10 +1,10 @@
 """A draft model whose tokenizer differs from the target's: drafting over the shared tokens.
 
 A sampled or constrained row's draft proposes only tokens of the **intersection** of the two
-vocabularies (model/vocab_map.py: tokens whose bytes are the same in both). At each proposed position its logits over the draft
-vocabulary are placed onto the shared tokens' target ids (-inf elsewhere), then go through the
-same `process_logits` as p (temperature, top-k/p, penalties, bias, min_tokens, the grammar mask:
-all on target ids). q is thus a proper distribution over the target's vocabulary, zero outside the
+vocabularies (model/vocab_map.py: tokens whose bytes are the same in both). At each proposed
+position its logits over the draft vocabulary are placed onto the shared tokens' target ids (-inf
+elsewhere), then go through the same `process_logits` as p (temperature, top-k/p, penalties, bias,
+min_tokens, the grammar mask: all on target ids). q is thus a proper distribution over the target's vocabulary, zero outside the
 intersection, and a function of the committed history and the proposals before it only: the
 rejection sampler is exact for sampled rows, and greedy rows are exact by construction (the
 target decides every token).
