@@ -115,8 +115,7 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cr
             llm = LLM(TARGET, draft=cross_draft, spec=SpecConfig(method="draft", k=ck), quantization=q,
                       draft_quantization=cq, draft_vocab=cross_vocab, **small)
             kind = mode.split("#")[0]  # (text#2: a second engine of the same setting, the A/A control)
-            llm.engine.proposer.text = kind.startswith("text")  # greedy rows: re-tokenized text, or the intersection
-            llm.engine.proposer.lookahead = int(kind[5:] or 0) if kind.startswith("text+") else 0
+            llm.engine.proposer.text = kind == "text"  # greedy rows: re-tokenized text, or the intersection
             tag = ("-" + cq if cq else "") + (f"-v{cross_vocab}" if cross_vocab else "")
             out[f"{quant} smollm2{tag} {mode} k={ck}"] = llm
     return out
@@ -137,8 +136,8 @@ def main() -> int:
     ap.add_argument("--cross-quant", default="none", choices=["none", "int8", "int4"],
                     help="the cross config's draft quantization (--draft-quantization)")
     ap.add_argument("--cross-modes", default="text",
-                    help="the cross config's greedy drafting: text (re-tokenized), text+N (N more draft steps, the "
-                         "last target token dropped), shared (the intersection's argmax); #2 a second engine (A/A)")
+                    help="the cross config's greedy drafting: text (re-tokenized), shared (the intersection's argmax); "
+                         "text#2: a second engine of the same setting (A/A)")
     ap.add_argument("--cross-draft", default=CROSS_DRAFT,
                     help="the cross config's draft (e.g. an import of SmolLM2's GGUF with --keep-quantized)")
     ap.add_argument("--cross-vocab", type=int, default=None,

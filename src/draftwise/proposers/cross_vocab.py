@@ -115,9 +115,6 @@ class CrossVocabProposer:
         self.confidence = True  # compute max q_j per proposal (the engine turns it off when unused)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
         self.text = True  # greedy rows draft text, re-tokenized (False: over the intersection, as sampled rows)
-        # a text round's draft steps beyond k; with any, the last re-tokenized target token (which the
-        # draft's last token may have cut short) is not proposed
-        self.lookahead = 0
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
@@ -129,7 +126,7 @@ class CrossVocabProposer:
                 feeds[i], starts[i] = ctx.ids[ctx.computed:], ctx.computed
         self._catch_up_long(seqs, feeds, starts)
         for i in [i for i in feeds if self._drafts_text(seqs[i])]:
-            self._propose_text(seqs[i], blocks[i], feeds.pop(i), starts.pop(i), num_draft[i], self.lookahead)
+            self._propose_text(seqs[i], blocks[i], feeds.pop(i), starts.pop(i), num_draft[i])
         cursors = {i: seqs[i].grammar.cursor() for i in feeds if seqs[i].grammar is not None}
         raw = not any(i in cursors or changes_logits(seqs[i].params, len(seqs[i].output_ids)) for i in feeds)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in feeds}
@@ -146,16 +143,15 @@ class CrossVocabProposer:
         return (self.text and seq.params.is_greedy and seq.grammar is None
                 and not changes_logits(seq.params, len(seq.output_ids)))
 
-    def _propose_text(self, seq, block: DraftBlock, feed: list[int], start: int, n: int, extra: int) -> None:
-        """n + extra greedy draft steps over the draft's whole vocabulary, re-tokenized into at most n
-        target tokens (the proposals, `block`; with extra steps, never the last one); their translation
-        joins the context, and the K/V written stay valid where it repeats the draft's tokens."""
+    def _propose_text(self, seq, block: DraftBlock, feed: list[int], start: int, n: int) -> None:
+        """n greedy draft steps over the draft's whole vocabulary, re-tokenized into at most n target
+        tokens (the proposals, `block`); their translation joins the context, and the K/V written stay
+        valid where it repeats the draft's tokens."""
         ctx = self.contexts[seq.seq_id]
-        m = n + extra
-        got = self.runner.greedy_steps(seq.seq_id, feed, start, m, self.confidence)
+        got = self.runner.greedy_steps(seq.seq_id, feed, start, n, self.confidence)
         if got is None:  # the draft's forward is not one kernel call: step by step
             got, fed_now, at = ([], [] if self.confidence else None), feed, start
-            for _ in range(m):
+            for _ in range(n):
                 logits = self.runner.run([seq.seq_id], [fed_now], [at], [1]).float()  # [1, V draft]
                 at += len(fed_now)
                 (tok,), (conf,) = argmax_confidence(logits) if self.confidence else (logits.argmax(dim=1).tolist(),
@@ -165,8 +161,7 @@ class CrossVocabProposer:
                     got[1].append(conf)
                 fed_now = [tok]
         drafted, confs = got[0], got[1]
-        toks = self.vmap.target_tokens(drafted)
-        toks = toks[: min(n, len(toks) - 1) if extra and len(toks) > 1 else n]
+        toks = self.vmap.target_tokens(drafted)[:n]
         fed = ctx.ids + drafted[:-1]  # (feed is the context's tail from `start`)
         ctx.extend(self.vmap, toks)
         ctx.keep_fed(fed)
@@ -183,8 +178,6 @@ class CrossVocabProposer:
         # the last context token is fed with the first step (again, when its K/V are there already:
         # a target token without draft tokens added nothing after a rejection)
         ctx.computed = max(0, min(ctx.computed, len(ctx.ids) - 1))
-        if self._drafts_text(seq):
-            n += self.lookahead
         need = len(ctx.ids) + n - 1  # the context and all draft steps but the last
         if not ctx.ids or need + 1 > self.max_positions or not self.runner.kv.can_reserve(seq.seq_id, need):
             return False
