@@ -1,13 +1,13 @@
-"""A draft model whose tokenizer differs from the target's: drafting over the shared tokens.
+"""A draft model whose tokenizer differs from the target's: drafting over the shared tokens, or text.
 
 A sampled or constrained row's draft proposes only tokens of the **intersection** of the two
 vocabularies (model/vocab_map.py: tokens whose bytes are the same in both). At each proposed
 position its logits over the draft vocabulary are placed onto the shared tokens' target ids (-inf
 elsewhere), then go through the same `process_logits` as p (temperature, top-k/p, penalties, bias,
-min_tokens, the grammar mask: all on target ids). q is thus a proper distribution over the target's vocabulary, zero outside the
-intersection, and a function of the committed history and the proposals before it only: the
-rejection sampler is exact for sampled rows, and greedy rows are exact by construction (the
-target decides every token).
+min_tokens, the grammar mask: all on target ids). q is thus a proper distribution over the
+target's vocabulary, zero outside the intersection, and a function of the committed history and
+the proposals before it only: the rejection sampler is exact for sampled rows, and greedy rows are
+exact by construction (the target decides every token).
 
 A greedy row without logit processors or a grammar drafts **text** instead (`_propose_text`): the
 draft's own greedy tokens over its whole vocabulary (k steps in one kernel call where the draft
@@ -18,12 +18,12 @@ intersection's argmax, which cannot follow the draft where its best token is not
 The draft's context is the committed target tokens translated one by one (`VocabMap.draft_tokens`:
 a shared token is its draft id, any other its bytes re-encoded by the draft's tokenizer), kept
 per sequence with the cumulative draft length after each target token (`DraftContext`). The
-round's proposals are appended to it as target tokens too (each one draft id); after
+round's proposals are appended to it as target tokens too (translated the same way); after
 verification the context is cut back to the committed target tokens (`truncate`: a list slice by
 the cumulative lengths) and the draft's K/V length with it: rollback by bookkeeping. A text round
 feeds the draft's own tokens, which the translated proposals need not repeat: its K/V stay valid
-over the common prefix of the two (`DraftContext.keep_fed`). The recovered
-or bonus token is translated in the next round, with the other committed tokens.
+over the common prefix of the two (`DraftContext.keep_fed`). The recovered or bonus token is
+translated in the next round, with the other committed tokens.
 
 The draft's positions are not the target's, so this proposer keeps its own paged cache
 (`ModelRunner`) and reserves in it itself (`kv` is None: the scheduler reserves target positions
