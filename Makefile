@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install models bench clean smollm2 qwen-coder benchmarks-page
+.PHONY: demo test install models bench clean smollm2 smollm2-q4 qwen-coder benchmarks-page
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,12 @@ smollm2: models/smollm2/config.json
 
 models/smollm2/config.json: $(SMOLLM2_GGUF) | $(STAMP)
 	$(BIN)/draftwise import-gguf $(SMOLLM2_GGUF) --out models/smollm2
+
+# the same GGUF with its Q4_1 blocks kept: a cross-vocabulary draft whose k steps run in one kernel call
+smollm2-q4: models/smollm2-q4/config.json
+
+models/smollm2-q4/config.json: $(SMOLLM2_GGUF) | $(STAMP)
+	$(BIN)/draftwise import-gguf $(SMOLLM2_GGUF) --out models/smollm2-q4 --keep-quantized
 
 $(SMOLLM2_GGUF): | $(STAMP)
 	mkdir -p $(CACHE)/wheels $(CACHE)/gguf
