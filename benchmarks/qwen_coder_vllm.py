@@ -24,6 +24,11 @@ EOS ignored), stops it, and writes --out/ENGINE-SETUP[-DTYPE].json. Setups:
   `draft` (the 0.5B with --draft-quantization int4 --draft-vocab 32768, k=4, fixed policy) and
   `goodput` (the same draft under the goodput policy); prefix caching off.
 
+Each level also records where the machine's CPU time went while it ran (`cpu_shares`): the
+server's processes, the bench client, and everything else (`other_cpu_s`, from /proc/stat); a level
+whose other CPU time is more than a few percent of the wall time ran beside another job and its
+figures understate the server (the lock only keeps out jobs that take it).
+
 Both get `--max-model-len 1024` and the same requests (chat messages rendered by each server with
 the model's chat template). `greedy` checks that the two engines run the same model: vLLM's greedy
 tokens on the 6 code chat prompts (qwen_coder_prompts.py, token ids sent as the prompt; saved by
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -91,18 +97,59 @@ def server_command(engine: str, setup: str, a, port: int) -> tuple[list[str], di
     return cmd, dict(os.environ)
 
 
-def bench_level(url: str, a, conc: int, n: int, out: Path) -> dict:
-    """One closed-loop level on the server at `url`: the figures `table` reads."""
+def busy_seconds(stat_line: str, hz: int) -> float:
+    """The busy CPU seconds (user, nice, system, irq, softirq, steal) of /proc/stat's "cpu" line."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in stat_line.split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / hz
+
+
+def group_cpu_seconds(pgid: int, hz: int) -> float:
+    """CPU seconds (user + system) of the live processes in process group `pgid` (the server's)."""
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()  # fields from the state on
+        except OSError:
+            continue
+        if int(f[2]) == pgid:  # pgrp; utime, stime are fields 14 and 15 of the whole line
+            total += int(f[11]) + int(f[12])
+    return total / hz
+
+
+def cpu_shares(before: dict, after: dict) -> dict:
+    """Where the CPU time between two `cpu_reading`s went: the server's processes, the bench
+    client (waited children of this script), and the rest of the machine (other jobs)."""
+    d = {k: after[k] - before[k] for k in before}
+    return {"wall_s": round(d["wall"], 2), "server_cpu_s": round(d["server"], 2), "client_cpu_s": round(d["client"], 2),
+            "other_cpu_s": round(max(0.0, d["machine"] - d["server"] - d["client"]), 2)}
+
+
+def cpu_reading(pgid: int) -> dict:
+    hz = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        machine = busy_seconds(f.readline(), hz)
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall": time.perf_counter(), "machine": machine, "server": group_cpu_seconds(pgid, hz),
+            "client": ru.ru_utime + ru.ru_stime}
+
+
+def bench_level(url: str, a, conc: int, n: int, out: Path, pgid: int) -> dict:
+    """One closed-loop level on the server at `url` (its processes: group `pgid`): the figures
+    `table` reads, and where the CPU time went meanwhile."""
     cmd = [str(DRAFTWISE), "bench", "--url", url, "--served-model", "m", "--model", TARGET,
            "--workload", a.workload, "--concurrency", str(conc), "--num-requests", str(n),
            "--output-len", str(a.output_len), "--no-progress", "--out", str(out)]
+    before = cpu_reading(pgid)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    shares = cpu_shares(before, cpu_reading(pgid))
     run = json.loads((out / "results.json").read_text())["workloads"][0]["runs"][0]
     spec = run.get("speculation") or {}
     return {"requests": n, "completed": run["completed"], "output_tokens": run["output_tokens"],
             "tok_s": round(run["output_tokens_per_s"], 2), "ttft_ms_p50": run["ttft_ms"].get("p50"),
             "tpot_ms_p50": run["tpot_ms"].get("p50"), "acceptance_rate": spec.get("acceptance_rate"),
-            "mean_accepted_length": spec.get("mean_accepted_length")}
+            "mean_accepted_length": spec.get("mean_accepted_length"), **shares}
 
 
 def vllm_greedy(url: str) -> list[list[int]]:
@@ -145,7 +192,7 @@ def serve(a) -> None:
         row["ready_s"] = round(time.time() - t0, 1)
         row["levels"] = {}
         for conc, n in levels:
-            row["levels"][f"c={conc}"] = fig = bench_level(url, a, conc, n, out / f"{name}-c{conc}")
+            row["levels"][f"c={conc}"] = fig = bench_level(url, a, conc, n, out / f"{name}-c{conc}", proc.pid)
             print(f"{name} c={conc}: {fig}", flush=True)
         if a.engine == "vllm" and a.setup == "plain":
             row["greedy"] = vllm_greedy(url)
