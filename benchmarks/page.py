@@ -39,6 +39,7 @@ SECTIONS = {
     "hybrid": "Hybrid targets",
     "prefix": "Prefix caching",
     "suffix": "Suffix decoding on repetitive work",
+    "trees": "Trees of proposals",
     "drafters": "Drafters on target features",
 }
 
