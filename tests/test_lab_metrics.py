@@ -216,3 +216,16 @@ def test_misses_beyond_the_aa_noise():
     # sd of log(1.1), log(0.9), log(1.0) = 0.0819; floor 0.97 * exp(-0.1638) = 0.823: 0.80 and 0.60 are below
     assert far.startswith("`draft:k=4:policy=goodput` more than 3% below") and "below 0.82): 2 of 3 points" in far
     assert "(w c=2 0.80, w c=4 0.60)" in far
+
+
+def test_speedup_matrix_without_a_baseline_shows_the_rates():
+    """`bench --url` alone runs no `none`: the summary gives each config's rate, not empty speedups."""
+    from draftwise.lab.tables import speedup_matrix
+    run = {"config": "server:target", "method": "server", "level_label": "c=1", "output_tokens_per_s": 11.94}
+    table = speedup_matrix({"runs": [run, dict(run, level_label="c=4", output_tokens_per_s=30.0)]})
+    assert table.splitlines()[0] == "| out tok/s | c=1 | c=4 |"
+    assert table.splitlines()[2] == "| server:target | 11.9 | 30.0 |"
+    assert "none" not in table
+    base = dict(run, config="none", method="none", output_tokens_per_s=10.0)
+    spec = dict(run, vs_none={"speedup": 1.19})
+    assert "| none (out tok/s) | 10.0 |" in speedup_matrix({"runs": [base, spec]})
