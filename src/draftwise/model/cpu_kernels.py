@@ -9,7 +9,8 @@ PyTorch path (same results up to float rounding: tests compare the two).
 
 `LlamaModel` calls them on its fused CPU path (native_forward.py) and from its prepared weights
 (packed_weights.py). `DecoderArgs` and `NativeIO` mirror the C structs that the whole-model calls
-(`dw_decoder`, `dw_forward`, the drafter's greedy steps) take by pointer.
+(`dw_decoder`, `dw_forward`, the drafters' greedy steps) take by pointer; `Eagle3IO` the EAGLE-3
+drafter's own part of its steps (`dw_eagle3_greedy`).
 """
 from __future__ import annotations
 
@@ -143,8 +144,17 @@ class NativeIO(ctypes.Structure):
                 ("head_scale", ctypes.c_void_p)]
 
 
+class Eagle3IO(ctypes.Structure):
+    """`struct dw_eagle3` (kernels/kernels.h): an EAGLE-3 drafter's norms and fc_in for its greedy
+    steps (`dw_eagle3_greedy`)."""
+
+    _fields_ = [("hidden_norm", ctypes.c_void_p), ("embed_norm", ctypes.c_void_p), ("fc_in", ctypes.c_void_p),
+                ("fc_in_bias", ctypes.c_void_p), ("fc_in_scale", ctypes.c_void_p), ("fc_in_kind", ctypes.c_int)]
+
+
 # 0, or -1: no scratch memory
-INT_RESULT = ("dw_vnni", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows")
+INT_RESULT = ("dw_vnni", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
+              "dw_eagle3_greedy")
 
 
 class Kernels:
@@ -178,6 +188,7 @@ class Kernels:
             "dw_forward": [io, p, p, i, p, args],
             "dw_draft_greedy": [io, args, p, i, i, i, p, p, p, p],
             "dw_draft_greedy_rows": [io, args, p, p, p, p, i, i, p, p, p, p],
+            "dw_eagle3_greedy": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVManager, pool_tensor
+from ..model.eagle3_native import Eagle3Kernel
 from .base import DraftBlock, register_proposer
 from .feature_cache import checked_drafter, commit_slots, padded_context
-from .step_chooser import StepChooser
+from .step_chooser import StepChooser, raw_greedy
 
 
 @register_proposer("eagle3")
@@ -55,7 +56,10 @@ class Eagle3Proposer:
         self.cache = pool_tensor((1, 2, slots, cfg.num_key_value_heads, cfg.head_dim), dtype,
                                  self.device)  # [1, 2, slots, Hkv, D]
         self.rows = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=self.device)  # [slots, H]
+        self.num_slots = slots  # the paged slots; the cache's further ones are the kernel's scratch
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
+        self.kernel = Eagle3Kernel.of(self.drafter) if self.device.type == "cpu" else None
+        self.confidence = True  # max q_j per proposal (the engine turns it off when its policy reads none)
 
     @torch.inference_mode()
     def commit_features(self, seq, start, features):
@@ -93,13 +97,59 @@ class Eagle3Proposer:
         rows = [i for i, n in enumerate(num_draft) if n > 0]
         if not rows:
             return blocks
-        lengths = []
         for i in rows:
             s = seqs[i]
             if s.draft_computed != s.num_tokens - 1 or s.draft_computed < 1:
                 raise ValueError(f"eagle3 drafter: its cache holds {s.draft_computed} positions, the committed "
                                  f"context {s.num_tokens - 1}")
-            lengths.append(s.draft_computed)
+        fast = [i for i in rows if raw_greedy(seqs[i])] if self.kernel is not None else []
+        if fast and not self.kernel.fits([seqs[i].draft_computed - 1 for i in fast], [num_draft[i] for i in fast]):
+            fast = []
+        if fast:
+            self._draft_greedy(seqs, num_draft, fast, blocks)
+        slow = [i for i in rows if i not in fast] if fast else rows
+        if slow:
+            self._draft_chosen(seqs, num_draft, slow, blocks)
+        return blocks
+
+    def _draft_greedy(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock]) -> None:
+        """Greedy rows whose q is their raw logits, in one kernel call (`Eagle3Kernel.greedy`): the
+        steps' K/V go to scratch slots past the paged ones (the committed cache stays as it is)."""
+        lengths = [seqs[i].draft_computed for i in rows]
+        ks = [num_draft[i] for i in rows]
+        first, slots = self.step_slots([seqs[i].seq_id for i in rows], lengths, ks)
+        tokens, conf, _ = self.kernel.greedy(first, [n - 1 for n in lengths], ks, self.cache, slots, self.confidence)
+        for r, i in enumerate(rows):
+            blocks[i] = DraftBlock(tokens[r], None, conf[r] if conf is not None else [None] * ks[r])
+
+    def step_slots(self, seq_ids: list[int], lengths: list[int], ks: list[int]):
+        """For rows of `lengths` committed positions drafting ks steps: (step 1's rows [B, H], the
+        slot of every position [B, Lmax]: the cache's below L - 1, scratch slots (`_scratch`) from
+        position L - 1, step 1's, to L + k - 2)."""
+        B, kmax = len(ks), max(ks)
+        ctx = self.kv.slots(seq_ids, lengths)  # [B, max L]
+        start = torch.tensor(lengths)[:, None] - 1  # [B, 1]
+        last = ctx.gather(1, start)[:, 0]  # [B]
+        Lmax = max(n - 1 + k for n, k in zip(lengths, ks))
+        table = torch.zeros(B, Lmax, dtype=torch.long)
+        table[:, : ctx.shape[1]] = ctx[:, :Lmax]
+        j = torch.arange(Lmax)[None] - start  # [B, Lmax] the step of each position from L - 1 on
+        base = self._scratch(B * kmax) + torch.arange(B)[:, None] * kmax
+        table = torch.where((j >= 0) & (j < torch.tensor(ks)[:, None]), base + j, table)
+        return self.rows[last.to(self.device)], table
+
+    def _scratch(self, n: int) -> int:
+        """The first of n scratch slots past the paged ones (the cache grown to hold them)."""
+        have = self.cache.shape[2] - self.num_slots
+        if have < n:
+            grown = self.cache.new_zeros(1, 2, self.num_slots + max(n, 2 * have), *self.cache.shape[3:])
+            grown[:, :, : self.num_slots] = self.cache[:, :, : self.num_slots]
+            self.cache = grown
+        return self.num_slots
+
+    def _draft_chosen(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock]) -> None:
+        """The other rows step by step (`Eagle3Drafter.draft`), each token chosen from q (`StepChooser`)."""
+        lengths = [seqs[i].draft_computed for i in rows]
         k, v, pos, last = self.context([seqs[i].seq_id for i in rows], lengths)
         start = torch.tensor(lengths, device=self.device) - 1  # [B]: step 1 is position L-1's row
         cut = [num_draft[i] for i in rows]
@@ -109,7 +159,6 @@ class Eagle3Proposer:
             toks = choose.tokens[r]
             probs = torch.stack(choose.probs[r]) if choose.probs[r] else None  # [n, V]: q_j of a sampled row
             blocks[i] = DraftBlock(toks, probs, choose.max_q[r][: len(toks)])
-        return blocks
 
     @torch.inference_mode()
     def cache_error(self, seq, target) -> float:

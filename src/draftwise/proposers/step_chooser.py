@@ -19,6 +19,12 @@ from ..sampling.processors import changes_logits
 from ..sampling.rejection import categorical_from_uniform
 
 
+def raw_greedy(seq) -> bool:
+    """Whether a row's q is its raw logits for the whole round: greedy, nothing to process, no grammar
+    (its tokens are the logits' argmax; a drafter may draft such rows on a faster path)."""
+    return seq.params.is_greedy and seq.grammar is None and not changes_logits(seq.params, len(seq.output_ids))
+
+
 class StepChooser:
     """`choose(k, logits [B, V]) -> [B]` for a drafter that drafts left to right (`DSparkDrafter.draw`,
     `Eagle3Drafter.draft`): q_k per row, the token drawn from it, and what the row keeps while it
@@ -30,9 +36,7 @@ class StepChooser:
         self.probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         self.max_q: list[list[float]] = [[] for _ in seqs]  # max_x q_k(x): a confidence of q_k alone
         self.cursors = {i: s.grammar.cursor() for i, s in enumerate(seqs) if s.grammar is not None}
-        # rows whose q is the raw logits for the whole round (greedy, nothing to process, no grammar)
-        self.raw = [s.params.is_greedy and i not in self.cursors and not changes_logits(s.params, len(s.output_ids))
-                    for i, s in enumerate(seqs)]
+        self.raw = [raw_greedy(s) for s in seqs]
 
     def active(self, i: int, k: int) -> bool:
         return k < self.lengths[i] and not (i in self.cursors and self.cursors[i].done)

@@ -14,7 +14,7 @@
  * 6 dw_gemm_q8g_a8 and 7 dw_linear_q4_a8 (the same weights in vnni.c's layouts, int8 activations), 8
  * dw_linear_q4k_a8 (Q4_K super-blocks in vnni.c's layout, scale their sub-scales):
  * what the per-layer path calls for that weight, with the same arguments. */
-static void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
+void dw_product(int kind, const void *x, const void *w, const void *bias, const void *scale, void *out,
                        long rows, long O, long N, int bf, int threads) {
     switch (kind) {
     case 0: /* single-threaded: thread 0 of a team */
@@ -44,8 +44,9 @@ static void copy_feature(const char *x, long R, long l, const struct dw_decoder_
 /* The layers of dw_decoder on the calling thread: alone (dw_team_nt 0, each product forking its
  * own OpenMP team), or as one thread of a team (team.c): every thread takes its share of each
  * product and of the attention, thread 0 alone the norms, RoPE and SiLU, a barrier after each op
- * whose output the next one reads. Returns 0, or -1 when the attention had no scratch memory. */
-static int decoder_layers(char *x, char *h, char *buf, long R, const struct dw_decoder_args *args) {
+ * whose output the next one reads. buf: dw_decoder_buf_bytes(args, R) bytes, one for the whole team.
+ * Returns 0, or -1 when the attention had no scratch memory. */
+int dw_decoder_layers(char *x, char *h, char *buf, long R, const struct dw_decoder_args *args) {
     long B = args->B, T = args->T, layers = args->layers, hid = args->hid, H = args->H, Hkv = args->Hkv;
     long D = args->D, I = args->I, window = args->window;
     void **w = args->w;
@@ -89,16 +90,21 @@ static int decoder_layers(char *x, char *h, char *buf, long R, const struct dw_d
     return rc;
 }
 
+/* The bytes of dw_decoder_layers' scratch `buf` for R rows: their q/k/v, attention outputs, o, gate/up,
+ * SiLU and down products. */
+long dw_decoder_buf_bytes(const struct dw_decoder_args *args, long R) {
+    long es = args->bf ? 2 : 4, qkvw = (args->H + 2 * args->Hkv) * args->D;
+    return es * R * (qkvw + args->H * args->D + args->hid + 3 * args->I + args->hid);
+}
+
 /* Every decoder layer over the rows that `args` describes (struct dw_decoder_args): a draft model's
  * whole forward, or a target's decode / verification step, in one call. x [R, hid] is the residual
  * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
  * hidden states; args->feat (if not NULL) the listed layers' outputs. With threads > 1 the layers
  * run on one team of that many threads (team.c). Returns 0, or -1 when scratch memory is not available. */
 int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
-    long H = args->H, Hkv = args->Hkv, D = args->D, I = args->I, hid = args->hid;
-    long es = args->bf ? 2 : 4, qkvw = (H + 2 * Hkv) * D;
     long R = args->offs ? args->offs[args->B] : args->B * args->T; /* rows (packed: offs[B]) */
-    char *buf = (char *)malloc(es * R * (qkvw + H * D + hid + 3 * I + hid));
+    char *buf = (char *)malloc(dw_decoder_buf_bytes(args, R));
     if (!buf) return -1;
     int rc = 0;
 #ifdef _OPENMP
@@ -107,14 +113,14 @@ int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
 #pragma omp parallel num_threads(args->threads) reduction(| : rc)
         {
             dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
-            rc |= decoder_layers((char *)x, (char *)h, buf, R, args);
+            rc |= dw_decoder_layers((char *)x, (char *)h, buf, R, args);
             dw_team_leave();
         }
         free(buf);
         return rc ? -1 : 0;
     }
 #endif
-    rc = decoder_layers((char *)x, (char *)h, buf, R, args);
+    rc = dw_decoder_layers((char *)x, (char *)h, buf, R, args);
     free(buf);
     return rc ? -1 : 0;
 }

@@ -47,7 +47,7 @@ static long argmax_first(const float *v, long n, float *top) {
 /* The first maximum of one row of logits; *conf (when not NULL) its max softmax probability,
  * 1 / sum exp(l - max): exp8 on 8 lanes (a libm call per logit would cost more than the rest of the row). A row with a
  * NaN gets NaN, one whose maximum is +-inf NaN (as torch's exp(max - logsumexp)). */
-static long argmax_conf_row(const float *logits, long V, float *conf) {
+long dw_argmax_conf_row(const float *logits, long V, float *conf) {
     float top;
     long best = argmax_first(logits, V, &top);
     if (conf) {
@@ -80,7 +80,7 @@ static void runner_up_row(float *logits, long V, long best, float top, float con
 /* argmax_conf_row, and with tok2 not NULL the runner-up (runner_up_row; conf then computed). */
 static long argmax_conf2_row(float *logits, long V, float *conf, int64_t *tok2, float *p2) {
     float c;
-    long best = argmax_conf_row(logits, V, (conf || tok2) ? &c : NULL);
+    long best = dw_argmax_conf_row(logits, V, (conf || tok2) ? &c : NULL);
     if (conf) *conf = c;
     if (tok2) runner_up_row(logits, V, best, logits[best], c, tok2, p2);
     return best;
@@ -138,7 +138,7 @@ int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, 
  * sequence b's tokens feed[offs0[b]..offs0[b+1]) at positions start[b].. (packed rows); step s > 0
  * feeds step s-1's proposal of the sequences with ks[b] > s, at the next position. Each step is one
  * dw_forward of those rows with the head on each sequence's last row, then each row's first maximum
- * (argmax_conf_row: the calls and values of the drafter's Python loop for such rows). args: the
+ * (dw_argmax_conf_row: the calls and values of the drafter's Python loop for such rows). args: the
  * model's fields, and slots [B, Lmax]: each sequence's slot per position (reaching start[b] + n0 +
  * ks[b] - 1). out_tok / out_conf / out_tok2 / out_p2 [B, kmax] (all but out_tok may be NULL, as for
  * dw_draft_greedy): row b's first ks[b] entries written. Returns 0, or -1 (no scratch memory). */
@@ -198,5 +198,5 @@ int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a
 void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads) {
     int nt = rows > 1 ? threads : 1; /* rows apart on the threads */
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (long r = 0; r < rows; r++) tok[r] = argmax_conf_row(logits + r * V, V, conf ? conf + r : NULL);
+    for (long r = 0; r < rows; r++) tok[r] = dw_argmax_conf_row(logits + r * V, V, conf ? conf + r : NULL);
 }

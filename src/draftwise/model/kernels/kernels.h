@@ -270,6 +270,14 @@ __attribute__((visibility("hidden"))) void dw_embed_rows(const struct dw_io *io,
                                                          long hid, long es, char *x);
 __attribute__((visibility("hidden"))) void dw_head_rows(const struct dw_io *io, const void *h, long n, long hid,
                                                         float *logits, int threads);
+/* decoder.c's helpers for eagle3.c: one projection by kind, the layers of dw_decoder on the calling
+ * thread (alone or in a team, with the scratch the caller gives) and that scratch's size */
+__attribute__((visibility("hidden"))) void dw_product(int kind, const void *x, const void *w, const void *bias,
+                                                      const void *scale, void *out, long rows, long O, long N,
+                                                      int bf, int threads);
+__attribute__((visibility("hidden"))) int dw_decoder_layers(char *x, char *h, char *buf, long R,
+                                                            const struct dw_decoder_args *a);
+__attribute__((visibility("hidden"))) long dw_decoder_buf_bytes(const struct dw_decoder_args *a, long R);
 
 /* greedy.c: a drafter's greedy steps and the argmax with confidence */
 int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *a, const int64_t *feed, long n0,
@@ -278,5 +286,19 @@ int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a
                          const int64_t *offs0, const int64_t *start, const int64_t *ks, long B, long kmax,
                          int64_t *out_tok, float *out_conf, int64_t *out_tok2, float *out_p2);
 void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads);
+/* a row's first maximum and (conf not NULL) its max softmax probability, for eagle3.c */
+__attribute__((visibility("hidden"))) long dw_argmax_conf_row(const float *logits, long V, float *conf);
+
+/* eagle3.c: EAGLE-3's greedy drafting steps. dw_eagle3 holds the drafter's norms on its own output
+ * (hidden_norm) and on the drafted token's embedding (embed_norm), [hid] in the dtype, and fc_in
+ * [2 hid -> hid] as dw_product takes it (kind, weight, bias and scale or NULL). */
+struct dw_eagle3 {
+    const void *hidden_norm, *embed_norm;
+    const void *fc_in, *fc_in_bias, *fc_in_scale;
+    int fc_in_kind;
+};
+int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_eagle3 *e,
+                     const void *first, const int64_t *start, const int64_t *ks, long B, long kmax,
+                     int64_t *out_tok, float *out_conf, float *out_logits);
 
 #endif

@@ -1,0 +1,114 @@
+"""EAGLE-3's greedy drafting steps in one kernel call (`dw_eagle3_greedy`, kernels/eagle3.c).
+
+`Eagle3Drafter.draft` for greedy rows (each step's token its logits' argmax) runs per step a
+decoder layer, the target's final norm and LM head and the next row's fc_in: about 20 products a
+round, each a call from Python that forks the OpenMP team, so a k=4 round cost several times its
+products. `Eagle3Kernel.greedy` makes the same steps in one call on one team: the same products
+(dw_gemm_f32 / dw_gemm_bf16 / dw_linear for the drafter's packed weights, the target's packed
+head, as `PackedLinear` and `compute_logits` call them), the kernels' norms, RoPE and attention for
+torch's (equal up to float rounding).
+
+`Eagle3Kernel.of(drafter)` is None where the call cannot run: the kernels unavailable, a
+projection or the target's embedding or head outside them, the drafter's dtype or norm epsilon
+not the target's; the caller then keeps `draft`.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_kernels
+from .cpu_kernels import DecoderArgs, Eagle3IO
+from .packed_weights import PackedLinear
+
+SMALL_MAX_ROWS = 16  # dw_linear (a small weight's loop) takes up to this many rows
+
+
+def _product(p: PackedLinear, dtype: torch.dtype):
+    """(kind, weight, bias, scale) as dw_product takes them, or None (see kernels/decoder.c)."""
+    if not isinstance(p, PackedLinear):
+        return None
+    bias = 0 if p.bias is None else p.bias.data_ptr()
+    if p.native is not None and p.native.dtype == dtype:
+        return (1 if dtype == torch.float32 else 2), p.native.data_ptr(), bias, 0
+    if p.small and p.weight.dtype == dtype:
+        return 0, p.weight_t.data_ptr(), bias, 0
+    return None
+
+
+class Eagle3Kernel:
+    """The pointers of a prepared drafter and its target that `dw_eagle3_greedy` reads (prepared
+    weights never move), found once."""
+
+    def __init__(self, drafter, layer_ptrs, kinds, e3: Eagle3IO, max_rows: int):
+        self.drafter, self.cfg = drafter, drafter.cfg
+        self.target = drafter._target[0]
+        self.layer_ptrs, self.kinds, self.e3, self.max_rows = layer_ptrs, kinds, e3, max_rows
+        self.dtype = next(drafter.parameters()).dtype
+
+    @staticmethod
+    def of(drafter) -> "Eagle3Kernel | None":
+        lib, target = cpu_kernels.kernels(), (drafter._target or [None])[0]
+        if lib is None or target is None or not drafter.packed or not drafter.layer.packed:
+            return None
+        dtype = next(drafter.parameters()).dtype
+        tnorm = target.model.norm
+        if (dtype not in (torch.float32, torch.bfloat16) or tnorm.weight.dtype != dtype
+                or tnorm.eps != drafter.cfg.rms_norm_eps or next(drafter.parameters()).device.type != "cpu"
+                or target._native_io() is None):
+            return None
+        layer, packed = drafter.layer, drafter.layer.packed
+        prods = [_product(packed[n], dtype) for n in ("qkv", "o", "gate_up", "down")] + [_product(drafter.packed["fc_in"], dtype)]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, drafter.hidden_norm, drafter.embed_norm)
+        if any(p is None for p in prods) or any(n.weight.dtype != dtype or n.eps != drafter.cfg.rms_norm_eps for n in norms):
+            return None
+        ptrs = [layer.input_layernorm.weight.data_ptr()]
+        for n, (_, w, b, s) in enumerate(prods[:4]):
+            ptrs += [w, b, s]
+            if n == 1:
+                ptrs.append(layer.post_attention_layernorm.weight.data_ptr())
+        kind, w, b, s = prods[4]
+        e3 = Eagle3IO(drafter.hidden_norm.weight.data_ptr(), drafter.embed_norm.weight.data_ptr(), w, b, s, kind)
+        max_rows = SMALL_MAX_ROWS if any(p[0] == 0 for p in prods) else 1 << 30
+        return Eagle3Kernel(drafter, (ctypes.c_void_p * 14)(*ptrs), (ctypes.c_int * 4)(*(p[0] for p in prods[:4])),
+                            e3, max_rows)
+
+    def fits(self, starts: list[int], ks: list[int]) -> bool:
+        """Whether one call takes these rows: few enough for every product, each step's position
+        inside the drafter's RoPE table."""
+        return len(starts) <= self.max_rows and max(s + k for s, k in zip(starts, ks)) - 1 <= self.cfg.max_position_embeddings
+
+    def greedy(self, first: torch.Tensor, starts: list[int], ks: list[int], cache: torch.Tensor, slots: torch.Tensor,
+               confidence: bool = True, logits: bool = False):
+        """ks[b] greedy steps of each row: first [B, H] step 1's rows (position starts[b]'s), cache
+        [1, 2, slots, Hkv, D] the drafter's K/V, slots [B, Lmax] each row's slot per position up to
+        starts[b] + ks[b] - 1 (the steps' own K/V are written at positions starts[b].., into slots
+        the caller keeps for them). Returns (tokens per row, max softmax probability per row or
+        None, the logits [B, max(ks), V] float32 or None): what `Eagle3Drafter.draft` with the
+        argmax gives, up to float rounding."""
+        cfg, lib = self.cfg, cpu_kernels.kernels()
+        B, kmax, V = len(ks), max(ks), cfg.vocab_size
+        cos, sin = self.drafter._rope.tables(first.device)
+        slots = slots.contiguous()
+        args = DecoderArgs(
+            B=B, T=1, layers=1, hid=cfg.hidden_size, H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads,
+            D=cfg.head_dim, I=cfg.intermediate_size, w=ctypes.addressof(self.layer_ptrs),
+            kinds=ctypes.addressof(self.kinds), final_norm=self.target.model.norm.weight.data_ptr(),
+            eps=cfg.rms_norm_eps, cos=cos.data_ptr(), sin=sin.data_ptr(), cache=cache.data_ptr(),
+            layer_stride=cache.stride(0), kv_stride=cache.stride(1), slots=slots.data_ptr(), Lmax=slots.shape[1],
+            scale=cfg.head_dim ** -0.5, bf=int(self.dtype == torch.bfloat16), threads=torch.get_num_threads())
+        first = first.to(self.dtype).contiguous()
+        meta = (ctypes.c_int64 * (2 * B))(*starts, *ks)
+        toks = (ctypes.c_int64 * (B * kmax))()
+        conf = (ctypes.c_float * (B * kmax))() if confidence else None
+        out = torch.empty(B, kmax, V, dtype=torch.float32) if logits else None
+        base = ctypes.addressof(meta)
+        rc = lib.eagle3_greedy(ctypes.byref(self.target._native_io()), ctypes.byref(args), ctypes.byref(self.e3),
+                               first.data_ptr(), base, base + 8 * B, B, kmax, ctypes.addressof(toks),
+                               0 if conf is None else ctypes.addressof(conf), 0 if out is None else out.data_ptr())
+        if rc != 0:
+            raise MemoryError("eagle3 draft steps: no scratch memory")
+        tokens = [list(toks[b * kmax: b * kmax + k]) for b, k in enumerate(ks)]
+        confs = None if conf is None else [list(conf[b * kmax: b * kmax + k]) for b, k in enumerate(ks)]
+        return tokens, confs, out

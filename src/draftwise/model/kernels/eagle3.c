@@ -1,0 +1,142 @@
+/* EAGLE-3's greedy drafting steps in one call (dw_eagle3_greedy): for B sequences, k times the
+ * drafter's decoder layer, the target's final norm and LM head, the argmax, and the next step's row
+ * fc_in([norm(a) ; norm(emb(token))]), all on one OpenMP team (team.c) for the whole call: the
+ * calls of model/eagle3.py's `Eagle3Drafter.draft` for greedy rows, without a fork of the team and
+ * the Python around every product (about 20 a round). */
+#include "kernels.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* What one call works on, and the step's rows that thread 0 sets between barriers for the team. */
+struct e3_call {
+    const struct dw_io *io;
+    const struct dw_decoder_args *args;
+    const struct dw_eagle3 *e;
+    const int64_t *start, *ks;
+    long B, kmax;
+    int64_t *out_tok;
+    float *out_conf, *out_logits;
+    char *x, *h, *in, *emb, *buf; /* rows [B, hid], [B, hid], [B, 2 hid], one row, dw_decoder_layers' scratch */
+    float *logits;                /* [B, V] */
+    int64_t *pos, *lens, *news, *act, *tab; /* [B] each, tab [B, Lmax] */
+    long A, A2;                   /* rows of this step, of the next one */
+    struct dw_decoder_args step;
+};
+
+/* Thread 0: the rows of step s (the sequences with ks[b] > s, in order; their rows in c->x) as one
+ * decoder call of single new tokens: sequence b's at position start[b] + s, attending its keys up
+ * to it through its slot row. */
+static void step_rows(struct e3_call *c, long s) {
+    const struct dw_decoder_args *args = c->args;
+    long A = 0, L = 0, Lmax = args->Lmax;
+    int whole = 1; /* every sequence runs: their slot rows as given */
+    for (long b = 0; b < c->B; b++) {
+        if (c->ks[b] <= s) {
+            whole = 0;
+            continue;
+        }
+        c->pos[A] = c->start[b] + s;
+        c->lens[A] = c->pos[A] + 1;
+        c->news[A] = 1;
+        if (c->lens[A] > L) L = c->lens[A];
+        c->act[A++] = b;
+    }
+    if (!whole)
+        for (long a = 0; a < A; a++) memcpy(c->tab + a * Lmax, args->slots + c->act[a] * Lmax, sizeof(int64_t) * Lmax);
+    c->step = *args;
+    c->step.B = A, c->step.T = 1, c->step.pos = c->pos, c->step.slot0 = 0, c->step.L = L;
+    c->step.slots = whole ? args->slots : c->tab, c->step.lens = c->lens, c->step.news = c->news;
+    c->step.offs = NULL, c->step.feat = NULL, c->step.tree = NULL;
+    c->A = A;
+}
+
+/* Thread 0, after step s's head: each row's token (and confidence, logits), and the input rows
+ * [norm(a) ; norm(emb(token))] of the sequences that draft a further step, in order. */
+static void choose_and_feed(struct e3_call *c, long s) {
+    const struct dw_decoder_args *args = c->args;
+    long hid = args->hid, es = args->bf ? 2 : 4, V = c->io->V, A2 = 0;
+    for (long a = 0; a < c->A; a++) {
+        long b = c->act[a], o = b * c->kmax + s;
+        const float *row = c->logits + a * V;
+        if (c->out_logits) memcpy(c->out_logits + o * V, row, sizeof(float) * V);
+        int64_t tok = dw_argmax_conf_row(row, V, c->out_conf ? c->out_conf + o : NULL);
+        c->out_tok[o] = tok;
+        if (c->ks[b] <= s + 1) continue;
+        char *in = c->in + es * A2 * 2 * hid;
+        dw_rms_norm(c->x + es * a * hid, c->e->hidden_norm, in, 1, hid, args->eps, args->bf);
+        dw_embed_rows(c->io, &tok, 1, hid, es, c->emb);
+        dw_rms_norm(c->emb, c->e->embed_norm, in + es * hid, 1, hid, args->eps, args->bf);
+        A2++;
+    }
+    c->A2 = A2;
+}
+
+/* The steps on the calling thread: alone, or as one thread of the team (every thread makes the same
+ * calls and meets at the same barriers; thread 0 alone the bookkeeping, norms and argmax). */
+static int eagle3_steps(struct e3_call *c) {
+    const struct dw_decoder_args *args = c->args;
+    const struct dw_eagle3 *e = c->e;
+    long hid = args->hid;
+    int one = dw_team_tid == 0, rc = 0;
+    for (long s = 0; s < c->kmax; s++) {
+        if (one) step_rows(c, s);
+        dw_team_barrier();
+        if (c->A == 0) break;
+        rc |= dw_decoder_layers(c->x, c->h, c->buf, c->A, &c->step); /* x: the layer's output a; h: norm(a) */
+        dw_head_rows(c->io, c->h, c->A, hid, c->logits, args->threads);
+        dw_team_barrier();
+        if (one) choose_and_feed(c, s);
+        dw_team_barrier();
+        if (c->A2 > 0) /* the next step's rows, over this step's (read above) */
+            dw_product(e->fc_in_kind, c->in, e->fc_in, e->fc_in_bias, e->fc_in_scale, c->x, c->A2, hid, 2 * hid,
+                       args->bf, args->threads);
+        dw_team_barrier();
+    }
+    return rc;
+}
+
+/* ks[b] >= 0 greedy steps of each of B sequences. first [B, hid]: step 1's row of each (its last
+ * committed position's row, at position start[b]). args: the drafter's layer as dw_decoder takes it
+ * (layers 1; final_norm the target's; cos, sin the drafter's RoPE tables, reaching start[b] + ks[b]
+ * - 1), its cache and slots [B, Lmax]: sequence b's slot per position up to start[b] + ks[b] - 1
+ * (the steps write their K/V at positions start[b].., so those slots are the caller's scratch); io:
+ * the target's embedding and head. out_tok [B, kmax]; out_conf [B, kmax] (may be NULL) each step's
+ * max softmax probability; out_logits [B, kmax, V] (may be NULL) its logits. Row b's first ks[b]
+ * entries are written. Returns 0, or -1 when scratch memory was not available. */
+int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
+                     const void *first, const int64_t *start, const int64_t *ks, long B, long kmax,
+                     int64_t *out_tok, float *out_conf, float *out_logits) {
+    long hid = args->hid, es = args->bf ? 2 : 4, V = io->V, Lmax = args->Lmax;
+    long rows = es * hid * (4 * B + 1) + 64, bytes = rows + sizeof(float) * B * V + sizeof(int64_t) * B * (4 + Lmax);
+    char *mem = (char *)malloc(bytes), *buf = (char *)malloc(dw_decoder_buf_bytes(args, B > 0 ? B : 1));
+    int rc = 0;
+    if (!mem || !buf) {
+        free(mem);
+        free(buf);
+        return -1;
+    }
+    struct e3_call c = {io, args, e, start, ks, B, kmax, out_tok, out_conf, out_logits};
+    c.x = mem, c.h = c.x + es * B * hid, c.in = c.h + es * B * hid, c.emb = c.in + es * B * 2 * hid, c.buf = buf;
+    c.logits = (float *)(mem + rows);
+    c.pos = (int64_t *)(c.logits + B * V), c.lens = c.pos + B, c.news = c.lens + B, c.act = c.news + B;
+    c.tab = c.act + B;
+    long A = 0;
+    for (long b = 0; b < B; b++) /* step 1's rows: the sequences that draft */
+        if (ks[b] > 0) memcpy(c.x + es * A++ * hid, (const char *)first + es * b * hid, es * hid);
+#ifdef _OPENMP
+    if (args->threads > 1 && !dw_team_nt) {
+        struct dw_team_bar bar = {0, 0};
+#pragma omp parallel num_threads(args->threads) reduction(| : rc)
+        {
+            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
+            rc |= eagle3_steps(&c);
+            dw_team_leave();
+        }
+    } else
+#endif
+        rc = eagle3_steps(&c);
+    free(mem);
+    free(buf);
+    return rc ? -1 : 0;
+}
