@@ -1,7 +1,8 @@
 """The EAGLE-3 drafter in the engine (`--method eagle3`, proposers/eagle3.py): greedy output equal to
 plain decoding at 1 and 16 in flight and under preemption, the drafter's cache equal to a fresh
 computation over the committed tokens after rollbacks and recomputes, batched drafting equal to the
-uncached reference, q in each DraftBlock the processed distribution of each step, `draftwise check`
+uncached reference, greedy rows' one-call kernel steps equal to the PyTorch steps (and the
+PyTorch path alone, kernels off, equal to plain), q in each DraftBlock the processed distribution of each step, `draftwise check`
 PASS, a constrained request, and bad input.
 
 The drafter is random (few proposals accepted), so an oracle subclass (`test-eagle3-oracle`) also
@@ -17,7 +18,7 @@ import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.cli.main import main
-from draftwise.model import load_model
+from draftwise.model import cpu_kernels, load_model
 from draftwise.model.config import ModelLoadError
 from draftwise.model.eagle3 import save_eagle3
 from draftwise.proposers import DraftBlock, register_proposer
@@ -83,6 +84,8 @@ def test_greedy_equals_plain(target_dir, eagle3_dir, plain, method, seqs, blocks
     llm0, ps, sp, want = plain
     llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method=method, k=4), max_num_seqs=seqs,
               num_kv_blocks=blocks, max_model_len=64)
+    if cpu_kernels.usable(torch.float32):  # greedy rows draft in one kernel call
+        assert llm.engine.proposer.kernel is not None
     outs = llm.generate(ps, sp)
     assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
     st = llm.engine.stats
@@ -173,6 +176,65 @@ def test_batched_steps_equal_the_uncached_reference(target_dir, eagle3_dir, plai
             got = [int(steps[j][0, n - 1].argmax()) for j in range(5)]
             assert got == ref.tokens[0].tolist()
             assert torch.allclose(torch.stack([steps[j][0, n - 1] for j in range(5)]), ref.logits[0], atol=1e-4)
+
+
+def test_kernel_steps_equal_the_reference(target_dir, eagle3_dir, plain):
+    """Greedy rows' one-call steps (`Eagle3Kernel.greedy`) give `Eagle3Drafter.draft`'s tokens, its
+    logits within float rounding (the same products, the kernels' norms and attention for torch's)
+    and max q as confidences, for rows of different context lengths and step counts; the committed
+    cache is left as it was (the steps' K/V go to scratch slots); `propose` takes that call for greedy
+    rows and the step-by-step path for sampled ones in the same batch."""
+    if not cpu_kernels.usable(torch.float32):
+        pytest.skip("the CPU kernels are not built here")
+    _, ps, _, _ = plain
+    llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method="eagle3", k=5))
+    eng, prop = llm.engine, llm.engine.proposer
+    assert prop.kernel is not None
+    params = [SamplingParams(temperature=0 if i != 2 else 0.9, seed=i, max_tokens=8, ignore_eos=True) for i in range(6)]
+    seqs = [eng.add_request(f"k{i}", p, sp) for i, (p, sp) in enumerate(zip(ps[:6], params))]
+    while any(s.num_computed == 0 or s.is_prefilling for s in seqs):
+        eng.step()
+    ks = [5, 3, 5, 1, 4, 2]
+    lengths = [s.draft_computed for s in seqs]
+    committed = prop.cache[:, :, : prop.num_slots].clone()
+    with torch.inference_mode():
+        first, slots = prop.step_slots([s.seq_id for s in seqs], lengths, ks)
+        toks, conf, logits = prop.kernel.greedy(first, [n - 1 for n in lengths], ks, prop.cache, slots, logits=True)
+        k, v, pos, last = prop.context([s.seq_id for s in seqs], lengths)
+        start = torch.tensor(lengths) - 1
+        ref = prop.drafter.draft(last, start, k, v, pos < start[:, None], 5)
+    assert torch.equal(prop.cache[:, :, : prop.num_slots], committed)
+    assert torch.equal(first, last)
+    for b, n in enumerate(ks):
+        assert toks[b] == ref.tokens[b, :n].tolist()
+        assert torch.allclose(logits[b, :n], ref.logits[b, :n], atol=1e-4, rtol=1e-5)
+        q = torch.softmax(ref.logits[b, :n], -1).amax(-1)
+        assert torch.allclose(torch.tensor(conf[b]), q, atol=1e-5)
+    calls = []
+    real = prop.kernel.greedy
+    prop.kernel.greedy = lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw)
+    blocks = prop.propose(seqs, ks)
+    assert calls == [5]  # the five greedy rows in one call; the sampled row stepped apart
+    assert [len(b.token_ids) for b in blocks] == ks
+    assert blocks[2].probs is not None and all(b.probs is None for i, b in enumerate(blocks) if i != 2)
+    assert [b.token_ids for i, b in enumerate(blocks) if i != 2] == [t for i, t in enumerate(toks) if i != 2]
+    assert torch.equal(prop.cache[:, :, : prop.num_slots], committed)
+
+
+def test_greedy_equals_plain_without_the_kernels(target_dir, eagle3_dir, plain):
+    """With the CPU kernels off the drafter steps through PyTorch (`Eagle3Drafter.draft`) and greedy
+    output stays plain decoding's, at 16 in flight with preemptions."""
+    llm0, ps, sp, want = plain
+    cpu_kernels.set_enabled(False)
+    try:
+        llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method="eagle3", k=4), max_num_seqs=16,
+                  num_kv_blocks=14, max_model_len=64)
+        assert llm.engine.proposer.kernel is None
+        outs = llm.generate(ps, sp)
+    finally:
+        cpu_kernels.set_enabled(True)
+    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
+    assert llm.engine.stats.preemptions > 0 and llm.engine.stats.proposed_tokens > 0
 
 
 def test_q_is_each_steps_processed_distribution(target_dir, eagle3_dir):

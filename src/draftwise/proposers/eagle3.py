@@ -23,6 +23,9 @@ The sharing arrangement is DSpark's (proposers/dspark.py):
   its argmax, sampled rows from it with their own generator, DraftBlock.probs = those q_j, so the
   rejection sampler stays exact. Confidences are max_x q_j(x). A row drafts num_draft tokens,
   fewer where its grammar ends.
+- **Greedy rows whose q is their raw logits** (`raw_greedy`) draft in one kernel call instead
+  (`Eagle3Kernel.greedy`, model/eagle3_native.py): the same steps, their argmax; the steps' K/V
+  written to scratch slots past the paged ones (`step_slots`), so the committed cache is untouched.
 
 p is the target, q the draft.
 """
