@@ -84,8 +84,6 @@ def test_greedy_equals_plain(target_dir, eagle3_dir, plain, method, seqs, blocks
     llm0, ps, sp, want = plain
     llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method=method, k=4), max_num_seqs=seqs,
               num_kv_blocks=blocks, max_model_len=64)
-    if cpu_kernels.usable(torch.float32):  # greedy rows draft in one kernel call
-        assert llm.engine.proposer.kernel is not None
     outs = llm.generate(ps, sp)
     assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
     st = llm.engine.stats
@@ -178,16 +176,51 @@ def test_batched_steps_equal_the_uncached_reference(target_dir, eagle3_dir, plai
             assert torch.allclose(torch.stack([steps[j][0, n - 1] for j in range(5)]), ref.logits[0], atol=1e-4)
 
 
-def test_kernel_steps_equal_the_reference(target_dir, eagle3_dir, plain):
+@pytest.fixture(scope="module")
+def wide_head(tmp_path_factory, tokenizer, plain):
+    """A target whose packed head the kernels take (2048 x 64: dw_gemm_f32's, as the embedded
+    target's), its drafter, and plain decoding's greedy outputs of `plain`'s prompts."""
+    if not cpu_kernels.usable(torch.float32):
+        pytest.skip("the CPU kernels are not built here")
+    path = tmp_path_factory.mktemp("wide")
+    target = make_model_dir(path / "target", seed=0, tokenizer=tokenizer, vocab_size=2048, layers=2, hidden=64)
+    eagle3 = make_eagle3_dir(path / "eagle3", target)
+    _, ps, sp, _ = plain
+    ref = LLM(str(target))
+    return target, eagle3, ref, [o.token_ids for o in ref.generate(ps, sp)]
+
+
+@pytest.mark.parametrize("seqs,blocks", [(1, None), (16, None), (16, 14)])
+def test_kernel_steps_greedy_equals_plain(wide_head, plain, seqs, blocks):
+    """Greedy rows drafting in one kernel call: output equal to plain at 1 and 16 in flight and under
+    preemption."""
+    target, eagle3, ref, want = wide_head
+    _, ps, sp, _ = plain
+    llm = LLM(str(target), draft=str(eagle3), spec=SpecConfig(method="eagle3", k=4), max_num_seqs=seqs,
+              num_kv_blocks=blocks, max_model_len=64)
+    prop = llm.engine.proposer
+    assert prop.kernel is not None
+    calls = []
+    real = prop.kernel.greedy
+    prop.kernel.greedy = lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw)
+    outs = llm.generate(ps, sp)
+    assert_equal_but_near_ties(ref.engine.target.model, ps, [o.token_ids for o in outs], want)
+    st = llm.engine.stats
+    assert st.proposed_tokens > 0 and calls
+    assert max(calls) == 1 if seqs == 1 else max(calls) > 1  # (rows of a batch in one call)
+    if blocks:
+        assert st.preemptions > 0
+
+
+def test_kernel_steps_equal_the_reference(wide_head, plain):
     """Greedy rows' one-call steps (`Eagle3Kernel.greedy`) give `Eagle3Drafter.draft`'s tokens, its
     logits within float rounding (the same products, the kernels' norms and attention for torch's)
     and max q as confidences, for rows of different context lengths and step counts; the committed
     cache is left as it was (the steps' K/V go to scratch slots); `propose` takes that call for greedy
     rows and the step-by-step path for sampled ones in the same batch."""
-    if not cpu_kernels.usable(torch.float32):
-        pytest.skip("the CPU kernels are not built here")
+    target, eagle3, _, _ = wide_head
     _, ps, _, _ = plain
-    llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method="eagle3", k=5))
+    llm = LLM(str(target), draft=str(eagle3), spec=SpecConfig(method="eagle3", k=5))
     eng, prop = llm.engine, llm.engine.proposer
     assert prop.kernel is not None
     params = [SamplingParams(temperature=0 if i != 2 else 0.9, seed=i, max_tokens=8, ignore_eos=True) for i in range(6)]
