@@ -127,16 +127,22 @@ def test_sampled_draws_are_tested_in_turn_until_one_is_accepted():
     assert changed == 4
 
 
-def test_sampled_trees_stop_branching_where_later_draws_are_never_accepted(target_dir, near_draft_dir):
+def _sampled_rows(target_dir, near_draft_dir, tree: int, seed: int, prompt_len: int, k: int):
+    """A draft-model proposer with `tree` and three sampled rows of random prompts, K/V reserved."""
     target = load_model(target_dir)
     draft = load_model(near_draft_dir, load_tokenizer=False)
-    prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=3)
-    rng = random.Random(5)
+    prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=tree)
+    rng = random.Random(seed)
     V = target.config.vocab_size
-    seqs = [Sequence(f"r{i}", [rng.randrange(1, V) for _ in range(8)], SamplingParams(temperature=1.0, seed=i))
-            for i in range(3)]
+    seqs = [Sequence(f"r{i}", [rng.randrange(1, V) for _ in range(prompt_len)],
+                     SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
     for s in seqs:
-        prop.kv.reserve(s.seq_id, 8 + 6)
+        prop.kv.reserve(s.seq_id, prompt_len + k)
+    return prop, seqs
+
+
+def test_sampled_trees_stop_branching_where_later_draws_are_never_accepted(target_dir, near_draft_dir):
+    prop, seqs = _sampled_rows(target_dir, near_draft_dir, tree=3, seed=5, prompt_len=8, k=6)
     first = prop.propose(seqs, [6] * 3)
     assert any(len(set(b.parents)) < len(b.parents) for b in first), "unsure slots branch at first"
     for n in range(3000):  # verified trees where a slot's first draw is accepted, a later one never
@@ -152,15 +158,7 @@ def test_sampled_trees_fill_their_budget_within_a_chains_drafter_cache(target_di
     """Each sampled row's tree holds its k nodes (parents first), feeds at most k - 1 of them to the
     drafter (the K/V a chain of k reserves), at most `tree` per row in one forward, every node
     with children among them, and carries q at the root and at each fed slot (a leaf's: zeros)."""
-    target = load_model(target_dir)
-    draft = load_model(near_draft_dir, load_tokenizer=False)
-    prop = DraftModelProposer(draft=draft, target=target, num_blocks=64, block_size=4, tree=2)
-    rng = random.Random(6)
-    V = target.config.vocab_size
-    seqs = [Sequence(f"r{i}", [rng.randrange(1, V) for _ in range(7)], SamplingParams(temperature=1.0, seed=i))
-            for i in range(3)]
-    for s in seqs:
-        prop.kv.reserve(s.seq_id, 7 + 8)
+    prop, seqs = _sampled_rows(target_dir, near_draft_dir, tree=2, seed=6, prompt_len=7, k=8)
     fed_per_call = []
     run = prop.runner.run
 

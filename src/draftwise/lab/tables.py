@@ -153,7 +153,7 @@ def speedup_matrix(wl: dict) -> str:
     base = {r["level_label"]: r["output_tokens_per_s"] for r in wl["runs"] if is_base(r)}
     if not base:  # nothing to compare with (`bench --url` without --reference-url): the rates themselves
         rate = {(r["config"], r["level_label"]): r["output_tokens_per_s"] for r in wl["runs"]}
-        return "\n".join([f"| out tok/s | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels)] + [
+        return "\n".join(["| out tok/s | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels)] + [
             f"| {c} | " + " | ".join(fmt_cell(rate.get((c, lv))) for lv in levels) + " |" for c in configs])
     cell = {(r["config"], r["level_label"]): (r.get("vs_none") or {}).get("speedup") for r in wl["runs"]}
     name = next((r["config"] for r in wl["runs"] if is_base(r)), "none")
