@@ -83,6 +83,23 @@ def plain(target_dir):
     return llm, ps, sp, [o.token_ids for o in outs]
 
 
+def decode_checking_drafter_cache(eng, ref, prompts, sp, multi, fresh):
+    """Each prompt alone through `eng`: after every decode step the drafter's cache covers the
+    committed positions and equals a fresh forward's (`fresh`); the output equals `ref`'s plain
+    output (near-ties aside). `multi` (the spied multi-step calls) is cleared per request."""
+    for i, p in enumerate(prompts):
+        (w,) = ref.generate([p], sp)
+        multi.clear()  # (plain decoding's own multi-step calls)
+        seq = eng.add_request(f"r{i}", p, sp)
+        while eng.has_unfinished():
+            eng.step()
+            if not seq.is_finished and not seq.is_prefilling:
+                assert seq.draft_computed == seq.num_computed
+                assert eng.proposer.cache_error(seq, fresh) <= 1e-4
+        assert seq.finish_reason == "length" and seq.error is None, seq.error
+        assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
+
+
 def assert_equal_but_near_ties(target, ps, got, want):
     for p, g, w in zip(ps, got, want):
         j = correctness.first_difference(w, g)
@@ -285,17 +302,7 @@ def test_a_lone_row_with_plain_steps_keeps_the_features(wide_pair, plain, policy
     llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=4, policy=policy, cost_model=COST))
     fresh = load_model(target, fuse=False, load_tokenizer=False).model.eval()
     eng = llm.engine
-    for i, p in enumerate(ps[:4]):
-        (w,) = ref.generate([p], sp)
-        multi.clear()  # (plain decoding's own multi-step calls)
-        seq = eng.add_request(f"r{i}", p, sp)
-        while eng.has_unfinished():
-            eng.step()
-            if not seq.is_finished and not seq.is_prefilling:
-                assert seq.draft_computed == seq.num_computed
-                assert eng.proposer.cache_error(seq, fresh) <= 1e-4
-        assert seq.finish_reason == "length" and seq.error is None, seq.error
-        assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
+    decode_checking_drafter_cache(eng, ref, ps[:4], sp, multi, fresh)
     st = eng.stats
     assert st.speculative_steps > 0
     if policy != "dspark":  # (dspark's choice reads measured step times: plain steps not certain)

@@ -26,7 +26,8 @@ from draftwise.proposers.eagle3 import Eagle3Proposer
 from draftwise.sampling import process_logits
 from draftwise.train.eagle3 import build_drafter
 from draftwise.model.runner import ModelRunner
-from test_dspark_engine import AnnouncedPlainSteps, assert_equal_but_near_ties, make_dspark_dir  # noqa: F401 (registers its policy)
+from test_dspark_engine import AnnouncedPlainSteps  # noqa: F401 (registers its policy)
+from test_dspark_engine import assert_equal_but_near_ties, decode_checking_drafter_cache, make_dspark_dir
 from tiny_models import make_model_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output
@@ -403,17 +404,7 @@ def test_a_lone_row_with_multi_step_plain_steps_keeps_the_features(tmp_path, tok
     llm = LLM(str(target), draft=str(eagle3), spec=SpecConfig(method="eagle3", k=4, policy="test-announced-plain-steps"))
     fresh = load_model(target, fuse=False, load_tokenizer=False).model.eval()
     eng = llm.engine
-    for i, p in enumerate(ps[:4]):
-        (w,) = ref.generate([p], sp)
-        multi.clear()  # (plain decoding's own multi-step calls)
-        seq = eng.add_request(f"r{i}", p, sp)
-        while eng.has_unfinished():
-            eng.step()
-            if not seq.is_finished and not seq.is_prefilling:
-                assert seq.draft_computed == seq.num_computed
-                assert eng.proposer.cache_error(seq, fresh) <= 1e-4
-        assert seq.finish_reason == "length" and seq.error is None, seq.error
-        assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
+    decode_checking_drafter_cache(eng, ref, ps[:4], sp, multi, fresh)
     st = eng.stats
     assert 0 < st.speculative_steps < st.decode_steps
     assert any(multi)
