@@ -28,7 +28,7 @@ def add_parser(sub):
     p.add_argument("--configs", default=None, help="comma-separated: none, draft:k=N, ngram:k=N, suffix:k=N, "
                                                     "dspark:k=N, eagle3:k=N, with an optional "
                                                     ":policy=fixed|adaptive|goodput|dspark (e.g. draft:k=4:policy=goodput), "
-                                                    ":forced=N, :tree=N (draft: a tree of at most k nodes, N children per expanded node), "
+                                                    ":forced=N, :tree=N (draft, suffix: a tree of at most k nodes, N children per expanded node), "
                                                     ":rollback=snapshot|replay and :copy=2 (the same config "
                                                     "again in its own engine: an A/A control of the machine's noise); "
                                                     "none is added when missing, as the reference (default: "

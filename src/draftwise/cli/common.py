@@ -109,7 +109,7 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help:
                         "profile, under a measured check) or dspark (DSpark's prefix scheduler: proposals "
                         "admitted by survival while the profile's expected throughput rises); default fixed")
     p.add_argument("--tree", type=int, default=0, metavar="N",
-                   help="draft model: draft a tree of at most --k nodes, up to N children per node (greedy rows: the best --k by calibrated gain among the most probable tokens, one runner-up per slot where the drafter's steps run fused; sampled rows: grown draw by draw, without replacement, where the next draw is worth most, up to N nodes fed per drafter forward); 0 = chains (default 0)")
+                   help="draft model: draft a tree of at most --k nodes, up to N children per node; suffix: a tree of at most --k nodes, the N most frequent continuations per slot, best first by calibrated gain (draft model, greedy rows: the best --k by calibrated gain among the most probable tokens, one runner-up per slot where the drafter's steps run fused; sampled rows: grown draw by draw, without replacement, where the next draw is worth most, up to N nodes fed per drafter forward); 0 = chains (default 0)")
     p.add_argument("--profile", default=None,
                    help="hardware profile JSON for the goodput and dspark policies (default: the cached one for "
                         "this model pair, measured on first use; see `draftwise profile`)")

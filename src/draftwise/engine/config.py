@@ -29,7 +29,9 @@ class SpecConfig:
     profile: str | None = None
     cost_model: CostModel | None = None
     forced: int = 16
-    tree: int = 0  # draft model: children per expanded node of a drafted tree of <= k nodes (0: chains)
+    # draft model: children per expanded node of a drafted tree of <= k nodes; suffix: continuations
+    # kept per slot (0: chains)
+    tree: int = 0
 
     def __post_init__(self):
         if self.method in ("none", ""):
@@ -38,8 +40,8 @@ class SpecConfig:
             raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
         if not 0 <= self.tree <= 16:
             raise ValueError(f"tree (children per expanded node) must be in [0, 16], got {self.tree}")
-        if self.tree and self.method != "draft":  # only the draft model drafts trees
-            raise ValueError(f"tree needs the draft model (--method draft), got method {self.method or 'none'!r}")
+        if self.tree and self.method not in ("draft", "suffix"):  # the drafters of trees
+            raise ValueError(f"tree needs --method draft or suffix, got method {self.method or 'none'!r}")
         if not 0 <= self.forced <= 64:
             raise ValueError(f"forced (free grammar proposals per round) must be in [0, 64], got {self.forced}")
         policy_class(self.policy)  # validates the name

@@ -143,6 +143,9 @@ class Speculation:
             return
         nodes = list(path) if path is not None else list(verified.nodes or ())[:num_accepted]
         self.proposer.postprocess(seq, drafted.along(nodes), len(nodes), num_tokens_before)
+        if self.step_cost is not None and verified.is_tree:  # (a step-costed drafter drafts chains where
+            # trees are verified as their main chain)
+            self.proposer.observe_verified(seq, drafted, len(verified.token_ids), len(nodes), path=nodes)
         main = verified.main_chain() if verified.is_tree else verified
         on_main = 0
         while on_main < min(len(nodes), len(main.token_ids)) and nodes[on_main] == main.nodes[on_main]:

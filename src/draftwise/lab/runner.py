@@ -34,7 +34,7 @@ QUICK = dict(configs="none,draft:k=4,ngram:k=4", concurrency="1,4", num_requests
 class BenchConfig:
     """One `--configs` entry: "none", "draft:k=4", "ngram:k=3", "draft:k=4:policy=goodput",
     "draft:k=4:forced=0" (structured output's free forced proposals per round; default 16),
-    "draft:k=4:tree=2" (a drafted tree of at most k nodes, 2 children per expanded node),
+    "draft:k=4:tree=2" (a drafted tree of at most k nodes, 2 children per expanded node; suffix too),
     "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot),
     "draft:k=4:copy=2" (the same config again in an engine of its own: an A/A control, whose
     figures against the original's show how far the machine's noise alone moves a cell)."""

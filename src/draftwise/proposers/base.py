@@ -148,11 +148,13 @@ class StepCost(Protocol):
 @runtime_checkable
 class StepCosted(Protocol):
     """A proposer that sizes its drafts by what a verified row costs: the engine hands it the step
-    cost model, and after verification what each drafted block had verified and accepted."""
+    cost model, and after verification what each drafted block had verified and accepted (of a
+    tree: its first num_verified nodes, `path` the accepted nodes)."""
 
     def set_step_cost(self, cost: StepCost) -> None: ...
 
-    def observe_verified(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None: ...
+    def observe_verified(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int,
+                         path: list[int] | None = None) -> None: ...
 
 
 METHODS = Registry("speculative method", " or none")

@@ -104,17 +104,20 @@ class SuffixProposer:
     LONG_CATCH_UP = 32  # committed tokens a row's index takes in within its proposal step; more: timed apart
 
     def __init__(self, suffix_depth: int = 24, suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,
-                 suffix_cache_tokens: int = 8192, **_):
+                 suffix_cache_tokens: int = 8192, tree: int = 0, **_):
         if suffix_depth < 2 or suffix_spec_factor <= 0 or not 0 <= suffix_min_prob <= 1 or suffix_cache_tokens < 0:
             raise ValueError("suffix decoding needs depth >= 2, spec_factor > 0, 0 <= min_prob <= 1, cache_tokens >= 0;"
                              f" got {suffix_depth}, {suffix_spec_factor}, {suffix_min_prob}, {suffix_cache_tokens}")
         self.depth, self.spec_factor, self.min_prob = suffix_depth, suffix_spec_factor, suffix_min_prob
+        self.tree = tree  # continuations kept per slot of a drafted tree (0: chains)
         self.local: dict[int, _Local] = {}  # seq_id -> the request's own index
         self.cache = OutputCache(suffix_depth, suffix_cache_tokens)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
         self.step_cost: StepCost | None = None  # set by the engine: drafts sized by suffix_length.py's rule
-        self.acceptance = AcceptanceTable()
-        self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (match length, tokens) of its last draft
+        self.acceptance = AcceptanceTable()  # a slot's most frequent continuation (a chain's every proposal)
+        self.sibling_acceptance = AcceptanceTable()  # a tree's other continuations
+        # seq_id -> (match length, tokens, a tree's firsts) of its last draft
+        self.drafted: dict[int, tuple[int, list[int], list[bool] | None]] = {}
 
     def set_step_cost(self, cost: StepCost) -> None:
         """Size drafts by the step's cost (suffix_length.py) instead of `suffix_spec_factor`."""
@@ -124,30 +127,37 @@ class SuffixProposer:
         self.catch_up_seconds = 0.0
         drafts = [self._draft(s, n) if n > 0 else Draft() for s, n in zip(seqs, num_draft)]
         if self.step_cost is not None and any(d.token_ids for d in drafts):
-            priors = [_estimates(d) for d in drafts]
-            gains = [self.acceptance.gains(d.match_length, p) for d, p in zip(drafts, priors)]
+            gains = [d.gains if d.parents is not None else self.acceptance.gains(d.match_length, _estimates(d))
+                     for d in drafts]
             context = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) / len(seqs)
             keep = best_lengths(gains, self.step_cost.tokens_seconds(len(seqs), context))
             drafts = [_cut(d, n) for d, n in zip(drafts, keep)]
         blocks = []
         for s, d in zip(seqs, drafts):
             if d.token_ids:
-                self.drafted[s.seq_id] = (d.match_length, list(d.token_ids))
+                self.drafted[s.seq_id] = (d.match_length, list(d.token_ids), d.firsts)
             conf = _estimates(d) if self.confidence else None
-            blocks.append(DraftBlock(d.token_ids, None, conf))
+            branched = d.parents is not None and any(p != i - 1 for i, p in enumerate(d.parents))
+            blocks.append(DraftBlock(d.token_ids, None, conf, parents=tuple(d.parents) if branched else None))
         return blocks
 
     def _draft(self, seq, n: int) -> Draft:
         """The better of the two indexes' drafts (a constrained row's ends before its grammar's first refusal)."""
         context = tail(seq, self.depth - 1)
-        own = self._catch_up(seq).draft(context, n, self.min_prob, self.spec_factor)
+        grammar = getattr(seq, "grammar", None)
+        if self.tree and grammar is None:  # (a constrained row verifies a chain)
+            def draft(index: SuffixIndex) -> Draft:
+                return index.draft_tree(context, n, self.min_prob, self.spec_factor, self.tree, self._rate)
+        else:
+            def draft(index: SuffixIndex) -> Draft:
+                return index.draft(context, n, self.min_prob, self.spec_factor)
+        own = draft(self._catch_up(seq))
         best = own
         if self.cache.docs:
-            other = self.cache.index.draft(context, n, self.min_prob, self.spec_factor)
+            other = draft(self.cache.index)
             if (other.score, other.match_length) > (own.score, own.match_length):
                 best = other
                 self.cache.touch(other.doc)
-        grammar = getattr(seq, "grammar", None)
         if grammar is not None and best.token_ids:
             best = _cut(best, len(_allowed_prefix(grammar, best.token_ids)))
         return best
@@ -170,12 +180,24 @@ class SuffixProposer:
             self.catch_up_seconds += time.perf_counter() - t0
         return st.index
 
-    def observe_verified(self, seq, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
-        """Calibrate the acceptance table on what verification tested of the row's last draft."""
+    def _rate(self, m: int, depth: int, f: float, first: bool) -> float:
+        """A tree node's P(accepted | parent accepted): calibrated per (match length, depth), a
+        slot's most frequent continuation and the others apart; the index's estimate as prior."""
+        table = self.acceptance if first else self.sibling_acceptance
+        return table.rate(m, depth, f * (1.0 - 1.0 / (m + depth)))
+
+    def observe_verified(self, seq, block: DraftBlock, num_verified: int, num_accepted: int,
+                         path: list[int] | None = None) -> None:
+        """Calibrate the acceptance tables on what verification tested of the row's last draft
+        (a tree: its first `num_verified` nodes, `path` the accepted ones)."""
         last = self.drafted.pop(seq.seq_id, None)
         if last is None or not num_verified or last[1][: len(block.token_ids)] != block.token_ids:
             return
-        self.acceptance.observe(last[0], min(num_verified, len(block.token_ids)), num_accepted)
+        if block.parents is None:
+            self.acceptance.observe(last[0], min(num_verified, len(block.token_ids)), num_accepted)
+            return
+        for depth, first, accepted in nodes_tested(block.parents[:num_verified], last[2], path or []):
+            (self.acceptance if first else self.sibling_acceptance).observe_one(last[0], depth, accepted)
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
         pass  # the request's index catches up on committed tokens when it next drafts
@@ -188,11 +210,38 @@ class SuffixProposer:
 
 def _estimates(d: Draft) -> list[float]:
     """The index's estimate of each proposal's acceptance: f_j (1 - 1/(m + j))."""
-    return [f * (1.0 - 1.0 / (d.match_length + j)) for j, f in enumerate(d.probs, 1)]
+    return [f * (1.0 - 1.0 / (d.match_length + j)) for j, f in zip(_depths(d), d.probs)]
 
 
 def _cut(d: Draft, n: int) -> Draft:
-    return d if n >= len(d.token_ids) else Draft(d.token_ids[:n], d.probs[:n], d.match_length, d.doc)
+    """The first n proposals (of a tree: its first n nodes, a tree again)."""
+    if n >= len(d.token_ids):
+        return d
+    if d.parents is None:
+        return Draft(d.token_ids[:n], d.probs[:n], d.match_length, d.doc)
+    return Draft(d.token_ids[:n], d.probs[:n], d.match_length, d.doc, d.parents[:n], d.gains[:n], d.firsts[:n])
+
+
+def _depths(d: Draft) -> list[int]:
+    """Each proposal's depth (1: after the context)."""
+    if d.parents is None:
+        return list(range(1, len(d.token_ids) + 1))
+    out: list[int] = []
+    for parent in d.parents:
+        out.append(out[parent] + 1 if parent >= 0 else 1)
+    return out
+
+
+def nodes_tested(parents, firsts, path) -> list[tuple[int, bool, bool]]:
+    """(depth, its slot's most frequent continuation (`firsts`), accepted) of each node a greedy
+    tree's verification tested: the children of the context and of every accepted node (`path`:
+    the accepted nodes, in order)."""
+    on_path, depth, out = set(path), [], []
+    for i, parent in enumerate(parents):
+        depth.append(depth[parent] + 1 if parent >= 0 else 1)
+        if parent < 0 or parent in on_path:
+            out.append((depth[i], firsts[i], i in on_path))
+    return out
 
 
 def _allowed_prefix(grammar, tokens: list[int]) -> list[int]:

@@ -27,27 +27,40 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
+from typing import Callable
 
 
 @dataclass
 class Draft:
     """A continuation: the tokens, each one's estimated probability given the context and the
     tokens before it (its frequency among the continuations seen), the length of the context it
-    matched, and the document it was last seen in."""
+    matched, and the document it was last seen in. A tree (`draft_tree`) also has each node's
+    parent (-1: the context; parents[i] < i), its estimated gain (the probability that its path is
+    accepted, by the rate it was drafted with) and whether it is its slot's most frequent continuation."""
 
     token_ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     match_length: int = 0
     doc: object = None
+    parents: list[int] | None = None  # None: a chain
+    gains: list[float] | None = None
+    firsts: list[bool] | None = None  # a tree's: each node its slot's most frequent continuation or not
 
     @property
     def score(self) -> float:
-        """The expected number of tokens accepted if the estimates hold: sum of the running products."""
-        total, run = 0.0, 1.0
-        for p in self.probs:
-            run *= p
-            total += run
-        return total
+        """The expected number of tokens accepted if the estimates hold: the sum over proposals of
+        the product of the frequencies along its path."""
+        if self.parents is None:
+            total, run = 0.0, 1.0
+            for p in self.probs:
+                run *= p
+                total += run
+            return total
+        runs: list[float] = []
+        for parent, p in zip(self.parents, self.probs):
+            runs.append((runs[parent] if parent >= 0 else 1.0) * p)
+        return sum(runs)
 
 
 class _Doc:
@@ -216,4 +229,66 @@ class SuffixIndex:
             occ = [(x, e + 1) for x, e in occ if e + 1 < len(x.tokens) and x.tokens[e + 1] == tok]
             n += 1
             tail.append(tok)
+        return out
+
+    def draft_tree(self, context: list[int], max_nodes: int, min_prob: float, spec_factor: float,
+                   branches: int, rate: Callable[[int, int, float, bool], float] | None = None) -> Draft:
+        """Up to `max_nodes` proposals in a tree (`Draft.parents`) of depth <= spec_factor x m,
+        expanded best first by gain, the probability that a node's whole path is accepted: the
+        product along it of `rate(m, depth, f, first)` (P(accepted | parent accepted) for a
+        continuation of frequency f at that depth of a draft that matched m tokens, the most frequent at its slot or not; default f). A slot keeps
+        its `branches` most frequent continuations, a path its running product of frequencies
+        >= min_prob. Nodes come in order of decreasing gain (parents before children, siblings most
+        frequent first, the most recent on a tie), so every prefix of them is a tree; its first-child
+        path is `draft`'s chain where the gains let it reach that far."""
+        m, occ = self.match(context)
+        out = Draft(match_length=m, parents=[], gains=[], firsts=[])
+        limit = min(int(spec_factor * m), max_nodes)  # depth
+        if limit <= 0 or branches < 1:
+            return out
+        rate = rate or (lambda m_, depth, f, first: f)
+        tails, occs, depths, runs = [list(context[len(context) - m :])], [occ], [0], [1.0]  # per slot: 0 the root
+        heap: list = []
+        tick = 0
+
+        def expand(slot: int) -> None:
+            nonlocal tick
+            if depths[slot] >= limit:
+                return
+            n, tail, slot_occ = len(tails[slot]), tails[slot], occs[slot]
+            nxt = self.continuations(slot_occ) if n < self.depth else None
+            if not nxt:  # at the depth bound (or a path seen only at a document's end): re-anchor
+                n, slot_occ = self.match(tail)
+                tails[slot] = tail[len(tail) - n :]
+                occs[slot] = slot_occ = self.everywhere() if slot_occ is None else slot_occ
+                nxt = self.continuations(slot_occ)
+            if not nxt:
+                return
+            total = sum(c for c, _, _ in nxt.values())
+            ranked = sorted(nxt.items(), key=lambda kv: kv[1][:2], reverse=True)[:branches]
+            parent_gain = 1.0 if slot == 0 else out_gains[slot - 1]
+            for rank, (tok, (count, clock, d)) in enumerate(ranked):
+                f = count / total
+                if runs[slot] * f < min_prob:
+                    break
+                gain = parent_gain * rate(m, depths[slot] + 1, f, rank == 0)
+                tick += 1
+                heappush(heap, (-gain, depths[slot] + 1, rank, tick, slot, tok, f, d))
+
+        out_gains = out.gains
+        expand(0)
+        while heap and len(out.token_ids) < max_nodes:
+            neg_gain, depth, rank, _, slot, tok, f, d = heappop(heap)
+            out.token_ids.append(tok)
+            out.firsts.append(rank == 0)
+            out.probs.append(f)
+            out.parents.append(slot - 1)
+            out_gains.append(-neg_gain)
+            if out.doc is None:  # the most probable first proposal's
+                out.doc = d.key
+            tails.append(tails[slot] + [tok])
+            occs.append([(x, e + 1) for x, e in occs[slot] if e + 1 < len(x.tokens) and x.tokens[e + 1] == tok])
+            depths.append(depth)
+            runs.append(runs[slot] * f)
+            expand(len(tails) - 1)
         return out

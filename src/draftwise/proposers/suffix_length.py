@@ -58,14 +58,17 @@ class AcceptanceTable:
             out.append(run)
         return out
 
+    def observe_one(self, m: int, position: int, accepted: bool) -> None:
+        """One tested proposal at `position` of a draft of match length m (a tree's node at that depth)."""
+        cell = self.cells.setdefault((match_bucket(m), position), [0.0, 0.0])
+        cell[0] = cell[0] * DECAY + (1.0 if accepted else 0.0)
+        cell[1] = cell[1] * DECAY + 1.0
+
     def observe(self, m: int, num_verified: int, num_accepted: int) -> None:
         """A verified draft of match length m: proposals 1..num_accepted accepted, then (when
         num_verified > num_accepted) one rejected; the rest were never tested."""
-        b = match_bucket(m)
         for pos in range(1, min(num_verified, num_accepted + 1) + 1):
-            cell = self.cells.setdefault((b, pos), [0.0, 0.0])
-            cell[0] = cell[0] * DECAY + (1.0 if pos <= num_accepted else 0.0)
-            cell[1] = cell[1] * DECAY + 1.0
+            self.observe_one(m, pos, pos <= num_accepted)
 
 
 def best_lengths(gains: Sequence[Sequence[float]], seconds: Callable[[int], float]) -> list[int]:
