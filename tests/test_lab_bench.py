@@ -206,3 +206,29 @@ def test_median_trial_picks_the_upper_middle():
     assert median_trial(trials)[1] == 5.0
     assert median_trial(trials[:3])[1] == 3.0
     assert median_trial(trials[:2])[1] == 5.0
+
+
+def test_stop_at_eos_lets_replies_end_where_the_model_ends_them(target_dir, tmp_path, monkeypatch, capsys):
+    """--stop-at-eos: the measured requests' params honour EOS (the default ignores it: fixed lengths)."""
+    from draftwise.lab import runner
+
+    seen = []
+    real = runner.sampling_params
+
+    def spy(*args, **kwargs):
+        p = real(*args, **kwargs)
+        seen.append(p.ignore_eos)
+        return p
+
+    monkeypatch.setattr(runner, "sampling_params", spy)
+    base = ["bench", "--model", str(target_dir), "--configs", "none", "--workload", "file-edit", "--concurrency", "1",
+            "--num-requests", "2", "--max-tokens", "6"]
+    assert main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert seen and all(seen)
+    seen.clear()
+    assert main(base + ["--stop-at-eos", "--out", str(tmp_path / "b")]) == 0
+    assert seen[:2] == [False, False]  # the measured requests' (the warm-up's after them runs fixed lengths)
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["settings"]["stop_at_eos"] is True and res["workloads"][0]["runs"][0]["completed"] == 2
+    assert main(base + ["--stop-at-eos", "--output-len", "8", "--out", str(tmp_path / "c")]) == 2
+    assert "does not combine with --stop-at-eos" in capsys.readouterr().err

@@ -50,6 +50,10 @@ def add_parser(sub):
                    help="every request generates exactly this many tokens (e.g. 128-256: long outputs, where "
                         "decoding rather than prefill dominates; prompts keep their tails to fit the context; "
                         "default: each request's own max_tokens, capped by --max-tokens)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end each reply where the model ends it (max_tokens at most), as a user's request does; "
+                        "greedy requests then do the same work under every config (default: EOS ignored, every "
+                        "request generates its max_tokens)")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every config per level, the config order rotated each round; each config's "
                         "figures are its median round by output tokens/s, the faster of two (noisy machines; default 1); "
@@ -178,6 +182,7 @@ def _plan(args):
         slo=_option("--slo", parse_slo, args.slo), find_capacity=args.find_capacity,
         capacity_start_rate=args.capacity_start_rate, burstiness=args.burstiness,
         dollars_per_hour=args.dollars_per_hour, max_tokens=max_tokens, output_len=args.output_len, seed=args.seed,
+        stop_at_eos=args.stop_at_eos,
         repeats=args.repeats, time_slice=args.time_slice / 1000 if args.time_slice else None, progress=args.progress,
         **{k: q[k] for k in ("dist_prompts", "dist_samples", "dist_horizon") if k in q},
     )
@@ -201,6 +206,8 @@ def _check_options(args, max_tokens: int | None) -> None:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if args.output_len is not None and args.output_len < 1:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
+    if args.output_len is not None and args.stop_at_eos:
+        raise ValueError("--output-len fixes every reply's length; it does not combine with --stop-at-eos")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.repeats > 1 and args.url:
@@ -223,7 +230,7 @@ def _settings(args, plan, num_requests: int | None) -> dict:
     out = {
         "workloads": [w.name for w in plan.workloads], "configs": [c.label for c in plan.configs] or ["server"],
         "levels": [lv.to_dict() for lv in plan.levels], "num_requests": num_requests, "max_tokens": plan.max_tokens,
-        "output_len": args.output_len, "repeats": args.repeats, "time_slice_ms": args.time_slice,
+        "output_len": args.output_len, "stop_at_eos": args.stop_at_eos, "repeats": args.repeats, "time_slice_ms": args.time_slice,
         "prefix_caching": args.prefix_caching,
         "slo_ms": plan.slo, "dollars_per_hour": args.dollars_per_hour, "backend": args.url or "in-process",
         "model": args.model or "embedded", "draft": args.draft or ("embedded" if not args.model else None),

@@ -35,10 +35,12 @@ class RunOutput:
     engine_stats: dict = field(default_factory=dict)  # EngineStats-shaped delta ({} if unknown)
 
 
-def sampling_params(req: Request, seed: int, max_tokens: int | None = None) -> SamplingParams:
-    """The same params for every config: fixed length (EOS ignored), a per-request seed."""
+def sampling_params(req: Request, seed: int, max_tokens: int | None = None, ignore_eos: bool = True) -> SamplingParams:
+    """The same params for every config: fixed length (EOS ignored; `ignore_eos=False`: the reply
+    ends where the model ends it, the same length for every config of a greedy request), a
+    per-request seed."""
     return SamplingParams(temperature=req.temperature, max_tokens=max_tokens or req.max_tokens,
-                          seed=seed if req.temperature > 0 else None, ignore_eos=True,
+                          seed=seed if req.temperature > 0 else None, ignore_eos=ignore_eos,
                           structured_output=req.structured_output)
 
 
@@ -254,7 +256,7 @@ class HTTPBackend:
     async def _stream(self, client, req: Request, p: SamplingParams, rec: RequestRecord, arrival: float) -> None:
         rec.arrival = arrival
         body = {"model": self.model, "max_tokens": p.max_tokens, "temperature": p.temperature,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "stream": True, "ignore_eos": p.ignore_eos, "stream_options": {"include_usage": True}}
         if req.messages:  # the chunk's token list gives tokens per delivery
             body.update(messages=req.message_dicts, logprobs=True, top_logprobs=0)
         else:

@@ -25,7 +25,7 @@ def run_http(plan, wl: Workload, console: Console) -> dict:
     if plan.reference_url:
         servers.append(("reference", HTTPBackend(plan.reference_url)))
     reqs = wl.requests
-    params = [sampling_params(r, plan.seed + i, plan.tokens_for(r)) for i, r in enumerate(reqs)]
+    params = [sampling_params(r, plan.seed + i, plan.tokens_for(r), not plan.stop_at_eos) for i, r in enumerate(reqs)]
     runs, outputs = [], {}
     with make_progress(console, plan.progress) as progress:
         task = progress.add_task(wl.name, total=len(plan.levels) * len(reqs) * len(servers))

@@ -120,6 +120,7 @@ class BenchPlan:
     dollars_per_hour: float | None = None
     max_tokens: int | None = None  # cap per request (--quick)
     output_len: int | None = None  # every request generates exactly this many tokens (--output-len)
+    stop_at_eos: bool = False  # a reply ends at the model's end of sequence (--stop-at-eos); else at max_tokens
     seed: int = 0
     warmup_requests: int = 2
     repeats: int = 1  # rounds of every config per level; figures from each config's median round
@@ -203,7 +204,7 @@ def _prepare(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> 
         max_len = min(max_len, draft.config.max_position_embeddings)
     max_k = max(c.k for c in plan.configs)
     mts = [plan.tokens_for(r) for r in reqs]
-    params = [sampling_params(r, plan.seed + i, mt) for i, (r, mt) in enumerate(zip(reqs, mts))]
+    params = [sampling_params(r, plan.seed + i, mt, not plan.stop_at_eos) for i, (r, mt) in enumerate(zip(reqs, mts))]
     chat = ChatTemplate(target.tokenizer_config)
     if chat.is_plain and any(r.messages for r in reqs):
         console.print(f"[yellow]{wl.name}: the model has no chat template; its chat requests are rendered with "
