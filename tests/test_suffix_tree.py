@@ -134,9 +134,10 @@ REPEAT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
 BRANCHY = [5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6, 9, 5, 6]
 
 
-@pytest.mark.parametrize("prompts", [[BRANCHY * 2], [REPEAT * 3, BRANCHY, [40, 41, 42] * 4, [3] * 9]],
+@pytest.mark.parametrize("prompts, sibling", [([BRANCHY * 2], False),
+                                               ([REPEAT * 3, BRANCHY, [40, 41, 42] * 4, [3] * 9], True)],
                          ids=["batch1", "batch4"])
-def test_greedy_suffix_tree_equals_plain(target_dir, prompts):
+def test_greedy_suffix_tree_equals_plain(target_dir, prompts, sibling):
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     base = LLM(str(target_dir)).generate(prompts, sp)
     llm = LLM(str(target_dir), spec=SpecConfig(method="suffix", k=8, tree=3))
@@ -148,11 +149,23 @@ def test_greedy_suffix_tree_equals_plain(target_dir, prompts):
         trees.extend(b for b in blocks if b.is_tree)
         return blocks
 
-    llm.engine.speculation.proposer.propose = spy
+    prop = llm.engine.speculation.proposer
+    prop.propose = spy
+    sibling_paths = []
+    real_observe = prop.observe_verified
+
+    def observe(seq, block, num_verified, num_accepted, path=None):
+        if path and block.is_tree:
+            firsts = prop.drafted[seq.seq_id][2]
+            sibling_paths.extend(i for i in path if not firsts[i])
+        real_observe(seq, block, num_verified, num_accepted, path)
+
+    prop.observe_verified = observe
     for _ in range(2):  # the second time the global cache holds the first outputs
         outs = llm.generate(prompts, sp)
         assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert trees  # trees were drafted and verified
+    assert bool(sibling_paths) == sibling  # (batch4: a sibling accepted on the way)
     assert not llm.engine.speculation.proposer.local
 
 
