@@ -91,6 +91,8 @@ def test_tested_nodes_are_the_children_of_the_root_and_of_accepted_nodes():
     assert nodes_tested(parents, firsts, []) == [(1, True, False), (1, False, False)]
     # a sibling drafted before its slot's most frequent continuation (its calibrated gain was higher)
     assert nodes_tested([-1, -1], [False, True], [0]) == [(1, False, True), (1, True, False)]
+    # sampled: siblings tried in turn, the one after the accepted never tested
+    assert nodes_tested([-1, -1, -1], [True, False, False], [1], greedy=False) == [(1, True, False), (1, False, True)]
 
 
 # ------------------------------------------------------------------ the proposer
@@ -127,6 +129,18 @@ def test_proposer_calibrates_first_continuations_and_siblings_apart():
     assert prop._rate(2, 1, 1 / 3, False) > before_sibling
     blk = prop.propose([h], [8])[0]
     assert blk.token_ids[0] == 4 and blk.parents[0] == -1  # the calibrated gains now put the sibling first
+
+
+def test_a_tree_draft_that_did_not_branch_calibrates_its_sibling_as_a_sibling():
+    """A tree draft's prefix can be chain-shaped and still hold a slot's less frequent continuation
+    (drafted first for its higher calibrated gain): verified as a chain, it counts as a sibling."""
+    from draftwise.proposers.base import DraftBlock
+
+    prop = SuffixProposer(tree=2)
+    h = History([1, 2, 3], seq_id=5)
+    prop.drafted[5] = (3, [7, 8], [False, True])
+    prop.observe_verified(h, DraftBlock([7, 8], None), 2, 1)
+    assert prop.sibling_acceptance.cells and set(prop.acceptance.cells) == {(2, 2)}  # (bucket of m = 3, depth 2)
 
 
 # ------------------------------------------------------------------ the engine

@@ -193,10 +193,14 @@ class SuffixProposer:
         last = self.drafted.pop(seq.seq_id, None)
         if last is None or not num_verified or last[1][: len(block.token_ids)] != block.token_ids:
             return
-        if block.parents is None:
+        if last[2] is None:  # a chain
             self.acceptance.observe(last[0], min(num_verified, len(block.token_ids)), num_accepted)
             return
-        for depth, first, accepted in nodes_tested(block.parents[:num_verified], last[2], path or []):
+        n = min(num_verified, len(block.token_ids))  # a tree, or a tree's draft that did not branch
+        parents = block.parents[:n] if block.parents is not None else tuple(range(-1, n - 1))
+        path = path if path is not None else list(range(num_accepted))
+        greedy = getattr(getattr(seq, "params", None), "is_greedy", True)
+        for depth, first, accepted in nodes_tested(parents, last[2], path, greedy):
             (self.acceptance if first else self.sibling_acceptance).observe_one(last[0], depth, accepted)
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
@@ -232,15 +236,18 @@ def _depths(d: Draft) -> list[int]:
     return out
 
 
-def nodes_tested(parents, firsts, path) -> list[tuple[int, bool, bool]]:
-    """(depth, its slot's most frequent continuation (`firsts`), accepted) of each node a greedy
-    tree's verification tested: the children of the context and of every accepted node (`path`:
-    the accepted nodes, in order)."""
-    on_path, depth, out = set(path), [], []
+def nodes_tested(parents, firsts, path, greedy: bool = True) -> list[tuple[int, bool, bool]]:
+    """(depth, its slot's most frequent continuation (`firsts`), accepted) of each node a tree's
+    verification tested (`path`: the accepted nodes, in order): greedy, every child of the context
+    and of each accepted node (the target's argmax decides them all); sampled, siblings are tried
+    in turn, so those after the accepted one were never tested."""
+    on_path, depth, out, decided = set(path), [], [], set()
     for i, parent in enumerate(parents):
         depth.append(depth[parent] + 1 if parent >= 0 else 1)
-        if parent < 0 or parent in on_path:
+        if (parent < 0 or parent in on_path) and (greedy or parent not in decided):
             out.append((depth[i], firsts[i], i in on_path))
+            if i in on_path:
+                decided.add(parent)
     return out
 
 
