@@ -126,3 +126,38 @@ def test_first_layer_starts_as_the_target_layer_after_the_top_feature_layer(tiny
     top = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[1], seed=0,
                         from_target_layer=False)
     assert not init_from_target_layer(top, target)
+
+
+def test_block_forward_reads_p_at_each_blocks_rows_with_every_position_an_anchor(tiny):
+    """Anchors at every position (blocks overlapping): p_k of the block at anchor a is the target's
+    distribution after row a+k-1, the same as one plain target pass gives."""
+    from draftwise.train.dspark_blocks import block_forward
+
+    loaded, target, stream = tiny
+    drafter = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0, 1], seed=0)
+    ids = Batches(stream, 2, 24, seed=3).get(0)  # [2, 25]
+    a = sample_anchors(2, ids.shape[1], 1000)  # clamped to T - 2 = 23: all of 1..23
+    assert a.tolist() == [list(range(1, 24))] * 2
+    with torch.no_grad():
+        q_logits, p, conf, labels, valid = block_forward(drafter, target, ids, a)
+        ref = torch.softmax(target.logits(ids).float(), -1)  # [2, 25, V]
+    assert p.shape == q_logits.shape == (2, 23, 3, loaded.config.vocab_size)
+    for b, n, k in [(0, 0, 0), (1, 5, 2), (0, 21, 1), (1, 20, 2)]:  # anchor n + 1, 0-based k: row n + 1 + k
+        assert valid[b, n, k] and torch.allclose(p[b, n, k], ref[b, n + 1 + k], atol=1e-5)
+    assert not valid[0, 22, 1]  # past the window: clamped, not counted
+
+
+def test_cli_train_dspark_passes_anchors_and_backbone_init(tmp_path, target_dir, monkeypatch):
+    from draftwise.cli.main import main
+    from draftwise.train import dspark
+
+    got = {}
+    monkeypatch.setattr(dspark, "train_dspark", lambda *a, **kw: got.update(kw) or {})
+    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
+                 "--anchors", "192", "--backbone-init", "random"]) == 0
+    assert got["overrides"]["anchors"] == 192 and got["from_target_layer"] is False
+    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9"]) == 0
+    assert got["overrides"]["anchors"] == dspark.DSPARK_DEFAULTS["anchors"] and got["from_target_layer"] is True
+    with pytest.raises(SystemExit):
+        main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
+              "--backbone-init", "copy"])

@@ -99,6 +99,9 @@ def _add_dspark_args(p) -> None:
     p.add_argument("--anchors", type=positive_int, default=S["anchors"],
                    help=f"dspark: blocks drawn per training window (default {S['anchors']}; batch 4 x 256 tokens, "
                         f"lr {S['lr']:g}, warm-up {S['warmup_steps']} unless set)")
+    p.add_argument("--backbone-init", choices=["target", "random"], default="target",
+                   help="dspark: start the backbone as the target's layers after the highest feature layer, or at "
+                        "random (std 0.02) (default target)")
     p.add_argument("--steps", type=positive_int, default=5,
                    help=f"eagle3: draft steps unrolled by training-time test (default 5; batch 4 x 256 tokens, "
                         f"lr {E['lr']:g}, warm-up {E['warmup_steps']} unless set)")
@@ -202,7 +205,7 @@ def _train_dspark(args) -> None:
         train_dspark(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                      ckpt_dir=args.ckpt_dir or "checkpoints/dspark", resume=args.resume, block_size=args.block_size,
                      markov_rank=args.markov_rank, feature_layers=layers, num_layers=args.backbone_layers,
-                     overrides=overrides, log=_log,
+                     from_target_layer=args.backbone_init == "target", overrides=overrides, log=_log,
                      progress=args.progress)
     except ValueError as e:  # a config the target cannot serve (feature layers, rank)
         raise UserError(str(e)) from None

@@ -46,6 +46,7 @@ from .trainer import Trainer, TrainConfig, peak_rss_mb
 DSPARK_DEFAULTS = dict(batch_size=4, seq_len=256, lr=5e-3, warmup_steps=20, anchors=48, seed=0)
 VAL_WINDOWS = 8  # periodic validation (loss); the final acceptance reads up to EVAL_WINDOWS
 EVAL_WINDOWS = 32
+EVAL_ANCHORS = 48  # held-out blocks per window, whatever --anchors trains: runs stay comparable
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ def init_from_target_layer(drafter: DSparkDrafter, target_model) -> bool:
 
 def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/dspark", resume=False,
                  block_size: int = 5, markov_rank: int | None = None, feature_layers: list[int] | None = None,
-                 decay: float | None = None, num_layers: int = 1, anchor_feature: bool = True, overrides=None,
-                 log=None, progress: bool | None = None) -> dict:
+                 decay: float | None = None, num_layers: int = 1, anchor_feature: bool = True,
+                 from_target_layer: bool = True, overrides=None, log=None, progress: bool | None = None) -> dict:
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
@@ -156,7 +157,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     target = loaded.model.eval().requires_grad_(False)
     drafter = build_drafter(loaded.config, target, block_size, markov_rank, feature_layers, hp["seed"],
                             target=os.path.relpath(target_dir.resolve(), out.resolve()), num_layers=num_layers,
-                            anchor_feature=anchor_feature)  # (checks the config first)
+                            anchor_feature=anchor_feature, from_target_layer=from_target_layer)  # (checks the config first)
     split = corpus.split()
     streams = load_streams(loaded.tokenizer, split, ckpt_dir)
     decay = float(decay or block_size)
@@ -166,7 +167,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     val = eval_windows(streams["val"], hp["seq_len"], VAL_WINDOWS)
     trainer = Trainer(drafter, Batches(streams["train"], cfg.batch_size, cfg.seq_len, seed=cfg.seed), cfg,
                       loss_fn=dspark_loss_fn(target, hp["anchors"], decay),
-                      eval_fn=lambda d: val_loss(d, target, val, hp["anchors"], decay), log=log, progress=progress)
+                      eval_fn=lambda d: val_loss(d, target, val, EVAL_ANCHORS, decay), log=log, progress=progress)
     if resume:
         trainer.resume()
     summary = trainer.run()
@@ -175,11 +176,12 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     summary.update(role="dspark", target=str(target_dir), history=trainer.history, peak_rss_mb=round(peak_rss_mb()),
                    trainable_parameters=sum(p.numel() for p in drafter.parameters()),
                    objective=f"0.1 CE + 0.9 TV + 1.0 BCE(c, 1 - TV), position weights exp(-(k-1)/{decay:g})",
-                   anchors_per_window=hp["anchors"], corpus=corpus_stats(split, streams),
-                   held_out=block_acceptance(drafter, target, held_out, hp["anchors"]))
+                   anchors_per_window=hp["anchors"], backbone_init="target" if from_target_layer else "random",
+                   corpus=corpus_stats(split, streams),
+                   held_out=block_acceptance(drafter, target, held_out, EVAL_ANCHORS))
     # Sequential Temperature Scaling: fitted on the held-out windows above, tested on the next ones
     calib_test = eval_windows(streams["val"], hp["seq_len"], 2 * EVAL_WINDOWS)[EVAL_WINDOWS:]
-    summary["calibration"] = calibrate(drafter, target, held_out, calib_test, hp["anchors"])
+    summary["calibration"] = calibrate(drafter, target, held_out, calib_test, EVAL_ANCHORS)
     save_dspark(drafter, out)
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     if log:

@@ -41,9 +41,9 @@ def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: to
     with torch.no_grad():
         hidden, feats = target(ids, feature_layers=tuple(cfg.target_feature_layers))
     labels, prev, rows, valid = block_targets(ids, anchors, cfg.block_size)
-    with torch.no_grad():
-        h_rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1]))
-        p = torch.softmax(target.compute_logits(h_rows).float(), -1).view(*rows.shape, -1)
+    with torch.no_grad():  # the head once per position: blocks overlap where N x gamma nears T
+        p_all = torch.softmax(target.compute_logits(hidden).float(), -1)  # [B, T, V]
+        p = p_all.gather(1, rows.flatten(1)[..., None].expand(-1, -1, p_all.shape[-1])).view(*rows.shape, -1)
     pos = torch.arange(T).expand(B, T)
     fused = drafter.fuse(feats.detach())  # [B, T, H]
     kv = drafter.context_kv(fused, pos)
