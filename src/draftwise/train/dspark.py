@@ -18,8 +18,10 @@ each: 1.26 tokens expected accepted within 5 against 1.31). The loop, the schedu
 (resume) and progress are train/trainer.py's.
 
 The backbone's first layer starts as the target layer after the highest feature layer
-(`init_from_target_layer`) and the learning rate is 5e-3: both speed up the early learning on a
-CPU budget (docs/ARCHITECTURE.md, DSpark). After training, the confidences are calibrated by
+(`init_from_target_layer`; `--backbone-init random` starts it at random, the same within the
+run-to-run spread after 8 minutes) and the learning rate is 5e-3 (docs/ARCHITECTURE.md, DSpark).
+More anchors per window cost more per step than they add: the learning follows the optimizer
+steps. After training, the confidences are calibrated by
 Sequential Temperature Scaling on held-out windows (train/dspark_calibration.py).
 """
 from __future__ import annotations
