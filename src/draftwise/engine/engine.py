@@ -31,6 +31,7 @@ committed (accepted + recovered or bonus). p = target distribution, q = draft di
 from __future__ import annotations
 
 import logging
+import math
 import time
 from itertools import accumulate
 
@@ -49,7 +50,7 @@ from .detokenizer import Detokenizer, find_stop
 from .isolation import FailureIsolation
 from .kv_sizing import plan_kv
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import Sequence, TokenLogprob
+from .sequence import Sequence
 from .speculation import NO_DRAFT, Speculation
 from .stats import EngineStats
 from .step_output import Committed, StepOutput, Verification
@@ -61,9 +62,9 @@ log = logging.getLogger("draftwise.engine")
 
 def _takes_argmax(seq: Sequence) -> bool:
     """p is the argmax of the raw logits at every position this step: greedy, and no processor
-    that would change the logits (bias, penalties, a min_tokens mask, a grammar) nor logprobs to
-    report from them."""
-    return not changes_logits(seq.params, len(seq.output_ids)) and seq.grammar is None and seq.logprobs is None
+    that would change the logits (bias, penalties, a min_tokens mask, a grammar). Logprobs are
+    reported from the same raw rows (they are p's rows for such a sequence)."""
+    return not changes_logits(seq.params, len(seq.output_ids)) and seq.grammar is None
 
 
 class LLMEngine:
@@ -309,18 +310,21 @@ class LLMEngine:
         s = scheduled[0]
         seq = s.seq
         if not s.num_draft or seq.is_prefilling or not s.samples or not _takes_argmax(seq) \
-                or blocks.get(seq.seq_id, NO_DRAFT).token_ids:
+                or (seq.params.logprobs or 0) > 0 or blocks.get(seq.seq_id, NO_DRAFT).token_ids:
             return None
         feed = seq.all_ids[seq.num_computed : seq.num_tokens]
         # at most multi_step tokens, whatever k: a speculative row's drafter looks again after them
         n = min(1 + s.num_draft, self.scheduler.multi_step)
-        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, n, feature_layers=self.feature_layers)
+        lp = seq.logprobs is not None
+        got = self.runner.greedy_steps(seq.seq_id, feed, seq.num_computed, n, confidence=lp,
+                                       feature_layers=self.feature_layers)
         if got is None:
             return None
         if self.feature_layers:  # [len(feed) + num_draft, F * hidden], from position num_computed
             self._features = {seq.seq_id: (seq.num_computed, got[2])}
         self._multi_stepped = len(got[0])
-        return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None)
+        chosen = {0: [math.log(c) if c == c else c for c in got[1]]} if lp else {}  # (a NaN row: NaN)
+        return Verification({seq.seq_id: 0}, [got[0]], [0], [True], [0], None, logprobs=chosen)
 
     def postprocess(self, scheduled: list[ScheduledSeq], drafted: dict[int, DraftBlock],
                     blocks: dict[int, DraftBlock], ver: Verification, propose_s: float,
@@ -347,14 +351,14 @@ class LLMEngine:
 
     def _postprocess_one(self, seq: Sequence, drafted: DraftBlock | None, blk: DraftBlock | None,
                          committed: Committed, propose_s: float, verify_s: float) -> StepOutput:
-        toks, a, rows = committed.tokens, committed.num_accepted, committed.logits
+        toks, a = committed.tokens, committed.num_accepted
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
             n_blk = len(blk.token_ids) if blk else 0  # forced proposals can make it longer than the drafted block
             self.stats.count_round(seq.stats, max(len(drafted.token_ids) if drafted else 0, n_blk), n_blk, a, propose_s,
                                    blk.confidence if blk else None, chain=not (blk and blk.is_tree))
         seq.stats.verify_seconds += verify_s
-        new_ids, reason, stop_string = self._commit(seq, toks, rows)
+        new_ids, reason, stop_string = self._commit(seq, committed)
         for _ in new_ids[1 + a :]:  # a multi-step row's further tokens: one plain round each
             self.stats.count_round(seq.stats, 0, 0, 0, 0.0)
         if seq.first_token_time is None:
@@ -383,15 +387,17 @@ class LLMEngine:
             start, rows = got
             self.proposer.commit_features(seq, start, rows[: seq.num_computed - start])
 
-    def _commit(self, seq: Sequence, toks: list[int], rows: torch.Tensor) -> tuple[list[int], str | None, bool]:
+    def _commit(self, seq: Sequence, committed: Committed) -> tuple[list[int], str | None, bool]:
         """Append committed tokens one at a time, stopping at the first stop condition.
         Returns (tokens appended, finish reason or None, whether a stop string ended it)."""
         new_ids, reason, stop_string = [], None, False
+        toks = committed.tokens
+        lps = committed.token_logprobs(seq.params.logprobs) if seq.logprobs is not None else None
         for j, tok in enumerate(toks):
             seq.output_ids.append(tok)
             new_ids.append(tok)
-            if seq.logprobs is not None:
-                seq.logprobs.append(self._logprob(rows[j], tok, seq.params.logprobs))
+            if lps is not None:
+                seq.logprobs.append(lps[j])
             reason = self._check_stop(seq, tok)
             if seq.grammar is not None and seq.grammar.accept(tok):  # the grammar has ended
                 reason = "stop"
@@ -426,15 +432,6 @@ class LLMEngine:
         if n >= p.max_tokens:
             return "length"
         return None
-
-    @staticmethod
-    def _logprob(row: torch.Tensor, tok: int, top_n: int) -> TokenLogprob:
-        lp = torch.log_softmax(row, dim=-1)
-        top = []
-        if top_n:
-            vals, idx = torch.topk(lp, top_n)
-            top = [(int(i), float(v)) for i, v in zip(idx, vals)]
-        return TokenLogprob(tok, float(lp[tok]), top)
 
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         self.scheduler.finish(seq)

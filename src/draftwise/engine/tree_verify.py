@@ -99,8 +99,8 @@ def verify_with_trees(sampling: list, drafts: list[DraftBlock], logits: torch.Te
 
 def _takes_argmax(seq) -> bool:
     """p is the argmax of the raw logits at every slot (as for a chain: greedy, nothing that changes
-    the logits, no grammar, no logprobs to report)."""
-    return not changes_logits(seq.params, len(seq.output_ids)) and seq.grammar is None and seq.logprobs is None
+    the logits, no grammar; logprobs come from the same raw rows)."""
+    return not changes_logits(seq.params, len(seq.output_ids)) and seq.grammar is None
 
 
 def _verify_argmax(sampling: list, drafts: list[DraftBlock], logits: torch.Tensor) -> Verification:
