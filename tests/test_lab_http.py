@@ -85,7 +85,14 @@ def test_check_certifies_a_server_against_a_reference(target_dir, draft_dir, tmp
                 lossy[b, n] = res.committed[b, 0]
             return type(res)(lossy, meta.num_draft.clone(), res.valid)
 
+        real_argmax = engine_mod.verify_argmax
+
+        def accept_everything_greedy(logits, ids):  # greedy rows (logprobs too) take the argmax rule
+            toks, _, valid = real_argmax(logits, ids)
+            return [list(d) + t[:1] for d, t in zip(ids, toks)], [len(d) for d in ids], valid
+
         monkeypatch.setattr(engine_mod, "verify_proposals", accept_everything)
+        monkeypatch.setattr(engine_mod, "verify_argmax", accept_everything_greedy)
         assert main(args + ["--url", srv.url, "--reference-url", ref.url]) == 1
         assert "FAIL greedy equality (servers)" in capsys.readouterr().out
     assert main(args + ["--url", "http://127.0.0.1:9"]) == 2  # --reference-url missing
