@@ -141,7 +141,7 @@ class NativeIO(ctypes.Structure):
 
     _fields_ = [("emb", ctypes.c_void_p), ("emb_packed", ctypes.c_int), ("head_w", ctypes.c_void_p),
                 ("head_kind", ctypes.c_int), ("V", ctypes.c_long), ("emb_scale", ctypes.c_void_p),
-                ("head_scale", ctypes.c_void_p)]
+                ("head_scale", ctypes.c_void_p), ("head_ids", ctypes.c_void_p), ("head_floor", ctypes.c_float)]
 
 
 class Eagle3IO(ctypes.Structure):

@@ -142,4 +142,4 @@ def prune_head(model: nn.Module, kept: torch.Tensor) -> None:
     model.lm_head = PrunedHead(_rows(head, kept, getattr(model, "head_rows", None)), kept, vocab)
     if getattr(model, "head_rows", None) is not None:
         model.head_rows = None  # (refine_top_logits' rows: the kept head's logits are its own)
-    model._io = None  # the fused kernels' head pointer: the pruned head does not run there
+    model._io = None  # the fused kernels' head: found again (the kept rows, where they run there)

@@ -9,7 +9,8 @@
 - `native_logits`: a target's whole step, token ids to the logits of chosen rows (`dw_forward`);
 - both with `feature_layers`: also the listed layers' outputs for every row (the features a drafter
   reads), copied out by the kernel call (`DecoderArgs.feat`);
-- `greedy_steps` / `greedy_steps_rows`: a drafter's k greedy steps (`dw_draft_greedy[_rows]`).
+- `greedy_steps` / `greedy_steps_rows`: a drafter's k greedy steps (`dw_draft_greedy[_rows]`), a
+  head over the frequent tokens only (`--draft-vocab`) included.
 
 The whole-model calls take their arguments as two structs (`cpu_kernels.DecoderArgs`, `NativeIO`)
 passed by pointer. Each call makes the per-layer path's kernel calls in the same order with the
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .attention import AttentionMetadata
 from .cpu_kernels import DecoderArgs, NativeIO
+from .draft_vocab import FLOOR, PrunedHead
 from .packed_weights import PackedEmbedding, PackedLinear, QuantizedEmbedding
 from .quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear
 
@@ -166,22 +168,28 @@ class NativeForward:
         (`QuantizedEmbedding`: 2 int8 groups, 3 int4), and a bias-free head packed for dw_gemm_f32
         (head kind 1, float32), dw_gemm_bf16 with float32 logits (2, bfloat16 with `refine_head`:
         compute_logits' float_logits) or an `Int8Linear` of int8 groups with int8 activations and
-        float32 logits (3 float32 rows, 4 bfloat16); else None. The pointers are found once, the
-        kind every call (`refine_head` may change)."""
+        float32 logits (3 float32 rows, 4 bfloat16); a draft head over its frequent tokens
+        (`PrunedHead`, draft_vocab.py) whose kept rows are such an `Int8Linear`: its rows' token ids
+        in `head_ids`, the others at `FLOOR`; else None. The pointers are found once, the kind every
+        call (`refine_head` may change)."""
         if self._io is None:
             self._io = self._io_pointers()
         if not self._io:
             return None
-        emb, packed, head, kind, emb_scale, head_scale = self._io
+        emb, packed, head, kind, emb_scale, head_scale, rows, ids = self._io
         if kind == 0:  # a packed float head: its kind follows the dtype (and refine_head)
             dtype = self.model.norm.weight.dtype
             kind = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 and self.refine_head else 0
-        return NativeIO(emb, packed, head, kind, self.cfg.vocab_size, emb_scale, head_scale) if kind else None
+        return NativeIO(emb, packed, head, kind, rows, emb_scale, head_scale, ids, FLOOR) if kind else None
 
     def _io_pointers(self) -> tuple:
-        """`_native_io`'s pointers, the head kind 0 for a packed float head (chosen per call); () where
-        the embedding or the head does not run in the kernels."""
+        """`_native_io`'s pointers, the head kind 0 for a packed float head (chosen per call), the
+        head's rows and their token ids (0: row r is token r); () where the embedding or the head
+        does not run in the kernels."""
         dtype, head, emb = self.model.norm.weight.dtype, self.lm_head, self.model.embed_tokens
+        rows, ids = self.cfg.vocab_size, 0
+        if isinstance(head, PrunedHead):  # its kept rows, run as the head they are
+            rows, ids, head = len(head.kept), head.kept.data_ptr(), head.inner
         if isinstance(emb, PackedEmbedding) and emb.packed.dtype == dtype == torch.float32:
             e = (emb.packed.data_ptr(), 1, 0)
         elif type(emb) is nn.Embedding and emb.weight.dtype == dtype and emb.weight.is_contiguous():
@@ -193,10 +201,11 @@ class NativeForward:
             return ()
         native = getattr(head, "native", None)
         if isinstance(head, PackedLinear) and native is not None and head.bias is None and native.dtype == dtype:
-            return e[0], e[1], native.data_ptr(), 0, e[2], 0
+            return e[0], e[1], native.data_ptr(), 0, e[2], 0, rows, ids
         if (isinstance(head, Int8Linear) and head.act8 and head.float_out and head.bias is None
                 and dtype in (torch.float32, torch.bfloat16)):
-            return e[0], e[1], head.qpacked.data_ptr(), 3 if dtype == torch.float32 else 4, e[2], head.scale.data_ptr()
+            return (e[0], e[1], head.qpacked.data_ptr(), 3 if dtype == torch.float32 else 4, e[2], head.scale.data_ptr(),
+                    rows, ids)
         return ()
 
     def _features_into(self, args: DecoderArgs, keep: list, rows: int, dtype: torch.dtype,
@@ -240,11 +249,15 @@ class NativeForward:
         sel = (ctypes.c_int64 * len(rows))(*rows)
         args, keep = self._decoder_args(B, T, ctypes.addressof(pos_c), kv_cache, meta, max_position)
         feats = self._features_into(args, keep, len(ids), self.model.norm.weight.dtype, feature_layers)
-        logits = torch.empty(len(rows), V, dtype=torch.float32)
+        logits = torch.empty(len(rows), io.V, dtype=torch.float32)  # [len(rows), head rows]
         rc = kern.forward(ctypes.byref(io), ctypes.addressof(ids_c), ctypes.addressof(sel), len(rows),
                           logits.data_ptr(), ctypes.byref(args))
         if rc != 0:
             raise MemoryError("fused forward: no scratch memory")
+        if io.head_ids:  # a pruned head's rows into the full row, as `PrunedHead.forward` places them
+            full = logits.new_full((len(rows), V), FLOOR)
+            full[:, self.lm_head.kept] = logits
+            logits = full
         return logits if feats is None else (logits, feats)
 
     def _fused_forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, max_position,

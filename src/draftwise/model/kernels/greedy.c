@@ -77,13 +77,31 @@ static void runner_up_row(float *logits, long V, long best, float top, float con
     *p2 = exp1(v2 - top) * conf;
 }
 
-/* argmax_conf_row, and with tok2 not NULL the runner-up (runner_up_row; conf then computed). */
-static long argmax_conf2_row(float *logits, long V, float *conf, int64_t *tok2, float *p2) {
+/* The token of head row `best` (value top) for a head over some tokens only (io->head_ids; the
+ * others at io->head_floor): the full row's first maximum. Where no kept logit exceeds the floor
+ * (every kept token masked), that is the first token not kept, or a kept one of lower id at the
+ * floor itself. */
+static long head_token(const struct dw_io *io, long best, float top) {
+    if (!io->head_ids) return best;
+    long tok = io->head_ids[best];
+    if (top != top || top > io->head_floor) return tok;
+    long gap = 0; /* the first id not kept (the ids ascend) */
+    while (gap < io->V && io->head_ids[gap] == gap) gap++;
+    return top < io->head_floor || gap < tok ? gap : tok;
+}
+
+/* argmax_conf_row, and with tok2 not NULL the runner-up (runner_up_row; conf then computed), as
+ * token ids (head_token; a pruned head's confidence is its kept logits' softmax: the others add
+ * exp(floor - max) = 0 to the sum, but in another order of the additions). */
+static long argmax_conf2_row(const struct dw_io *io, float *logits, float *conf, int64_t *tok2, float *p2) {
     float c;
-    long best = dw_argmax_conf_row(logits, V, (conf || tok2) ? &c : NULL);
+    long V = io->V, best = dw_argmax_conf_row(logits, V, (conf || tok2) ? &c : NULL);
     if (conf) *conf = c;
-    if (tok2) runner_up_row(logits, V, best, logits[best], c, tok2, p2);
-    return best;
+    if (tok2) {
+        runner_up_row(logits, V, best, logits[best], c, tok2, p2);
+        if (io->head_ids) *tok2 = io->head_ids[*tok2];
+    }
+    return head_token(io, best, logits[best]);
 }
 
 /* k greedy proposals of one sequence: the calls the drafter's Python loop makes for such a row
@@ -126,7 +144,7 @@ int dw_draft_greedy(const struct dw_io *io, const struct dw_decoder_args *args, 
         if (rc != 0) break;
         const char *last = h + es * (T - 1) * hid;
         dw_head_rows(io, last, 1, hid, logits, args->threads);
-        prev = argmax_conf2_row(logits, V, out_conf ? out_conf + s : NULL, out_tok2 ? out_tok2 + s : NULL,
+        prev = argmax_conf2_row(io, logits, out_conf ? out_conf + s : NULL, out_tok2 ? out_tok2 + s : NULL,
                                 out_p2 ? out_p2 + s : NULL);
         out_tok[s] = prev;
     }
@@ -185,7 +203,7 @@ int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a
         for (long a = 0; a < A && rc == 0; a++) {
             long b = act[a];
             long o = b * kmax + s;
-            out_tok[o] = argmax_conf2_row(logits + a * V, V, out_conf ? out_conf + o : NULL,
+            out_tok[o] = argmax_conf2_row(io, logits + a * V, out_conf ? out_conf + o : NULL,
                                           out_tok2 ? out_tok2 + o : NULL, out_p2 ? out_p2 + o : NULL);
         }
     }

@@ -251,7 +251,9 @@ struct dw_decoder_args {
  * emb_scale [V, hid/32][2] float16 step and minimum (emb_packed 3). head_w packed, without bias:
  * head_kind 1 dw_gemm_f32 (float32), 2 dw_gemm_bf16_f32out (bfloat16 weights, float32 logits), 3 and
  * 4 dw_gemm_q8g_a8 (int8 groups in vnni.c's layout, head_scale its group scales; float32 logits) of
- * float32 (3) or bfloat16 (4) rows. */
+ * float32 (3) or bfloat16 (4) rows. V: the head's rows. head_ids (NULL: row r is token r): a head over
+ * some tokens only (a pruned draft head, model/draft_vocab.py), the token id of each row, ascending;
+ * the other tokens' logit is head_floor (the greedy steps' argmax picks as over the whole row). */
 struct dw_io {
     const void *emb;
     int emb_packed;
@@ -259,6 +261,8 @@ struct dw_io {
     int head_kind;
     long V;
     const uint16_t *emb_scale, *head_scale;
+    const int64_t *head_ids;
+    float head_floor;
 };
 
 /* decoder.c */
