@@ -1,7 +1,8 @@
 """Batch-1 speed of the Qwen2.5-Coder pair (make qwen-coder): plain, the 0.5B draft, n-gram; the
 cost of a verification block against a decode step; prefill.
 
-    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8] [--configs plain,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
+    .venv/bin/python benchmarks/qwen_coder_speed.py [--quant stored|int8]
+        [--configs plain,plain#2,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
         [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--cross-modes text,shared]
         [--cross-draft DIR] [--cross-vocab N] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
         [--steps-only]
@@ -98,6 +99,8 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cr
     q = None if quant == "stored" else quant
     small = dict(kv_cache_memory="256MiB", max_model_len=2048)
     out = {f"{quant} plain": LLM(TARGET, spec=SpecConfig(method=None), quantization=q, **small)}
+    if "plain#2" in configs:  # a second plain engine: the A/A control of the ratios
+        out[f"{quant} plain#2"] = LLM(TARGET, spec=SpecConfig(method=None), quantization=q, **small)
     if "draft" in configs:
         out[f"{quant} draft k={k}"] = LLM(TARGET, draft=DRAFT, spec=SpecConfig(method="draft", k=k), quantization=q,
                                           **small)
@@ -130,8 +133,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
     ap.add_argument("--configs", default="plain,draft,ngram",
-                    help="plain, draft, draft-int4 (the draft's layers int4), draft-vocab (its head over the "
-                         f"{CHEAP_VOCAB} most frequent tokens), draft-cheap (both), ngram, cross (SmolLM2)")
+                    help="plain, plain#2 (a second plain engine: A/A), draft, draft-int4 (the draft's layers int4), "
+                         f"draft-vocab (its head over the {CHEAP_VOCAB} most frequent tokens), draft-cheap (both), "
+                         "ngram, cross (SmolLM2)")
     ap.add_argument("--cross-k", default="4,2", help="the cross config's k values")
     ap.add_argument("--cross-quant", default="none", choices=["none", "int8", "int4"],
                     help="the cross config's draft quantization (--draft-quantization)")
