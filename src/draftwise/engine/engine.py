@@ -351,7 +351,7 @@ class LLMEngine:
 
     def _postprocess_one(self, seq: Sequence, drafted: DraftBlock | None, blk: DraftBlock | None,
                          committed: Committed, propose_s: float, verify_s: float) -> StepOutput:
-        toks, a = committed.tokens, committed.num_accepted
+        a = committed.num_accepted
         n_before = seq.num_tokens
         if not seq.is_prefilling:  # a verification round (a prefill's first token is not a round)
             n_blk = len(blk.token_ids) if blk else 0  # forced proposals can make it longer than the drafted block
