@@ -7,7 +7,7 @@ import torch
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import cpu_kernels, load_model
 from draftwise.model.runner import ModelRunner
-from tiny_models import make_model_dir
+from tiny_models import make_model_dir, runner_with_prompts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler: the fused kernels are off")
 
@@ -170,10 +170,7 @@ def test_fused_steps_give_each_slots_runner_up(pair, dtype):
     feeds, ks = [[3, 17, 200], [45, 9]], [4, 3]
     got = {}
     for fused in (True, False):
-        r = ModelRunner(draft, 64, 16)
-        for b, f in enumerate(feeds):
-            r.kv.reserve(b, 40)
-            r.run([b], [[5 + b] * 20], [0], [1])
+        r = runner_with_prompts(draft, len(feeds))
         if fused:
             got[fused] = r.greedy_steps_rows([0, 1], feeds, [20, 20], ks, confidence=True, runners_up=True)
             continue

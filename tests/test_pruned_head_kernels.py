@@ -11,7 +11,7 @@ from draftwise.model.draft_vocab import FLOOR, PrunedHead, prune_head
 from draftwise.model.quantize import Int8Linear, int8_groups
 from draftwise.model.runner import ModelRunner
 from draftwise.sampling import SamplingParams
-from tiny_models import make_model_dir
+from tiny_models import make_model_dir, runner_with_prompts
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None or not act8.enabled(),
                                 reason="the int8-group head runs in the kernels on a VNNI build only")
@@ -95,14 +95,11 @@ def test_greedy_steps_of_several_rows_with_a_pruned_head_give_ids_and_runners_up
     feeds, ks = [[3, 17, 200], [45, 9]], [4, 3]
     got = {}
     for fused in (True, False):
-        r = ModelRunner(_pruned_draft(dirs[1], kernels=fused), 64, 16)
-        rows = []
-        for b, f in enumerate(feeds):
-            r.kv.reserve(b, 40)
-            r.run([b], [[5 + b] * 20], [0], [1])
+        r = runner_with_prompts(_pruned_draft(dirs[1], kernels=fused), len(feeds))
         if fused:
             got[fused] = r.greedy_steps_rows([0, 1], feeds, [20, 20], ks, confidence=True, runners_up=True)
             continue
+        rows = []
         for b, (f, k) in enumerate(zip(feeds, ks)):
             toks, tok2, feed, start = [], [], f, 20
             for _ in range(k):

@@ -75,3 +75,15 @@ def make_model_dir(path: Path, seed: int = 0, tokenizer=None, init_std: float = 
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
     return path
+
+
+def runner_with_prompts(model, rows: int, prompt_len: int = 20):
+    """A ModelRunner (64 blocks of 16) whose sequences 0..rows-1 have each prefilled a prompt of
+    `prompt_len` copies of token 5 + b, with room for 20 more tokens: where greedy-step tests start."""
+    from draftwise.model.runner import ModelRunner
+
+    r = ModelRunner(model, 64, 16)
+    for b in range(rows):
+        r.kv.reserve(b, prompt_len + 20)
+        r.run([b], [[5 + b] * prompt_len], [0], [1])
+    return r
