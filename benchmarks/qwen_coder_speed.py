@@ -5,7 +5,7 @@ cost of a verification block against a decode step; prefill.
         [--configs plain,plain#2,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
         [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--cross-modes text,shared]
         [--cross-draft DIR] [--cross-vocab N] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
-        [--steps-only]
+        [--steps-only] [--no-amx-copies]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
 groups; `int8`: every block as int8 groups; a comma list runs them in one process, but each engine
@@ -39,12 +39,15 @@ from pathlib import Path
 
 import torch
 
+from draftwise.model import cpu_kernels
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen_coder_prompts import DRAFT, LONG_PROMPT, PROMPTS, TARGET, chat_ids  # noqa: E402
 
 CROSS_DRAFT = "smollm2"  # SmolLM2-135M-Instruct: another tokenizer (vocabulary 49,152)
 
 
+NO_AMX = "[no AMX]"  # the label suffix of --no-amx-copies' engines
 CHEAP_VOCAB = 32768  # --draft-vocab of the draft-vocab / draft-cheap configs
 CLOCK = time.perf_counter  # or time.process_time (--clock cpu)
 
@@ -148,6 +151,8 @@ def main() -> int:
                     help="the cross config's --draft-vocab (its head over its N most frequent tokens)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps-only", action="store_true", help="only the step cost (the plain target alone)")
+    ap.add_argument("--no-amx-copies", action="store_true",
+                    help="each config twice: also an engine whose products stay off AMX tiles (kernels/amx.c)")
     args = ap.parse_args()
     if args.steps_only:
         args.configs = "plain"
@@ -160,8 +165,11 @@ def main() -> int:
               "decode": {}, "prefill": {}}
     llms = {}
     for quant in args.quant.split(","):
-        llms.update(engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")],
-                            args.cross_quant, args.cross_modes.split(","), args.cross_draft, args.cross_vocab))
+        built = [engines(quant, args.k, args.configs.split(","), [int(x) for x in args.cross_k.split(",")],
+                         args.cross_quant, args.cross_modes.split(","), args.cross_draft, args.cross_vocab)
+                 for _ in range(1 + args.no_amx_copies)]
+        llms.update(built[0])
+        llms.update({f"{label} {NO_AMX}": llm for c in built[1:] for label, llm in c.items()})
         plain = llms[f"{quant} plain"]
         runner = plain.engine.runner
         ctx = chat_ids(TARGET, plain.tokenizer, PROMPTS[0])[:64]
@@ -169,11 +177,29 @@ def main() -> int:
         result["steps"][quant] = {"1 row ms": round(t1, 2), f"{args.k + 1} rows ms": round(tk, 2),
                                   "ratio": round(tk / t1, 3)}
         print(f"{quant}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)", flush=True)
+        if args.no_amx_copies:  # the same steps with the products off the tiles
+            cpu_kernels.set_amx(0)
+            t1, tk = step_ms(runner, ctx, 1), step_ms(runner, ctx, args.k + 1)
+            cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
+            result["steps"][f"{quant} {NO_AMX}"] = {"1 row ms": round(t1, 2), f"{args.k + 1} rows ms": round(tk, 2),
+                                                   "ratio": round(tk / t1, 3)}
+            print(f"{quant} {NO_AMX}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)",
+                  flush=True)
         if args.steps_only:
             continue
         long_ids = chat_ids(TARGET, plain.tokenizer, LONG_PROMPT)
         decode(plain, chat_ids(TARGET, plain.tokenizer, PROMPTS[1]), 2)  # warm-up (another prompt: no prefix
         _, _, _, ttft = decode(plain, long_ids, 2)                        # cached for the one measured)
+        if args.no_amx_copies:
+            cpu_kernels.set_amx(0)
+            twin = llms[f"{quant} plain {NO_AMX}"]
+            decode(twin, chat_ids(TARGET, twin.tokenizer, PROMPTS[1]), 2)  # (its own warm-up)
+            _, _, _, t0 = decode(twin, long_ids, 2)
+            cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
+            result["prefill"][f"{quant} {NO_AMX}"] = {"prompt tokens": len(long_ids), "seconds": round(t0, 3),
+                                                     "tokens/s": round(len(long_ids) / t0, 1)}
+            print(f"{quant} {NO_AMX}: prefill {len(long_ids)} tokens in {t0:.2f} s ({len(long_ids) / t0:.1f} tok/s)",
+                  flush=True)
         result["prefill"][quant] = {"prompt tokens": len(long_ids), "seconds": round(ttft, 3),
                                     "tokens/s": round(len(long_ids) / ttft, 1)}
         print(f"{quant}: prefill {len(long_ids)} tokens in {ttft:.2f} s ({len(long_ids) / ttft:.1f} tok/s)", flush=True)
@@ -189,12 +215,14 @@ def main() -> int:
     texts = {label: [] for label in llms}
     for r in range(args.rounds):
         for label, llm in llms.items():
+            cpu_kernels.set_amx(0 if label.endswith(NO_AMX) else cpu_kernels.amx_min_rows())
             for ids in prompts:
                 out, n, t, _ = decode(llm, ids, args.tokens)
                 sums[label][0] += n
                 sums[label][1] += t
                 if r == 0:
                     texts[label].append(out)
+    cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
     for label in llms:
         quant = label.split()[0]
         rate = sums[label][0] / sums[label][1]

@@ -153,7 +153,7 @@ class Eagle3IO(ctypes.Structure):
 
 
 # 0, or -1: no scratch memory
-INT_RESULT = ("dw_vnni", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
+INT_RESULT = ("dw_vnni", "dw_amx_enable", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
               "dw_eagle3_greedy")
 
 
@@ -178,6 +178,7 @@ class Kernels:
             "dw_linear_q4_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_linear_q4k_a8": [p, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int],
             "dw_vnni": [],
+            "dw_amx_enable": [ctypes.c_int],
             "dw_gemm_f32": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16": [p, p, p, p, i, i, i, ctypes.c_int],
             "dw_gemm_bf16_f32out": [p, p, p, p, i, i, i, ctypes.c_int],
@@ -195,6 +196,25 @@ class Kernels:
             fn.argtypes, fn.restype = args, (ctypes.c_int if name in INT_RESULT else None)
             setattr(self, name[3:], fn)
         self.path = path
+        self.amx = bool(self.amx_enable(amx_min_rows()))
+
+
+# Products of at least this many rows run on AMX tiles where the CPU has them (kernels/amx.c); a
+# row's result is bitwise the same either way. DRAFTWISE_AMX=0 keeps them on VPDPBUSD.
+AMX_MIN_ROWS = 1
+
+
+def amx_min_rows() -> int:
+    """AMX_MIN_ROWS; DRAFTWISE_AMX=0 none, DRAFTWISE_AMX=N from N rows."""
+    v = os.environ.get("DRAFTWISE_AMX", "")
+    return int(v) if v.isdigit() else AMX_MIN_ROWS
+
+
+def set_amx(min_rows: int) -> bool:
+    """Run products of `min_rows` rows or more on AMX tiles from now on (0: none); whether this
+    build and CPU have them (tests compare both paths)."""
+    k = kernels()
+    return k is not None and bool(k.amx_enable(min_rows))
 
 
 def kernels() -> Kernels | None:

@@ -167,6 +167,18 @@ static inline long dw_threads_for(int threads, long work, long min_work) {
 
 /* ---- entry points (cpu_kernels.py declares the same signatures for ctypes) ---- */
 
+/* amx.c: vnni.c's products on AMX tiles, blocks of up to 16 rows (dw_amx_rows: from how many rows) */
+extern int dw_amx_rows;
+int dw_amx_enable(int min_rows);
+void dw_amx_release(void);
+void dw_amx_q8g_block(const int8_t *xq, const float *xs, const int8_t *wv, const uint16_t *gs, const float *bias,
+                      void *out, long r0, int M, long ob, long O, long N, int obf);
+void dw_amx_q4_block(const int8_t *xq, const float *xs, const float *xsum, const uint8_t *qv, const uint16_t *sm,
+                     const float *bias, void *out, long r0, int M, long ob, long O, long N, int obf);
+void dw_amx_q4k_block(const int8_t *xq, const float *xs, const int16_t *bs, const uint8_t *kx, const uint8_t *qv,
+                      const uint8_t *ks, const float *bias, void *out, long r0, int M, long ob, long O, long N,
+                      int obf);
+
 /* norm.c: the elementwise ops of a layer */
 void dw_rms_norm(const void *x, const void *w, void *out, long rows, long n, float eps, int bf);
 void dw_add_rms_norm(void *x, const void *d, const void *w, void *out, long rows, long n, float eps, int bf);

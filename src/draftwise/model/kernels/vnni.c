@@ -322,9 +322,28 @@ static void a8_product(int kind, const void *x, const void *w, const void *scale
 #define Q8G_CALL(NR) q8g_block(xq, xs, qsum, (const int8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
 #define Q4_CALL(NR) q4_block_a8(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
 #define Q4K_CALL(NR) q4k_block_a8(xq, xs, bs, kx, (const uint8_t *)w, scale, bias, out, r0, NR, ob, O, N, obf)
+    const int amx = dw_amx_rows > 0 && rows >= dw_amx_rows; /* blocks of up to 16 rows on tiles: amx.c */
+    /* blocks of at most 16 rows, balanced (17 rows: 9 and 8, not 16 and a lone row that would
+     * take a whole pass over the weights for itself) */
+    const long nrb = (rows + 15) / 16;
+#define AMX_ROWS(CALL)                                                       \
+    for (long i = 0; i < nrb; i++) {                                         \
+        long r0 = rows * i / nrb;                                            \
+        int M = (int)(rows * (i + 1) / nrb - r0);                            \
+        CALL;                                                                \
+    }
     DW_SHARES(nt, t, {
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        for (long ob = b0; ob < b1; ob++) {
+        for (long ob = b0; ob < b1 && amx; ob++) {
+            if (kind == 8)
+                AMX_ROWS(dw_amx_q8g_block(xq, xs, (const int8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
+            else if (kind == 44)
+                AMX_ROWS(dw_amx_q4k_block(xq, xs, bs, kx, (const uint8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
+            else
+                AMX_ROWS(dw_amx_q4_block(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
+        }
+        if (amx) dw_amx_release();
+        for (long ob = b0; ob < b1 && !amx; ob++) {
             if (kind == 8) {
                 A8_ROWS(Q8G_CALL)
             } else if (kind == 44) {
@@ -337,6 +356,7 @@ static void a8_product(int kind, const void *x, const void *w, const void *scale
 #undef Q8G_CALL
 #undef Q4_CALL
 #undef Q4K_CALL
+#undef AMX_ROWS
     free(xq);
     free(xs);
     free(qsum);
