@@ -5,7 +5,7 @@ cost of a verification block against a decode step; prefill.
         [--configs plain,plain#2,draft,draft-int4,draft-vocab,draft-cheap,ngram,cross]
         [--tokens 128] [--k 4] [--cross-k 4,2] [--cross-quant none|int8|int4] [--cross-modes text,shared]
         [--cross-draft DIR] [--cross-vocab N] [--threads 2] [--rounds 1] [--clock wall|cpu] [--out FILE.json]
-        [--steps-only] [--no-amx-copies]
+        [--steps-only] [--step-rows 1,5,8,12,17] [--no-amx-copies]
 
 For each target quantization (`stored`: the import's own blocks, Q4_K as int4 and Q6_K as int8
 groups; `int8`: every block as int8 groups; a comma list runs them in one process, but each engine
@@ -22,6 +22,9 @@ holds its own copy of the models):
   machine's noise falls on all; speculative greedy tokens are checked equal to plain's;
 - prefill: the seconds to the first token of the 182-token chat prompt (plain, not in the prefix
   cache).
+- `--no-amx-copies`: on a CPU with AMX tiles (kernels/amx.c), every config, step and the prefill
+  also run with the products kept on VPDPBUSD, in the same process, interleaved; `--step-rows`
+  adds the step cost at those row counts (both ways with `--no-amx-copies`).
 
 `uptime`'s load is printed at the start and the end: the machine may be shared. On a machine
 shared with other work, wall-clock rates measure the share this process got; `--clock cpu` (one
@@ -151,6 +154,7 @@ def main() -> int:
                     help="the cross config's --draft-vocab (its head over its N most frequent tokens)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps-only", action="store_true", help="only the step cost (the plain target alone)")
+    ap.add_argument("--step-rows", default="", help="also the step cost at these row counts (e.g. 1,5,8,12,17)")
     ap.add_argument("--no-amx-copies", action="store_true",
                     help="each config twice: also an engine whose products stay off AMX tiles (kernels/amx.c)")
     args = ap.parse_args()
@@ -185,6 +189,16 @@ def main() -> int:
                                                    "ratio": round(tk / t1, 3)}
             print(f"{quant} {NO_AMX}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)",
                   flush=True)
+        if args.step_rows:  # a step of T rows against one of 1 row, tiles and VPDPBUSD interleaved per T
+            table = result["steps"].setdefault("by rows", {})
+            for T in (int(x) for x in args.step_rows.split(",")):
+                for amx in (1, 0)[: 1 + args.no_amx_copies]:
+                    cpu_kernels.set_amx(cpu_kernels.amx_min_rows() if amx else 0)
+                    key = f"{quant}{'' if amx else ' ' + NO_AMX}"
+                    table.setdefault(key, {})[T] = round(step_ms(runner, ctx, T), 2)
+                    print(f"{key}: {T} rows {table[key][T]:.1f} ms ({table[key][T] / table[key][1]:.2f}x 1 row)"
+                          if 1 in table[key] else f"{key}: {T} rows {table[key][T]:.1f} ms", flush=True)
+            cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
         if args.steps_only:
             continue
         long_ids = chat_ids(TARGET, plain.tokenizer, LONG_PROMPT)
@@ -205,6 +219,8 @@ def main() -> int:
         print(f"{quant}: prefill {len(long_ids)} tokens in {ttft:.2f} s ({len(long_ids) / ttft:.1f} tok/s)", flush=True)
     if args.steps_only:
         print(f"load at end: {os.getloadavg()}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     tok = next(iter(llms.values())).tokenizer
     prompts = [chat_ids(TARGET, tok, p) for p in PROMPTS]

@@ -200,8 +200,10 @@ class Kernels:
 
 
 # Products of at least this many rows run on AMX tiles where the CPU has them (kernels/amx.c); a
-# row's result is bitwise the same either way. DRAFTWISE_AMX=0 keeps them on VPDPBUSD.
-AMX_MIN_ROWS = 1
+# row's result is bitwise the same either way. DRAFTWISE_AMX=0 keeps them on VPDPBUSD. One row
+# stays there: a 1-row step is bound by reading the weights, and int8 groups' 1-row products ran
+# slower on tiles (the 1.5B with int8 groups everywhere: 78 against 65 ms a step).
+AMX_MIN_ROWS = 2
 
 
 def amx_min_rows() -> int:
