@@ -196,6 +196,20 @@ def test_cache_key_follows_settings(target_dir, draft_dir):
     assert a != profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2, "int8")
 
 
+def test_cache_key_follows_the_amx_tiles(target_dir, draft_dir, monkeypatch):
+    """Products on AMX tiles time differently: their own cache file; without tiles the key is the
+    one written before they existed."""
+    from draftwise.model import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "amx_rows", lambda: 0)
+    off = profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2)
+    monkeypatch.setattr(cpu_kernels, "amx_rows", lambda: 2)
+    on = profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2)
+    assert on != off
+    monkeypatch.setattr(cpu_kernels, "amx_rows", lambda: 4)
+    assert profile_cache_path(target_dir, draft_dir, "float32", "bfloat16", "cpu", 2) not in (on, off)
+
+
 def test_a_float_profile_does_not_serve_int8_weights(pair, target_dir, tmp_path, monkeypatch):
     """int8 weights time differently: their own cache file, and a float profile given explicitly
     is used with a warning naming the difference."""

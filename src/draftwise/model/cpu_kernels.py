@@ -196,7 +196,8 @@ class Kernels:
             fn.argtypes, fn.restype = args, (ctypes.c_int if name in INT_RESULT else None)
             setattr(self, name[3:], fn)
         self.path = path
-        self.amx = bool(self.amx_enable(amx_min_rows()))
+        self.amx = bool(self.amx_enable(amx_min_rows()))  # whether this build and CPU have the tiles
+        self.amx_rows = amx_min_rows() if self.amx else 0  # products of this many rows and more use them
 
 
 # Products of at least this many rows run on AMX tiles where the CPU has them (kernels/amx.c); a
@@ -216,7 +217,18 @@ def set_amx(min_rows: int) -> bool:
     """Run products of `min_rows` rows or more on AMX tiles from now on (0: none); whether this
     build and CPU have them (tests compare both paths)."""
     k = kernels()
-    return k is not None and bool(k.amx_enable(min_rows))
+    if k is None:
+        return False
+    k.amx = bool(k.amx_enable(min_rows))
+    k.amx_rows = min_rows if k.amx else 0
+    return k.amx
+
+
+def amx_rows() -> int:
+    """From how many rows products run on AMX tiles now (0: none; a hardware profile's cache
+    key: the tiles change what a verification block costs)."""
+    k = kernels()
+    return k.amx_rows if k is not None else 0
 
 
 def kernels() -> Kernels | None:

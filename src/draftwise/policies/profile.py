@@ -38,7 +38,8 @@ def profile_cache_path(target_path: str | Path, draft_path: str | Path | None, d
                        device: str, threads: int, quantization: str | None = None) -> Path:
     """The cache file of a pair and run settings: keyed by the models' fingerprints (not their
     paths: a copy reuses the profile), dtypes, weight quantization, device, threads, the CPU
-    model and, on CPU, the fused kernels' source (new kernels time differently: measured again)."""
+    model and, on CPU, the fused kernels' source (new kernels time differently: measured again)
+    and whether products run on AMX tiles."""
     key = {
         "target": model_fingerprint(target_path),
         "draft": model_fingerprint(draft_path) if draft_path is not None else None,
@@ -47,6 +48,8 @@ def profile_cache_path(target_path: str | Path, draft_path: str | Path | None, d
     }
     if str(device) == "cpu":
         key["kernels"] = hashlib.sha256(cpu_kernels.source_bytes()).hexdigest()[:16]
+        if cpu_kernels.amx_rows():  # (absent without tiles: the caches written before stay valid)
+            key["amx_rows"] = cpu_kernels.amx_rows()
     if quantization is not None:  # (absent for float weights: the caches written before stay valid)
         key["quantization"] = quantization
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
