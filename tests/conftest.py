@@ -23,6 +23,19 @@ def draft_dir(tmp_path_factory, tokenizer):
     """A different, smaller random model: some proposals accepted, most not."""
     return make_model_dir(tmp_path_factory.mktemp("draft"), seed=1, tokenizer=tokenizer, layers=1, hidden=32, heads=2, kv_heads=1, inter=64)
 
+
+@pytest.fixture(scope="session")
+def q4k_model(tmp_path_factory):
+    """A 2-layer qwen2 file with Q4_K projections (hidden 256, intermediate 512), imported keeping its
+    blocks and sub-scales (test_q4k_superblocks.py, test_amx_products.py)."""
+    from draftwise.model.gguf_import import import_gguf
+    from gguf_files import write_gguf
+
+    root = tmp_path_factory.mktemp("q4k")
+    f = root / "m.gguf"
+    write_gguf(f, "qwen2", "Q4_K", seed=5, hidden=256, inter=512)
+    return import_gguf(f, root / "kept", keep_quantized=True)
+
 import torch  # noqa: E402
 
 # Tests share two cores with other work; one intra-op thread avoids OpenMP oversubscription.

@@ -12,7 +12,6 @@ from draftwise.model import cpu_kernels
 from draftwise.model.gguf_blocks import q4k_blocks, q4k_subscales
 from draftwise.model.quantize import Int4Linear, Int8Linear
 from test_gguf_blocks import _q4k
-from test_q4k_superblocks import q4k_model  # noqa: F401 (a fixture)
 
 needs_amx = pytest.mark.skipif(not (cpu_kernels.vnni() and cpu_kernels.set_amx(cpu_kernels.amx_min_rows())),
                                reason="kernels without AMX (or AVX-512 VNNI)")

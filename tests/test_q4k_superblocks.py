@@ -14,9 +14,7 @@ from safetensors.torch import load_file, save_file
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import ModelLoadError, act8, cpu_kernels, load_model
 from draftwise.model.gguf_blocks import dequantized, q4k_blocks, q4k_subscales
-from draftwise.model.gguf_import import import_gguf
 from draftwise.model.quantize import Int4Linear, dequantize_int4
-from gguf_files import write_gguf
 from test_gguf_blocks import _q4k
 from test_quantize_int4 import rows_and_threads_independent
 
@@ -135,16 +133,6 @@ def test_switch_and_shapes_keep_the_groups(monkeypatch):
     bq, bsm = layer.blocks()
     assert torch.equal(bq, q) and torch.equal(bsm, sm)
     assert torch.equal(dequantize_int4(bq, bsm), dequantize_int4(q, sm))
-
-
-@pytest.fixture(scope="module")
-def q4k_model(tmp_path_factory):
-    """A 2-layer qwen2 file with Q4_K projections (hidden 256, intermediate 512), imported keeping its
-    blocks and sub-scales."""
-    root = tmp_path_factory.mktemp("q4k")
-    f = root / "m.gguf"
-    write_gguf(f, "qwen2", "Q4_K", seed=5, hidden=256, inter=512)
-    return import_gguf(f, root / "kept", keep_quantized=True)
 
 
 def test_directory_holds_the_subscales(q4k_model):
