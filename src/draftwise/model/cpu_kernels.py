@@ -196,8 +196,9 @@ class Kernels:
             fn.argtypes, fn.restype = args, (ctypes.c_int if name in INT_RESULT else None)
             setattr(self, name[3:], fn)
         self.path = path
-        self.amx = bool(self.amx_enable(amx_min_rows()))  # whether this build and CPU have the tiles
-        self.amx_rows = amx_min_rows() if self.amx else 0  # products of this many rows and more use them
+        rows = amx_min_rows()
+        self.amx = bool(self.amx_enable(rows))  # whether this build and CPU have the tiles
+        self.amx_rows = rows if self.amx else 0  # products of this many rows and more use them
 
 
 # Products of at least this many rows run on AMX tiles where the CPU has them (kernels/amx.c); a
@@ -209,7 +210,9 @@ AMX_MIN_ROWS = 2
 
 def amx_min_rows() -> int:
     """AMX_MIN_ROWS; DRAFTWISE_AMX=0 none, DRAFTWISE_AMX=N from N rows."""
-    v = os.environ.get("DRAFTWISE_AMX", "")
+    v = os.environ.get("DRAFTWISE_AMX", "").strip()
+    if v and not v.isdigit():
+        log.warning("draftwise: DRAFTWISE_AMX=%r is not a row count (0: no AMX tiles); using %d", v, AMX_MIN_ROWS)
     return int(v) if v.isdigit() else AMX_MIN_ROWS
 
 
