@@ -74,16 +74,6 @@ void dw_amx_release(void) {
     tiles_rows = 0;
 }
 
-static inline void amx_store(__m512 acc, const float *bias, void *out, long r, long O, long o0, int obf) {
-    float v[16];
-    _mm512_storeu_ps(v, acc);
-    for (int l = 0; l < 16 && o0 + l < O; l++) {
-        float y = v[l];
-        if (bias) y += bias[o0 + l];
-        st(out, r * O + o0 + l, y, obf);
-    }
-}
-
 /* the nibbles of one int4 group (vnni.c's layout, 256 bytes) as a B tile (512 bytes) */
 static inline void split_nibbles(const uint8_t *w, uint8_t *b) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
@@ -151,7 +141,7 @@ void dw_amx_q8g_block(const int8_t *xq, const float *xs, const int8_t *wv, const
                                          _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g + t])), acc[r]);
         }
     }
-    for (int r = 0; r < M; r++) amx_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+    for (int r = 0; r < M; r++) dw_store16(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 
 /* int4 groups (vnni.c's q4_block_a8) */
@@ -183,7 +173,7 @@ void dw_amx_q4_block(const int8_t *xq, const float *xs, const float *xsum, const
             }
         }
     }
-    for (int r = 0; r < M; r++) amx_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+    for (int r = 0; r < M; r++) dw_store16(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 
 /* Q4_K super-blocks (vnni.c's q4k_block_a8) */
@@ -229,7 +219,7 @@ void dw_amx_q4k_block(const int8_t *xq, const float *xs, const int16_t *bs, cons
             acc[r] = _mm512_fmadd_ps(tt, _mm512_set1_ps(xs[(r0 + r) * S + sb]), acc[r]);
         }
     }
-    for (int r = 0; r < M; r++) amx_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+    for (int r = 0; r < M; r++) dw_store16(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 #else /* never called: dw_amx_rows stays 0 */
 void dw_amx_release(void) {}

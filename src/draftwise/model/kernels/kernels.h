@@ -165,6 +165,20 @@ static inline long dw_threads_for(int threads, long work, long min_work) {
         }                                                                               \
     } while (0)
 
+#ifdef __AVX512F__
+/* 16 outputs of row r (o0.. o0 + 15, those below O) from an accumulator, the bias added: the
+ * int8-activation products' last step (vnni.c, amx.c) */
+static inline void dw_store16(__m512 acc, const float *bias, void *out, long r, long O, long o0, int obf) {
+    float v[16];
+    _mm512_storeu_ps(v, acc);
+    for (int l = 0; l < 16 && o0 + l < O; l++) {
+        float y = v[l];
+        if (bias) y += bias[o0 + l];
+        st(out, r * O + o0 + l, y, obf);
+    }
+}
+#endif
+
 /* ---- entry points (cpu_kernels.py declares the same signatures for ctypes) ---- */
 
 /* amx.c: vnni.c's products on AMX tiles, blocks of up to 16 rows (dw_amx_rows: from how many rows) */

@@ -95,16 +95,6 @@ static void a8_quantize(const void *x, long rows, long N, int bf, int8_t *xq, fl
         }
 }
 
-static inline void a8_store(__m512 acc, const float *bias, void *out, long r, long O, long o0, int obf) {
-    float v[16];
-    _mm512_storeu_ps(v, acc);
-    for (int l = 0; l < 16 && o0 + l < O; l++) {
-        float y = v[l];
-        if (bias) y += bias[o0 + l];
-        st(out, r * O + o0 + l, y, obf);
-    }
-}
-
 /* int8 groups: NR rows from r0 of output block ob */
 static inline __attribute__((always_inline)) void q8g_block(const int8_t *xq, const float *xs, const int32_t *qsum,
                                                             const int8_t *wv, const uint16_t *gs, const float *bias,
@@ -138,7 +128,7 @@ static inline __attribute__((always_inline)) void q8g_block(const int8_t *xq, co
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r], s2[r])),
                                      _mm512_mul_ps(d, _mm512_set1_ps(xs[(r0 + r) * G + g])), acc[r]);
     }
-    for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+    for (int r = 0; r < NR; r++) dw_store16(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 
 /* int4 groups: NR rows from r0 of output block ob */
@@ -181,7 +171,7 @@ static inline __attribute__((always_inline)) void q4_block_a8(const int8_t *xq, 
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(r0 + r) * G + g]), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+    for (int r = 0; r < NR; r++) dw_store16(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 
 /* rows of x [rows, N] -> xq (int8, [rows, N]), xs [rows, N/256], bs [rows, N/32] (int16) and ks
@@ -288,7 +278,7 @@ static inline __attribute__((always_inline)) void q4k_block_a8(const int8_t *xq,
             acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[(r0 + r) * S + b]), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) a8_store(acc[r], bias, out, r0 + r, O, ob * 16, obf);
+    for (int r = 0; r < NR; r++) dw_store16(acc[r], bias, out, r0 + r, O, ob * 16, obf);
 }
 
 #define A8_ROWS(CALL)                                                        \
