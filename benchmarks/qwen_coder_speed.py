@@ -130,6 +130,17 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cr
     return out
 
 
+def row_counts(text: str) -> list[int]:
+    """--step-rows: comma-separated row counts >= 1."""
+    try:
+        rows = [int(x) for x in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"row counts >= 1, comma-separated (e.g. 1,5,8), not {text!r}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quant", default="stored")  # (each setting loads its own copies: one at a time fits)
@@ -154,7 +165,7 @@ def main() -> int:
                     help="the cross config's --draft-vocab (its head over its N most frequent tokens)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps-only", action="store_true", help="only the step cost (the plain target alone)")
-    ap.add_argument("--step-rows", default="", help="also the step cost at these row counts (e.g. 1,5,8,12,17)")
+    ap.add_argument("--step-rows", type=row_counts, default=[], help="also the step cost at these row counts (e.g. 1,5,8,12,17)")
     ap.add_argument("--no-amx-copies", action="store_true",
                     help="each config twice: also an engine whose products stay off AMX tiles (kernels/amx.c)")
     args = ap.parse_args()
@@ -191,7 +202,7 @@ def main() -> int:
                   flush=True)
         if args.step_rows:  # a step of T rows against one of 1 row, tiles and VPDPBUSD interleaved per T
             table = result["steps"].setdefault("by rows", {})
-            for T in (int(x) for x in args.step_rows.split(",")):
+            for T in args.step_rows:
                 for amx in (1, 0)[: 1 + args.no_amx_copies]:
                     cpu_kernels.set_amx(cpu_kernels.amx_min_rows() if amx else 0)
                     key = f"{quant}{'' if amx else ' ' + NO_AMX}"
