@@ -2,7 +2,7 @@
  * up to 16 rows: verification blocks, batched decoding, prefill.
  *
  * Why: past a few rows a product of int8 / int4 weights is compute-bound on VPDPBUSD (a 1.5B
- * target: 8 rows ~1.9x a 1-row step, 17 rows ~2.9x on 2 cores). One TDPBSSD / TDPBSUD multiplies
+ * target: 8 rows ~1.8x a 1-row step, 17 rows ~2.8x on 2 Xeon cores). One TDPBSSD / TDPBSUD multiplies
  * a [rows x 32] tile of activation bytes by a [32 x 16] tile of weight bytes into [rows x 16] int32
  * sums: a group's products for every row in one instruction.
  *
