@@ -130,6 +130,11 @@ def engines(quant: str, k: int, configs: list[str], cross_ks: list[int] = (), cr
     return out
 
 
+def tiles(on: bool) -> bool:
+    """Products on AMX tiles (from DRAFTWISE_AMX's row count) or kept on VPDPBUSD; whether the tiles exist."""
+    return cpu_kernels.set_amx(cpu_kernels.amx_min_rows() if on else 0)
+
+
 def row_counts(text: str) -> list[int]:
     """--step-rows: comma-separated row counts >= 1."""
     try:
@@ -176,6 +181,8 @@ def main() -> int:
         CLOCK, args.threads = time.process_time, 1
     torch.set_num_threads(args.threads)
     print(f"load at start: {os.getloadavg()}  threads {args.threads}", flush=True)
+    if args.no_amx_copies and not tiles(True):
+        print("no AMX tiles on this CPU (or build): the [no AMX] copies run the same products", flush=True)
     result = {"tokens": args.tokens, "k": args.k, "threads": args.threads, "clock": args.clock, "steps": {},
               "decode": {}, "prefill": {}}
     llms = {}
@@ -193,9 +200,9 @@ def main() -> int:
                                   "ratio": round(tk / t1, 3)}
         print(f"{quant}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)", flush=True)
         if args.no_amx_copies:  # the same steps with the products off the tiles
-            cpu_kernels.set_amx(0)
+            tiles(False)
             t1, tk = step_ms(runner, ctx, 1), step_ms(runner, ctx, args.k + 1)
-            cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
+            tiles(True)
             result["steps"][f"{quant} {NO_AMX}"] = {"1 row ms": round(t1, 2), f"{args.k + 1} rows ms": round(tk, 2),
                                                    "ratio": round(tk / t1, 3)}
             print(f"{quant} {NO_AMX}: target step 1 row {t1:.1f} ms, {args.k + 1} rows {tk:.1f} ms ({tk / t1:.2f}x)",
@@ -204,23 +211,23 @@ def main() -> int:
             table = result["steps"].setdefault("by rows", {})
             for T in args.step_rows:
                 for amx in (1, 0)[: 1 + args.no_amx_copies]:
-                    cpu_kernels.set_amx(cpu_kernels.amx_min_rows() if amx else 0)
+                    tiles(amx)
                     key = f"{quant}{'' if amx else ' ' + NO_AMX}"
                     table.setdefault(key, {})[T] = round(step_ms(runner, ctx, T), 2)
                     print(f"{key}: {T} rows {table[key][T]:.1f} ms ({table[key][T] / table[key][1]:.2f}x 1 row)"
                           if 1 in table[key] else f"{key}: {T} rows {table[key][T]:.1f} ms", flush=True)
-            cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
+            tiles(True)
         if args.steps_only:
             continue
         long_ids = chat_ids(TARGET, plain.tokenizer, LONG_PROMPT)
         decode(plain, chat_ids(TARGET, plain.tokenizer, PROMPTS[1]), 2)  # warm-up (another prompt: no prefix
         _, _, _, ttft = decode(plain, long_ids, 2)                        # cached for the one measured)
         if args.no_amx_copies:
-            cpu_kernels.set_amx(0)
+            tiles(False)
             twin = llms[f"{quant} plain {NO_AMX}"]
             decode(twin, chat_ids(TARGET, twin.tokenizer, PROMPTS[1]), 2)  # (its own warm-up)
             _, _, _, t0 = decode(twin, long_ids, 2)
-            cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
+            tiles(True)
             result["prefill"][f"{quant} {NO_AMX}"] = {"prompt tokens": len(long_ids), "seconds": round(t0, 3),
                                                      "tokens/s": round(len(long_ids) / t0, 1)}
             print(f"{quant} {NO_AMX}: prefill {len(long_ids)} tokens in {t0:.2f} s ({len(long_ids) / t0:.1f} tok/s)",
@@ -242,14 +249,14 @@ def main() -> int:
     texts = {label: [] for label in llms}
     for r in range(args.rounds):
         for label, llm in llms.items():
-            cpu_kernels.set_amx(0 if label.endswith(NO_AMX) else cpu_kernels.amx_min_rows())
+            tiles(not label.endswith(NO_AMX))
             for ids in prompts:
                 out, n, t, _ = decode(llm, ids, args.tokens)
                 sums[label][0] += n
                 sums[label][1] += t
                 if r == 0:
                     texts[label].append(out)
-    cpu_kernels.set_amx(cpu_kernels.amx_min_rows())
+    tiles(True)
     for label in llms:
         quant = label.split()[0]
         rate = sums[label][0] / sums[label][1]

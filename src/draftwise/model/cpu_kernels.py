@@ -197,8 +197,7 @@ class Kernels:
             setattr(self, name[3:], fn)
         self.path = path
         rows = amx_min_rows()
-        self.amx = bool(self.amx_enable(rows))  # whether this build and CPU have the tiles
-        self.amx_rows = rows if self.amx else 0  # products of this many rows and more use them
+        self.amx_rows = rows if self.amx_enable(rows) else 0  # products of this many rows and more use tiles
 
 
 # Products of at least this many rows run on AMX tiles where the CPU has them (kernels/amx.c); a
@@ -222,9 +221,9 @@ def set_amx(min_rows: int) -> bool:
     k = kernels()
     if k is None:
         return False
-    k.amx = bool(k.amx_enable(min_rows))
-    k.amx_rows = min_rows if k.amx else 0
-    return k.amx
+    granted = bool(k.amx_enable(min_rows))
+    k.amx_rows = min_rows if granted else 0
+    return granted
 
 
 def amx_rows() -> int:

@@ -88,32 +88,21 @@ static inline void split_nibbles(const uint8_t *w, uint8_t *b) {
  * renamed: groups g + 2, g + 3 take sum tiles 6, 7 while 0, 1 are still being stored (the
  * activation and weight tiles are read by then), so one pair's stores overlap the next pair's
  * products. XQ(t) is group t's first activation byte, B(t) its weight tile. */
+#define TILE_ONE(DP, CT, AT, BT, XQ, STRIDE, B)                                 \
+    do {                                                                        \
+        _tile_zero(CT);                                                         \
+        _tile_loadd(AT, (XQ), (STRIDE));                                        \
+        _tile_loadd(BT, (B), 64);                                               \
+        DP(CT, AT, BT);                                                         \
+    } while (0)
 #define TILE_GROUPS(DP, n, XQ, STRIDE, B, C)                                    \
     do {                                                                        \
-        _tile_zero(0);                                                          \
-        _tile_loadd(2, XQ(0), (STRIDE));                                        \
-        _tile_loadd(4, B(0), 64);                                               \
-        DP(0, 2, 4);                                                            \
-        if ((n) > 1) {                                                          \
-            _tile_zero(1);                                                      \
-            _tile_loadd(3, XQ(1), (STRIDE));                                    \
-            _tile_loadd(5, B(1), 64);                                           \
-            DP(1, 3, 5);                                                        \
-        }                                                                       \
+        TILE_ONE(DP, 0, 2, 4, XQ(0), STRIDE, B(0));                             \
+        if ((n) > 1) TILE_ONE(DP, 1, 3, 5, XQ(1), STRIDE, B(1));                \
         _tile_stored(0, (C)[0], 64);                                            \
         if ((n) > 1) _tile_stored(1, (C)[1], 64);                               \
-        if ((n) > 2) {                                                          \
-            _tile_zero(6);                                                      \
-            _tile_loadd(2, XQ(2), (STRIDE));                                    \
-            _tile_loadd(4, B(2), 64);                                           \
-            DP(6, 2, 4);                                                        \
-        }                                                                       \
-        if ((n) > 3) {                                                          \
-            _tile_zero(7);                                                      \
-            _tile_loadd(3, XQ(3), (STRIDE));                                    \
-            _tile_loadd(5, B(3), 64);                                           \
-            DP(7, 3, 5);                                                        \
-        }                                                                       \
+        if ((n) > 2) TILE_ONE(DP, 6, 2, 4, XQ(2), STRIDE, B(2));                \
+        if ((n) > 3) TILE_ONE(DP, 7, 3, 5, XQ(3), STRIDE, B(3));                \
         if ((n) > 2) _tile_stored(6, (C)[2], 64);                               \
         if ((n) > 3) _tile_stored(7, (C)[3], 64);                               \
     } while (0)

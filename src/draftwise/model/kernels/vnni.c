@@ -324,22 +324,26 @@ static void a8_product(int kind, const void *x, const void *w, const void *scale
     }
     DW_SHARES(nt, t, {
         long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        for (long ob = b0; ob < b1 && amx; ob++) {
-            if (kind == 8)
-                AMX_ROWS(dw_amx_q8g_block(xq, xs, (const int8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
-            else if (kind == 44)
-                AMX_ROWS(dw_amx_q4k_block(xq, xs, bs, kx, (const uint8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
-            else
-                AMX_ROWS(dw_amx_q4_block(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
-        }
-        if (amx) dw_amx_release();
-        for (long ob = b0; ob < b1 && !amx; ob++) {
-            if (kind == 8) {
-                A8_ROWS(Q8G_CALL)
-            } else if (kind == 44) {
-                A8_ROWS(Q4K_CALL)
-            } else {
-                A8_ROWS(Q4_CALL)
+        if (amx) {
+            for (long ob = b0; ob < b1; ob++) {
+                if (kind == 8)
+                    AMX_ROWS(dw_amx_q8g_block(xq, xs, (const int8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
+                else if (kind == 44)
+                    AMX_ROWS(dw_amx_q4k_block(xq, xs, bs, kx, (const uint8_t *)w, scale, bias, out, r0, M, ob, O, N,
+                                              obf))
+                else
+                    AMX_ROWS(dw_amx_q4_block(xq, xs, xsum, (const uint8_t *)w, scale, bias, out, r0, M, ob, O, N, obf))
+            }
+            dw_amx_release();
+        } else {
+            for (long ob = b0; ob < b1; ob++) {
+                if (kind == 8) {
+                    A8_ROWS(Q8G_CALL)
+                } else if (kind == 44) {
+                    A8_ROWS(Q4K_CALL)
+                } else {
+                    A8_ROWS(Q4_CALL)
+                }
             }
         }
     });
