@@ -54,9 +54,9 @@ class OracleDSpark(DSparkProposer):
         return blocks
 
 
-def make_dspark_dir(path, target_dir, block_size=5, seed=0):
+def make_dspark_dir(path, target_dir, block_size=5, seed=0, markov_head_type="vanilla"):
     lm = load_model(target_dir, fuse=False, load_tokenizer=False)
-    d = build_drafter(lm.config, lm.model, block_size, 8, [0, 1], seed)
+    d = build_drafter(lm.config, lm.model, block_size, 8, [0, 1], seed, markov_head_type=markov_head_type)
     with torch.no_grad():  # a trained Markov head, mask vector and fc_in are not what they start as
         d.markov.w2.weight.normal_(0, 0.5)
         d.mask_embedding.normal_(0, 1.0)
@@ -193,16 +193,18 @@ def test_q_is_the_markov_heads_conditional_on_the_drafted_token(target_dir, dspa
                                 last[:, None])[0, 0]
         base = d.head(hidden)  # [gamma, V]
         prev = [anchor] + block.token_ids
+        state = d.markov.init_state(torch.tensor([anchor]))
         for k in range(4):
-            step = d.step_logits(base[k : k + 1], torch.tensor([prev[k]]))
+            state, bias = d.markov.step(state, torch.tensor([prev[k]]), hidden[k : k + 1])
+            step = base[k : k + 1] + bias
             q = torch.softmax(process_logits(step, [sp], [seq.prompt_ids], [seq.output_ids + block.token_ids[:k]]), -1)
             assert torch.allclose(block.probs[k], q[0], atol=1e-6)
             assert block.probs[k, block.token_ids[k]] > 0
             c = torch.sigmoid(d.confidence_logit(hidden[k : k + 1], torch.tensor([prev[k]])))
             assert abs(block.confidence[k] - float(c)) < 1e-6
     # the Markov head makes q_2 depend on x_1: another x_1 gives another q_2
-    other = d.step_logits(base[1:2], torch.tensor([(prev[1] + 1) % eng.vocab_size]))
-    assert not torch.allclose(other, d.step_logits(base[1:2], torch.tensor([prev[1]])))
+    bias = lambda x: d.markov.step(None, torch.tensor([x]), hidden[1:2])[1]  # noqa: E731 (vanilla: no state)
+    assert not torch.allclose(bias((prev[1] + 1) % eng.vocab_size), bias(prev[1]))
 
 
 def test_batched_blocks_equal_the_uncached_reference(target_dir, dspark_dir, plain):

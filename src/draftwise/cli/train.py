@@ -85,6 +85,7 @@ def add_parser(subparsers):
 
 
 def _add_dspark_args(p) -> None:
+    from ..model.dspark_heads import HEAD_TYPES
     from ..train.dspark import DSPARK_DEFAULTS as S
     from ..train.eagle3 import EAGLE3_DEFAULTS as E
 
@@ -92,6 +93,10 @@ def _add_dspark_args(p) -> None:
                    help="dspark: gamma, the tokens one drafter forward proposes (default 5)")
     p.add_argument("--markov-rank", type=int, default=None,
                    help="dspark: rank of the Markov head's transition bias (default: hidden/4, at most 256)")
+    p.add_argument("--markov-head", choices=list(HEAD_TYPES), default="vanilla",
+                   help="dspark: the sequential stage: vanilla (a bias from the token drafted before), gated (that "
+                        "bias gated by the backbone's state) or rnn (a recurrent state over the block's drafted "
+                        "tokens) (default vanilla)")
     p.add_argument("--feature-layers", help="dspark, eagle3: the target's layers whose outputs the drafter reads, "
                                             "comma-separated, 0-based (default: 1, L/2, L-2, L-1)")
     p.add_argument("--backbone-layers", type=positive_int, default=1,
@@ -205,7 +210,8 @@ def _train_dspark(args) -> None:
         train_dspark(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                      ckpt_dir=args.ckpt_dir or "checkpoints/dspark", resume=args.resume, block_size=args.block_size,
                      markov_rank=args.markov_rank, feature_layers=layers, num_layers=args.backbone_layers,
-                     from_target_layer=args.backbone_init == "target", overrides=overrides, log=_log,
+                     from_target_layer=args.backbone_init == "target", markov_head_type=args.markov_head,
+                     overrides=overrides, log=_log,
                      progress=args.progress)
     except ValueError as e:  # a config the target cannot serve (feature layers, rank)
         raise UserError(str(e)) from None

@@ -12,10 +12,11 @@ head, a confidence head.
   With `anchor_feature` (EAGLE's input) each row's input is fc_in([f_{a-1} ; its embedding]), f_{a-1}
   the fused feature of the last position before the anchor: row 1 then predicts x_{a+1} from the
   target's features of a-1 and the token x_a, as an EAGLE head does.
-- **Sequential stage.** The Markov head adds a low-rank transition bias B(x_{k-1}, .) = W1[x_{k-1}]
-  W2 (rank r) to U_k, drawn left to right: q_k = softmax(U_k + B(x_{k-1})) depends on the token
-  actually drafted before it (x_0 = the anchor), so a block is a left-to-right distribution
-  q(x_1..x_gamma) = prod_k q_k(x_k | x_{k-1}) and verification against it stays exact.
+- **Sequential stage.** A head (model/dspark_heads.py: vanilla, gated or rnn) adds a low-rank
+  bias to U_k, drawn left to right: q_k = softmax(U_k + B_k) depends on the tokens actually drafted
+  before it (the vanilla Markov head: B(x_{k-1}, .) = W1[x_{k-1}] W2; x_0 = the anchor), so a block
+  is a left-to-right distribution q(x_1..x_gamma) = prod_k q_k(x_k | x_<k) and verification
+  against it stays exact.
 - **Confidence head.** c_k = sigmoid((w . [h_k ; W1[x_{k-1}]] + b) / T_k), trained to the acceptance
   probability 1 - TV(q_k, p_k) of position k (train/dspark.py) with T_k = 1; the temperatures T_k
   (`confidence_temperatures`, Sequential Temperature Scaling: train/dspark_calibration.py) are
@@ -37,35 +38,13 @@ import torch.nn.functional as F
 from .attention import sdpa
 from .drafter_io import load_drafter_weights, save_drafter
 from .drafter_rope import RopeTable
+from .dspark_heads import make_head
 from .dspark_config import DSparkConfig
 from .llama import RMSNorm, apply_rope
 from .packed_weights import PackedLinear
 
 # a context position that no anchor sees: padding of ragged rows
 HIDDEN_POSITION = 1 << 40
-
-
-class MarkovHead(nn.Module):
-    """B(x, .) = W1[x] W2: a rank-r bigram bias on the vocabulary. W2 starts at zero, so a fresh
-    head leaves the backbone's logits unchanged."""
-
-    def __init__(self, vocab_size: int, rank: int):
-        super().__init__()
-        self.w1 = nn.Embedding(vocab_size, rank)
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)
-        nn.init.normal_(self.w1.weight, std=rank ** -0.5)
-        nn.init.zeros_(self.w2.weight)
-
-        self.packed: dict[str, PackedLinear] = {}  # `prepare`: W2 for the CPU kernels (not in the state dict)
-
-    def prepare(self) -> None:
-        self.packed = {"w2": PackedLinear.of(self.w2)}
-
-    def prev(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., r]
-        return self.w1(ids)
-
-    def bias(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., V]
-        return self.packed.get("w2", self.w2)(self.w1(ids))
 
 
 class BlockLayer(nn.Module):
@@ -157,7 +136,8 @@ class DSparkDrafter(nn.Module):
                 self.fc_in.weight.copy_(torch.eye(h).repeat(1, 2))
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.markov = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        self.markov = (make_head(cfg.markov_head_type, cfg.vocab_size, cfg.markov_rank, h)
+                       if cfg.markov_rank > 0 else None)
         self.confidence = nn.Linear(h + cfg.markov_rank, 1)
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
@@ -227,10 +207,6 @@ class DSparkDrafter(nn.Module):
         return self.norm(x).view(B, N, g, -1)
 
     # -- the sequential stage -----------------------------------------------------------------
-    def step_logits(self, base: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """U_k [..., V] + B(x_{k-1}, .) for prev_ids [...]."""
-        return base if self.markov is None else base + self.markov.bias(prev_ids).float()
-
     def confidence_logit(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:  # [...]
         feats = hidden if self.markov is None else torch.cat((hidden, self.markov.prev(prev_ids).to(hidden.dtype)), -1)
         return self.confidence(feats).squeeze(-1).float()
@@ -243,17 +219,24 @@ class DSparkDrafter(nn.Module):
     def teacher_forced(self, hidden: torch.Tensor, prev_ids: torch.Tensor):
         """Training: hidden [B, N, gamma, H], prev_ids [B, N, gamma] (the anchor, then the true
         tokens) -> logits [B, N, gamma, V] float32, confidence logits [B, N, gamma] (before T_k)."""
-        return self.step_logits(self.head(hidden), prev_ids), self.confidence_logit(hidden, prev_ids)
+        logits = self.head(hidden)
+        if self.markov is not None:
+            logits = logits + self.markov.block(prev_ids, hidden)
+        return logits, self.confidence_logit(hidden, prev_ids)
 
     def draw(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
              choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> DraftedBlock:
         """Draft left to right: hidden [B, gamma, H], anchor_ids [B]. `choose(k, logits [B, V])` picks
-        x_k (default: the argmax); position k+1's Markov bias and confidence read that choice."""
+        x_k (default: the argmax); position k+1's head bias and confidence read that choice."""
         base = self.head(hidden)  # [B, gamma, V]: one head call for the block
         choose = choose or (lambda k, logits: logits.argmax(-1))
         prev, tokens, logits, conf = anchor_ids, [], [], []
+        state = self.markov.init_state(anchor_ids) if self.markov is not None else None
         for k in range(hidden.shape[1]):
-            step = self.step_logits(base[:, k], prev)
+            step = base[:, k]
+            if self.markov is not None:
+                state, bias = self.markov.step(state, prev, hidden[:, k])
+                step = step + bias
             conf.append(torch.sigmoid(self.confidence_logit(hidden[:, k], prev) / self.confidence_temperature(k)))
             prev = choose(k, step)
             tokens.append(prev)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig, ModelLoadError
+from .dspark_heads import HEAD_TYPES
 
 ARCHITECTURE = "DSparkDrafter"
 
@@ -74,6 +75,7 @@ class DSparkConfig:
     target_feature_layers: list[int]
     block_size: int = 5  # gamma: tokens drafted by one forward
     markov_rank: int = 96
+    markov_head_type: str = "vanilla"  # the sequential stage: vanilla, gated or rnn (model/dspark_heads.py)
     num_hidden_layers: int = 1
     # each block row's input is fc_in([fused feature of position a-1 ; the row's embedding]) (EAGLE's
     # input), not its embedding alone; False: directories written before this field
@@ -93,12 +95,13 @@ class DSparkConfig:
     @staticmethod
     def for_target(tcfg: ModelConfig, block_size: int = 5, markov_rank: int | None = None,
                    feature_layers: list[int] | None = None, num_layers: int = 1, target: str = "",
-                   anchor_feature: bool = True) -> "DSparkConfig":
+                   anchor_feature: bool = True, markov_head_type: str = "vanilla") -> "DSparkConfig":
         """A drafter shaped after one of the target's layers (its heads, its MLP width)."""
         return DSparkConfig(
             vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
             target_feature_layers=list(feature_layers or default_feature_layers(tcfg.num_hidden_layers)),
             block_size=block_size, markov_rank=markov_rank or default_markov_rank(tcfg.hidden_size),
+            markov_head_type=markov_head_type,
             num_hidden_layers=num_layers, anchor_feature=anchor_feature, num_attention_heads=tcfg.num_attention_heads,
             num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
             intermediate_size=tcfg.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
@@ -112,6 +115,9 @@ class DSparkConfig:
         if self.block_size < 1 or self.markov_rank < 0 or self.num_hidden_layers < 1:
             raise ModelLoadError("config.json: 'block_size' and 'num_hidden_layers' must be >= 1, "
                                  "'markov_rank' >= 0")
+        if self.markov_head_type not in HEAD_TYPES:
+            raise ModelLoadError(f"config.json 'markov_head_type': one of {', '.join(HEAD_TYPES)}, "
+                                 f"got {self.markov_head_type!r}")
         if not isinstance(self.anchor_feature, bool):
             raise ModelLoadError(f"config.json 'anchor_feature': true or false, got {self.anchor_feature!r}")
         temps = self.confidence_temperatures

@@ -98,13 +98,13 @@ def val_loss(drafter, target, windows: torch.Tensor, anchors: int, decay: float)
 
 def build_drafter(tcfg, target_model, block_size: int, markov_rank: int | None, feature_layers, seed: int,
                   target: str = "", from_target_layer: bool = True, num_layers: int = 1,
-                  anchor_feature: bool = True) -> DSparkDrafter:
+                  anchor_feature: bool = True, markov_head_type: str = "vanilla") -> DSparkDrafter:
     """A fresh drafter; its final norm starts as the target's (both feed the same LM head), and with
     `from_target_layer` its layers as `init_from_target_layer` says."""
     torch.manual_seed(seed)
     cfg = DSparkConfig.for_target(tcfg, block_size=block_size, markov_rank=markov_rank,
                                   feature_layers=feature_layers, num_layers=num_layers, target=target,
-                                  anchor_feature=anchor_feature).check(tcfg)
+                                  anchor_feature=anchor_feature, markov_head_type=markov_head_type).check(tcfg)
     drafter = DSparkDrafter(cfg)
     for m in drafter.modules():
         if isinstance(m, torch.nn.Linear) and m is not drafter.confidence and m is not drafter.fc_in:
@@ -149,7 +149,8 @@ def init_from_target_layer(drafter: DSparkDrafter, target_model) -> bool:
 def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/dspark", resume=False,
                  block_size: int = 5, markov_rank: int | None = None, feature_layers: list[int] | None = None,
                  decay: float | None = None, num_layers: int = 1, anchor_feature: bool = True,
-                 from_target_layer: bool = True, overrides=None, log=None, progress: bool | None = None) -> dict:
+                 from_target_layer: bool = True, markov_head_type: str = "vanilla", overrides=None, log=None,
+                 progress: bool | None = None) -> dict:
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
@@ -158,7 +159,8 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     target = loaded.model.eval().requires_grad_(False)
     drafter = build_drafter(loaded.config, target, block_size, markov_rank, feature_layers, hp["seed"],
                             target=os.path.relpath(target_dir.resolve(), out.resolve()), num_layers=num_layers,
-                            anchor_feature=anchor_feature, from_target_layer=from_target_layer)  # (checks the config first)
+                            anchor_feature=anchor_feature, from_target_layer=from_target_layer,
+                            markov_head_type=markov_head_type)  # (checks the config first)
     split = corpus.split()
     streams = load_streams(loaded.tokenizer, split, ckpt_dir)
     decay = float(decay or block_size)
@@ -177,7 +179,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     summary.update(role="dspark", target=str(target_dir), history=trainer.history, peak_rss_mb=round(peak_rss_mb()),
                    trainable_parameters=sum(p.numel() for p in drafter.parameters()),
                    objective=f"0.1 CE + 0.9 TV + 1.0 BCE(c, 1 - TV), position weights exp(-(k-1)/{decay:g})",
-                   anchors_per_window=hp["anchors"], backbone_init="target" if from_target_layer else "random",
+                   anchors_per_window=hp["anchors"], markov_head_type=markov_head_type, backbone_init="target" if from_target_layer else "random",
                    corpus=corpus_stats(split, streams),
                    held_out=block_acceptance(drafter, target, held_out, EVAL_ANCHORS))
     # Sequential Temperature Scaling: fitted on the held-out windows above, tested on the next ones
