@@ -95,8 +95,9 @@ def _add_dspark_args(p) -> None:
                    help="dspark: rank of the Markov head's transition bias (default: hidden/4, at most 256)")
     p.add_argument("--markov-head", choices=list(HEAD_TYPES), default="vanilla",
                    help="dspark: the sequential stage: vanilla (a bias from the token drafted before), gated (that "
-                        "bias gated by the backbone's state) or rnn (a recurrent state over the block's drafted "
-                        "tokens) (default vanilla)")
+                        "bias gated by the backbone's state), rnn (a recurrent state over the block's drafted "
+                        "tokens) or mlp (the vanilla bias, and h_k moved by an MLP of [h_k ; the embedding of the "
+                        "token drafted before] ahead of the target's head) (default vanilla)")
     p.add_argument("--feature-layers", help="dspark, eagle3: the target's layers whose outputs the drafter reads, "
                                             "comma-separated, 0-based (default: 1, L/2, L-2, L-1)")
     p.add_argument("--backbone-layers", type=positive_int, default=1,

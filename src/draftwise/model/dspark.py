@@ -219,6 +219,8 @@ class DSparkDrafter(nn.Module):
     def teacher_forced(self, hidden: torch.Tensor, prev_ids: torch.Tensor):
         """Training: hidden [B, N, gamma, H], prev_ids [B, N, gamma] (the anchor, then the true
         tokens) -> logits [B, N, gamma, V] float32, confidence logits [B, N, gamma] (before T_k)."""
+        if self.markov is not None and self.markov.adjusts_hidden:
+            hidden = self.markov.adjust(hidden, self.embed(prev_ids))
         logits = self.head(hidden)
         if self.markov is not None:
             logits = logits + self.markov.block(prev_ids, hidden)
@@ -228,16 +230,18 @@ class DSparkDrafter(nn.Module):
              choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> DraftedBlock:
         """Draft left to right: hidden [B, gamma, H], anchor_ids [B]. `choose(k, logits [B, V])` picks
         x_k (default: the argmax); position k+1's head bias and confidence read that choice."""
-        base = self.head(hidden)  # [B, gamma, V]: one head call for the block
+        per_step = self.markov is not None and self.markov.adjusts_hidden  # the head reads h'_k, one call a position
+        base = None if per_step else self.head(hidden)  # [B, gamma, V]: one head call for the block
         choose = choose or (lambda k, logits: logits.argmax(-1))
         prev, tokens, logits, conf = anchor_ids, [], [], []
         state = self.markov.init_state(anchor_ids) if self.markov is not None else None
         for k in range(hidden.shape[1]):
-            step = base[:, k]
+            h = self.markov.adjust(hidden[:, k], self.embed(prev)) if per_step else hidden[:, k]
+            step = self.head(h) if per_step else base[:, k]
             if self.markov is not None:
-                state, bias = self.markov.step(state, prev, hidden[:, k])
+                state, bias = self.markov.step(state, prev, h)
                 step = step + bias
-            conf.append(torch.sigmoid(self.confidence_logit(hidden[:, k], prev) / self.confidence_temperature(k)))
+            conf.append(torch.sigmoid(self.confidence_logit(h, prev) / self.confidence_temperature(k)))
             prev = choose(k, step)
             tokens.append(prev)
             logits.append(step)

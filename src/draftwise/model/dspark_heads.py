@@ -1,6 +1,6 @@
 """DSpark's sequential stage: the head that makes position k's distribution depend on the token
-drafted before it (model/dspark.py). Three kinds (`DSparkConfig.markov_head_type`), all a rank-r
-bias on the vocabulary, B = W2 z_k, added to the backbone's base logits U_k:
+drafted before it (model/dspark.py). Four kinds (`DSparkConfig.markov_head_type`), all a rank-r
+bias on the vocabulary, B = W2 z_k, added to the backbone's base logits U_k (mlp also moves h_k):
 
 - **vanilla**: z_k = W1[x_{k-1}], a bigram bias (the paper's Markov head).
 - **gated**: z_k = sigmoid(Wg [h_k ; W1[x_{k-1}]]) * W1[x_{k-1}]: the backbone's hidden state h_k
@@ -9,6 +9,11 @@ bias on the vocabulary, B = W2 z_k, added to the backbone's base logits U_k:
   linear map gives a gate g, a candidate c and an output o; s_k = g s_{k-1} + (1 - g) tanh(c),
   z_k = tanh(o). Position k then reads every token drafted before it in its block, not only the
   last one, and reads it together with h_k.
+- **mlp**: the vanilla bias, and before the LM head the hidden state itself moves: h'_k = h_k +
+  MLP([h_k ; E[x_{k-1}]]) (E the target's embedding, a SwiGLU of the target's width, its output
+  projection starting at zero), so the token drafted before reaches the logits through the
+  target's full-rank head, not only a rank-r bias. The price: drawing calls the head once per
+  position (the others once per block).
 
 Each is a left-to-right conditional q_k(. | x_1..x_{k-1}), so a drafted block is a sequential
 distribution and verification against it stays exact. W2 starts at zero: a fresh head leaves the
@@ -19,16 +24,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .packed_weights import PackedLinear
 
-HEAD_TYPES = ("vanilla", "gated", "rnn")
+HEAD_TYPES = ("vanilla", "gated", "rnn", "mlp")
 
 
 class MarkovHead(nn.Module):
     """The vanilla head; `GatedMarkovHead` and `RNNHead` change how z_k is made (`_latent`)."""
 
     kind = "vanilla"
+    adjusts_hidden = False  # `adjust` moves h_k before the LM head (mlp)
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int):
         super().__init__()
@@ -47,6 +54,10 @@ class MarkovHead(nn.Module):
 
     def project(self, z: torch.Tensor) -> torch.Tensor:  # [..., r] -> [..., V]
         return self.packed.get("w2", self.w2)(z)
+
+    def adjust(self, hidden: torch.Tensor, prev_embedding: torch.Tensor) -> torch.Tensor:
+        """h_k [..., H], E[x_{k-1}] [..., H] -> the hidden state the LM head reads."""
+        return hidden
 
     def init_state(self, ids: torch.Tensor):
         """The state before a block's first position (rows `ids` [...]): none for a memoryless head."""
@@ -105,8 +116,23 @@ class RNNHead(MarkovHead):
         return gate * state + (1 - gate) * torch.tanh(cand), torch.tanh(out)
 
 
+class MLPHead(MarkovHead):
+    kind = "mlp"
+    adjusts_hidden = True
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank, hidden_size)
+        self.gate_up = nn.Linear(2 * hidden_size, 2 * hidden_size, bias=False)
+        self.down = nn.Linear(hidden_size, hidden_size, bias=False)
+        nn.init.zeros_(self.down.weight)
+
+    def adjust(self, hidden, prev_embedding):
+        gate, up = self.gate_up(torch.cat((hidden, prev_embedding.to(hidden.dtype)), -1)).chunk(2, -1)
+        return hidden + self.down(F.silu(gate) * up)
+
+
 def make_head(kind: str, vocab_size: int, rank: int, hidden_size: int) -> MarkovHead:
-    cls = {h.kind: h for h in (MarkovHead, GatedMarkovHead, RNNHead)}.get(kind)
+    cls = {h.kind: h for h in (MarkovHead, GatedMarkovHead, RNNHead, MLPHead)}.get(kind)
     if cls is None:
         raise ValueError(f"markov head type {kind!r}: one of {', '.join(HEAD_TYPES)}")
     return cls(vocab_size, rank, hidden_size)
