@@ -161,3 +161,33 @@ def test_cli_train_dspark_passes_anchors_and_backbone_init(tmp_path, target_dir,
     with pytest.raises(SystemExit):
         main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
               "--backbone-init", "copy"])
+
+
+def test_causal_blocks_first_rows_alone_and_their_loss(tiny, tmp_path):
+    """A causal block's first rows alone equal the same rows of the whole block (a row reads the
+    block's rows up to its own); a bidirectional block refuses. `first_anchors` adds first-row blocks
+    to the loss, and a few steps with them lower it."""
+    from draftwise.train.dspark_blocks import block_forward
+
+    loaded, target, stream = tiny
+    drafter = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0, 1], seed=0,
+                            causal_block=True)
+    ids = Batches(stream, 2, 32, seed=3).get(0)
+    a = sample_anchors(2, ids.shape[1], 6, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole, first = block_forward(drafter, target, ids, a, a)
+    assert first[0].shape[2] == 1 and whole[0].shape[2] == 3
+    for w, f in zip(whole, first):
+        assert torch.allclose(w[:, :, :1].float(), f.float(), atol=1e-5)
+    bidirectional = build_drafter(loaded.config, target, block_size=3, markov_rank=8, feature_layers=[0, 1], seed=0)
+    with pytest.raises(ValueError, match="causal block"):
+        block_forward(bidirectional, target, ids, a, a)
+    with torch.no_grad():  # a bidirectional block's first row reads the mask rows after it
+        assert not torch.allclose(block_forward(bidirectional, target, ids, a)[0][:, :, 0], whole[0][:, :, 0])
+    val = Batches(stream, 4, 32, seed=7).get(0)
+    before = val_loss(drafter, target, val, anchors=8, decay=3.0)
+    cfg = TrainConfig(ckpt_dir=str(tmp_path / "ck"), batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2,
+                      max_tokens=4 * 32 * 60, autocast=False)
+    loss_fn = dspark_loss_fn(target, 8, 3.0, first_anchors=16)
+    Trainer(drafter, Batches(stream, 4, 32), cfg, loss_fn=loss_fn, log=lambda m: None).run(stop_after=30)
+    assert val_loss(drafter, target, val, anchors=8, decay=3.0) < 0.8 * before

@@ -105,6 +105,10 @@ def _add_dspark_args(p) -> None:
     p.add_argument("--anchors", type=positive_int, default=S["anchors"],
                    help=f"dspark: blocks drawn per training window (default {S['anchors']}; batch 4 x 256 tokens, "
                         f"lr {S['lr']:g}, warm-up {S['warmup_steps']} unless set)")
+    p.add_argument("--first-anchors", type=int, default=S["first_anchors"],
+                   help="dspark: this many more anchors per training window whose blocks are their first row alone "
+                        "(the drafter's blocks are then causal: a row reads the block's rows up to its own) "
+                        f"(default {S['first_anchors']})")
     p.add_argument("--backbone-init", choices=["target", "random"], default="target",
                    help="dspark: start the backbone as the target's layers after the highest feature layer, or at "
                         "random (std 0.02) (default target)")
@@ -207,6 +211,9 @@ def _train_dspark(args) -> None:
     layers = _feature_layers(args)
     overrides = {k: v for k, v in _overrides(args).items() if k != "shape"}
     overrides["anchors"] = args.anchors
+    if args.first_anchors < 0:
+        raise UserError(f"--first-anchors must be >= 0, got {args.first_anchors}")
+    overrides["first_anchors"] = args.first_anchors
     try:
         train_dspark(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                      ckpt_dir=args.ckpt_dir or "checkpoints/dspark", resume=args.resume, block_size=args.block_size,

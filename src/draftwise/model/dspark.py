@@ -9,6 +9,9 @@ head, a confidence head.
   whose rows attend the context before the anchor and the whole block (bidirectionally), gives
   the hidden states h_1..h_gamma and the base logits U_k through the target's LM head; the anchor's
   embedding is the target's. Both are shared and frozen: they are not the drafter's parameters.
+  With `causal_block` a row attends the block's rows up to its own only: the mask rows after it
+  carry nothing but their positions, and its value then does not depend on the block's length, so
+  training can add rows at position 1 alone at many more anchors (train/dspark_blocks.py).
   With `anchor_feature` (EAGLE's input) each row's input is fc_in([f_{a-1} ; its embedding]), f_{a-1}
   the fused feature of the last position before the anchor: row 1 then predicts x_{a+1} from the
   target's features of a-1 and the token x_a, as an EAGLE head does.
@@ -182,12 +185,16 @@ class DSparkDrafter(nn.Module):
         return [layer.kv(fused, cos, sin) for layer in self.layers]
 
     def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv, ctx_pos: torch.Tensor,
-                     last: torch.Tensor | None = None):
+                     last: torch.Tensor | None = None, rows: int | None = None):
         """anchor_ids, anchor_pos [B, N]; ctx_kv from `context_kv`; ctx_pos [B, S] (HIDDEN_POSITION:
         padding); last [B, N, H] the fused feature of position anchor - 1 (`cfg.anchor_feature` only)
-        -> h [B, N, gamma, H]. Block n's rows see the context before its anchor and block n."""
+        -> h [B, N, gamma, H]. Block n's rows see the context before its anchor and block n (with
+        `causal_block`, the rows of block n up to their own). `rows` < gamma: the first rows of each
+        block only, the same values as in a whole block (a causal block's rows do not read later ones)."""
         B, N = anchor_ids.shape
-        g = self.cfg.block_size
+        g = self.cfg.block_size if rows is None else rows
+        if g != self.cfg.block_size and not (self.cfg.causal_block and 1 <= g < self.cfg.block_size):
+            raise ValueError(f"rows={g}: a block's first rows alone need a causal block (gamma {self.cfg.block_size})")
         x = self.mask_embedding.expand(B, N, g, -1).clone()
         x[:, :, 0] = self.embed(anchor_ids).to(x.dtype)
         if self.fc_in is not None:
@@ -200,7 +207,10 @@ class DSparkDrafter(nn.Module):
         cos, sin = self.rope((anchor_pos[..., None] + offs).view(B, N * g))
         blk = torch.arange(N, device=anchor_pos.device).repeat_interleave(g)  # [N*g] block of each row
         sees_ctx = ctx_pos[:, None, :] < anchor_pos.repeat_interleave(g, dim=1)[:, :, None]  # [B, N*g, S]
-        sees_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, N*g, N*g]
+        sees_blk = blk[:, None] == blk[None, :]  # [N*g, N*g]
+        if self.cfg.causal_block:
+            sees_blk = sees_blk & (offs.repeat(N)[:, None] >= offs.repeat(N)[None, :])
+        sees_blk = sees_blk.expand(B, -1, -1)  # [B, N*g, N*g]
         mask = torch.cat((sees_ctx, sees_blk), dim=2)[:, None]  # [B, 1, N*g, S + N*g]
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)

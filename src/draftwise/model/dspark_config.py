@@ -80,6 +80,9 @@ class DSparkConfig:
     # each block row's input is fc_in([fused feature of position a-1 ; the row's embedding]) (EAGLE's
     # input), not its embedding alone; False: directories written before this field
     anchor_feature: bool = False
+    # a block row attends the block's rows up to its own (not the whole block): row 1 alone equals row 1
+    # of a block, so training may add rows at block position 1 alone; False: directories written before
+    causal_block: bool = False
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
@@ -95,13 +98,14 @@ class DSparkConfig:
     @staticmethod
     def for_target(tcfg: ModelConfig, block_size: int = 5, markov_rank: int | None = None,
                    feature_layers: list[int] | None = None, num_layers: int = 1, target: str = "",
-                   anchor_feature: bool = True, markov_head_type: str = "vanilla") -> "DSparkConfig":
+                   anchor_feature: bool = True, markov_head_type: str = "vanilla",
+                   causal_block: bool = False) -> "DSparkConfig":
         """A drafter shaped after one of the target's layers (its heads, its MLP width)."""
         return DSparkConfig(
             vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
             target_feature_layers=list(feature_layers or default_feature_layers(tcfg.num_hidden_layers)),
             block_size=block_size, markov_rank=markov_rank or default_markov_rank(tcfg.hidden_size),
-            markov_head_type=markov_head_type,
+            markov_head_type=markov_head_type, causal_block=causal_block,
             num_hidden_layers=num_layers, anchor_feature=anchor_feature, num_attention_heads=tcfg.num_attention_heads,
             num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
             intermediate_size=tcfg.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
@@ -118,8 +122,9 @@ class DSparkConfig:
         if self.markov_head_type not in HEAD_TYPES:
             raise ModelLoadError(f"config.json 'markov_head_type': one of {', '.join(HEAD_TYPES)}, "
                                  f"got {self.markov_head_type!r}")
-        if not isinstance(self.anchor_feature, bool):
-            raise ModelLoadError(f"config.json 'anchor_feature': true or false, got {self.anchor_feature!r}")
+        for name in ("anchor_feature", "causal_block"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelLoadError(f"config.json {name!r}: true or false, got {getattr(self, name)!r}")
         temps = self.confidence_temperatures
         if temps and (len(temps) != self.block_size or not all(t > 0 for t in temps)):
             raise ModelLoadError(f"config.json 'confidence_temperatures': {self.block_size} positive numbers "

@@ -20,7 +20,10 @@ each: 1.26 tokens expected accepted within 5 against 1.31). The loop, the schedu
 The backbone's first layer starts as the target layer after the highest feature layer
 (`init_from_target_layer`; `--backbone-init random` starts it at random, the same within the
 run-to-run spread after 8 minutes) and the learning rate is 5e-3 (docs/ARCHITECTURE.md, DSpark).
-Per wall-clock time 48 anchors per window learnt faster than 16 or 192 (`--anchors`). After training, the confidences are calibrated by
+Per wall-clock time 48 anchors per window learnt faster than 16 or 192 (`--anchors`).
+`--first-anchors N` adds N anchors per window whose blocks are their first row alone (the drafter's
+blocks are then causal: model/dspark.py), cheap rows of the position every accepted block starts
+with. After training, the confidences are calibrated by
 Sequential Temperature Scaling on held-out windows (train/dspark_calibration.py).
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .dspark_eval import block_acceptance
 from .fit import corpus_stats
 from .trainer import Trainer, TrainConfig, peak_rss_mb
 
-DSPARK_DEFAULTS = dict(batch_size=4, seq_len=256, lr=5e-3, warmup_steps=20, anchors=48, seed=0)
+DSPARK_DEFAULTS = dict(batch_size=4, seq_len=256, lr=5e-3, warmup_steps=20, anchors=48, first_anchors=0, seed=0)
 VAL_WINDOWS = 8  # periodic validation (loss); the final acceptance reads up to EVAL_WINDOWS
 EVAL_WINDOWS = 32
 EVAL_ANCHORS = 48  # held-out blocks per window, whatever --anchors trains: runs stay comparable
@@ -71,15 +74,24 @@ def dspark_loss(q_logits, p, labels, conf_logits, weights, w: LossWeights = Loss
     return loss, terms
 
 
-def dspark_loss_fn(target, anchors: int, decay: float, weights: LossWeights = LossWeights()):
+def dspark_loss_fn(target, anchors: int, decay: float, weights: LossWeights = LossWeights(),
+                   first_anchors: int = 0):
     """`(drafter, batch [B, T+1]) -> loss` for the Trainer (anchors from the global RNG, which the
-    Trainer seeds and checkpoints)."""
+    Trainer seeds and checkpoints). `first_anchors`: that many more anchors per window whose blocks
+    are their first row alone (a causal block's drafter), in the same loss as the blocks' rows."""
 
     def loss_fn(drafter, batch):
         a = sample_anchors(batch.shape[0], batch.shape[1], anchors)
-        q_logits, p, conf, labels, valid = block_forward(drafter, target, batch, a)
-        loss, _ = dspark_loss(q_logits, p, labels, conf, position_weights(valid, decay), weights)
-        return loss
+        if not first_anchors:
+            q_logits, p, conf, labels, valid = block_forward(drafter, target, batch, a)
+            return dspark_loss(q_logits, p, labels, conf, position_weights(valid, decay), weights)[0]
+        a1 = sample_anchors(batch.shape[0], batch.shape[1], first_anchors)
+        parts = block_forward(drafter, target, batch, a, a1)
+        V = parts[0][0].shape[-1]
+        rows = lambda i: torch.cat([part[i].reshape(-1, V) if i < 2 else part[i].reshape(-1)  # noqa: E731
+                                    for part in parts])
+        w = torch.cat([position_weights(part[4], decay).reshape(-1) for part in parts])
+        return dspark_loss(rows(0), rows(1), rows(3), rows(2), w, weights)[0]
 
     return loss_fn
 
@@ -98,13 +110,15 @@ def val_loss(drafter, target, windows: torch.Tensor, anchors: int, decay: float)
 
 def build_drafter(tcfg, target_model, block_size: int, markov_rank: int | None, feature_layers, seed: int,
                   target: str = "", from_target_layer: bool = True, num_layers: int = 1,
-                  anchor_feature: bool = True, markov_head_type: str = "vanilla") -> DSparkDrafter:
+                  anchor_feature: bool = True, markov_head_type: str = "vanilla",
+                  causal_block: bool = False) -> DSparkDrafter:
     """A fresh drafter; its final norm starts as the target's (both feed the same LM head), and with
     `from_target_layer` its layers as `init_from_target_layer` says."""
     torch.manual_seed(seed)
     cfg = DSparkConfig.for_target(tcfg, block_size=block_size, markov_rank=markov_rank,
                                   feature_layers=feature_layers, num_layers=num_layers, target=target,
-                                  anchor_feature=anchor_feature, markov_head_type=markov_head_type).check(tcfg)
+                                  anchor_feature=anchor_feature, markov_head_type=markov_head_type,
+                                  causal_block=causal_block).check(tcfg)
     drafter = DSparkDrafter(cfg)
     for m in drafter.modules():
         if isinstance(m, torch.nn.Linear) and m is not drafter.confidence and m is not drafter.fc_in:
@@ -160,7 +174,8 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     drafter = build_drafter(loaded.config, target, block_size, markov_rank, feature_layers, hp["seed"],
                             target=os.path.relpath(target_dir.resolve(), out.resolve()), num_layers=num_layers,
                             anchor_feature=anchor_feature, from_target_layer=from_target_layer,
-                            markov_head_type=markov_head_type)  # (checks the config first)
+                            markov_head_type=markov_head_type,
+                            causal_block=hp["first_anchors"] > 0)  # (checks the config first)
     split = corpus.split()
     streams = load_streams(loaded.tokenizer, split, ckpt_dir)
     decay = float(decay or block_size)
@@ -169,7 +184,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
                       weight_decay=0.0)
     val = eval_windows(streams["val"], hp["seq_len"], VAL_WINDOWS)
     trainer = Trainer(drafter, Batches(streams["train"], cfg.batch_size, cfg.seq_len, seed=cfg.seed), cfg,
-                      loss_fn=dspark_loss_fn(target, hp["anchors"], decay),
+                      loss_fn=dspark_loss_fn(target, hp["anchors"], decay, first_anchors=hp["first_anchors"]),
                       eval_fn=lambda d: val_loss(d, target, val, EVAL_ANCHORS, decay), log=log, progress=progress)
     if resume:
         trainer.resume()
@@ -179,7 +194,8 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     summary.update(role="dspark", target=str(target_dir), history=trainer.history, peak_rss_mb=round(peak_rss_mb()),
                    trainable_parameters=sum(p.numel() for p in drafter.parameters()),
                    objective=f"0.1 CE + 0.9 TV + 1.0 BCE(c, 1 - TV), position weights exp(-(k-1)/{decay:g})",
-                   anchors_per_window=hp["anchors"], markov_head_type=markov_head_type, backbone_init="target" if from_target_layer else "random",
+                   anchors_per_window=hp["anchors"], first_position_anchors_per_window=hp["first_anchors"],
+                   causal_block=drafter.cfg.causal_block, markov_head_type=markov_head_type, backbone_init="target" if from_target_layer else "random",
                    corpus=corpus_stats(split, streams),
                    held_out=block_acceptance(drafter, target, held_out, EVAL_ANCHORS))
     # Sequential Temperature Scaling: fitted on the held-out windows above, tested on the next ones

@@ -33,21 +33,28 @@ def position_weights(valid: torch.Tensor, decay: float) -> torch.Tensor:
     return valid.float() * torch.exp(-k / decay)
 
 
-def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: torch.Tensor):
+def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: torch.Tensor,
+                  first_anchors: torch.Tensor | None = None):
     """The target's one pass and the drafter's one pass over a batch: ids [B, T], anchors [B, N] ->
-    q logits [B, N, gamma, V], p [B, N, gamma, V], confidence logits, labels, valid [B, N, gamma]."""
+    q logits [B, N, gamma, V], p [B, N, gamma, V], confidence logits, labels, valid [B, N, gamma].
+    With `first_anchors` [B, N1] (a causal block's drafter only) also the same five for blocks of
+    their first row alone at those anchors ([B, N1, 1, ...]), from the same passes: a tuple of two."""
     cfg = drafter.cfg
     B, T = ids.shape
     with torch.no_grad():
         hidden, feats = target(ids, feature_layers=tuple(cfg.target_feature_layers))
-    labels, prev, rows, valid = block_targets(ids, anchors, cfg.block_size)
-    with torch.no_grad():  # the head once per position: blocks overlap where N x gamma nears T
-        p_all = torch.softmax(target.compute_logits(hidden).float(), -1)  # [B, T, V]
-        p = p_all.gather(1, rows.flatten(1)[..., None].expand(-1, -1, p_all.shape[-1])).view(*rows.shape, -1)
+        p_all = torch.softmax(target.compute_logits(hidden).float(), -1)  # [B, T, V]: the head once per position
     pos = torch.arange(T).expand(B, T)
     fused = drafter.fuse(feats.detach())  # [B, T, H]
     kv = drafter.context_kv(fused, pos)
-    last = fused.gather(1, (anchors - 1)[..., None].expand(-1, -1, fused.shape[-1]))  # [B, N, H]: a - 1
-    h = drafter.block_hidden(ids.gather(1, anchors), anchors, kv, pos, last)  # [B, N, gamma, H]
-    q_logits, conf = drafter.teacher_forced(h, prev)
-    return q_logits, p, conf, labels, valid
+
+    def blocks(a: torch.Tensor, rows: int):
+        labels, prev, p_rows, valid = block_targets(ids, a, rows)
+        p = p_all.gather(1, p_rows.flatten(1)[..., None].expand(-1, -1, p_all.shape[-1])).view(*p_rows.shape, -1)
+        last = fused.gather(1, (a - 1)[..., None].expand(-1, -1, fused.shape[-1]))  # [B, N, H]: a - 1
+        h = drafter.block_hidden(ids.gather(1, a), a, kv, pos, last, rows=rows)  # [B, N, rows, H]
+        q_logits, conf = drafter.teacher_forced(h, prev)
+        return q_logits, p, conf, labels, valid
+
+    out = blocks(anchors, cfg.block_size)
+    return out if first_anchors is None else (out, blocks(first_anchors, 1))
