@@ -15,8 +15,8 @@ head, a confidence head.
   With `anchor_feature` (EAGLE's input) each row's input is fc_in([f_{a-1} ; its embedding]), f_{a-1}
   the fused feature of the last position before the anchor: row 1 then predicts x_{a+1} from the
   target's features of a-1 and the token x_a, as an EAGLE head does.
-- **Sequential stage.** A head (model/dspark_heads.py: vanilla, gated or rnn) adds a low-rank
-  bias to U_k, drawn left to right: q_k = softmax(U_k + B_k) depends on the tokens actually drafted
+- **Sequential stage.** A head (model/dspark_heads.py: vanilla, gated, rnn or mlp) adds a low-rank
+  bias to U_k (mlp also moves h_k ahead of the LM head), drawn left to right: q_k = softmax(U_k + B_k) depends on the tokens actually drafted
   before it (the vanilla Markov head: B(x_{k-1}, .) = W1[x_{k-1}] W2; x_0 = the anchor), so a block
   is a left-to-right distribution q(x_1..x_gamma) = prod_k q_k(x_k | x_<k) and verification
   against it stays exact.

@@ -75,7 +75,7 @@ class DSparkConfig:
     target_feature_layers: list[int]
     block_size: int = 5  # gamma: tokens drafted by one forward
     markov_rank: int = 96
-    markov_head_type: str = "vanilla"  # the sequential stage: vanilla, gated or rnn (model/dspark_heads.py)
+    markov_head_type: str = "vanilla"  # the sequential stage: vanilla, gated, rnn or mlp (model/dspark_heads.py)
     num_hidden_layers: int = 1
     # each block row's input is fc_in([fused feature of position a-1 ; the row's embedding]) (EAGLE's
     # input), not its embedding alone; False: directories written before this field

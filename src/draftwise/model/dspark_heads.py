@@ -32,7 +32,8 @@ HEAD_TYPES = ("vanilla", "gated", "rnn", "mlp")
 
 
 class MarkovHead(nn.Module):
-    """The vanilla head; `GatedMarkovHead` and `RNNHead` change how z_k is made (`_latent`)."""
+    """The vanilla head; `GatedMarkovHead` and `RNNHead` change how z_k is made (`_latent`),
+    `MLPHead` also moves h_k (`adjust`)."""
 
     kind = "vanilla"
     adjusts_hidden = False  # `adjust` moves h_k before the LM head (mlp)
