@@ -1,8 +1,8 @@
 """The EAGLE-3 drafter in the engine (`--method eagle3`, proposers/eagle3.py): greedy output equal to
 plain decoding at 1 and 16 in flight and under preemption, the drafter's cache equal to a fresh
 computation over the committed tokens after rollbacks and recomputes, batched drafting equal to the
-uncached reference, greedy rows' one-call kernel steps equal to the PyTorch steps (and the
-PyTorch path alone, kernels off, equal to plain), q in each DraftBlock the processed distribution of each step, `draftwise check`
+uncached reference, greedy rows' one-call kernel steps and other rows' one-call-a-step kernel
+steps equal to the PyTorch steps (and the PyTorch path alone, kernels off, equal to plain), q in each DraftBlock the processed distribution of each step, `draftwise check`
 PASS, a constrained request, and bad input.
 
 The drafter is random (few proposals accepted), so an oracle subclass (`test-eagle3-oracle`) also
@@ -253,6 +253,46 @@ def test_kernel_steps_equal_the_reference(wide_head, plain):
     assert blocks[2].probs is not None and all(b.probs is None for i, b in enumerate(blocks) if i != 2)
     assert [b.token_ids for i, b in enumerate(blocks) if i != 2] == [t for i, t in enumerate(toks) if i != 2]
     assert torch.equal(prop.cache[:, :, : prop.num_slots], committed)
+
+
+def test_kernel_chosen_steps_equal_the_reference(wide_head, plain):
+    """Sampled rows step through the kernel (`Eagle3Kernel.draft`, one call a step): its logits are
+    `Eagle3Drafter.draft`'s fed the same tokens (within float rounding), the committed cache stays;
+    `propose` takes it for every sampled row, DraftBlock.probs[j] = softmax(process_logits(step j's
+    logits it handed the chooser)): the q each token was drawn from."""
+    target, eagle3, _, _ = wide_head
+    _, ps, _, _ = plain
+    llm = LLM(str(target), draft=str(eagle3), spec=SpecConfig(method="eagle3", k=4))
+    eng, prop = llm.engine, llm.engine.proposer
+    params = [SamplingParams(temperature=0.8, top_k=50 * (i % 2), repetition_penalty=1.0 + 0.1 * (i % 3), seed=i,
+                             max_tokens=8, ignore_eos=True) for i in range(5)]
+    seqs = [eng.add_request(f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(ps[:5], params))]
+    while any(s.num_computed == 0 or s.is_prefilling for s in seqs):
+        eng.step()
+    lengths = [s.draft_computed for s in seqs]
+    committed = prop.cache[:, :, : prop.num_slots].clone()
+    forced = torch.randint(0, eng.vocab_size, (4, len(seqs)), generator=torch.Generator().manual_seed(0))
+    steps = []  # each step's logits
+    with torch.inference_mode():
+        first, slots = prop.step_slots([s.seq_id for s in seqs], lengths, [4] * len(seqs))
+        prop.kernel.draft(first, [n - 1 for n in lengths], 4, prop.cache, slots,
+                          lambda j, logits: steps.append(logits.clone()) or forced[j])
+        k, v, pos, last = prop.context([s.seq_id for s in seqs], lengths)
+        start = torch.tensor(lengths) - 1
+        ref = prop.drafter.draft(last, start, k, v, pos < start[:, None], 4, lambda j, logits: forced[j])
+    assert torch.equal(prop.cache[:, :, : prop.num_slots], committed)
+    assert torch.allclose(torch.stack(steps, 1), ref.logits, atol=1e-4, rtol=1e-5)
+    calls, kept, real = [], [], prop.kernel.draft
+    prop.kernel.draft = lambda first, starts, n, cache, slots, choose: calls.append(len(starts)) or real(
+        first, starts, n, cache, slots, lambda j, logits: kept.append(logits.clone()) or choose(j, logits))
+    blocks = prop.propose(seqs, [4, 3, 4, 2, 1])
+    assert calls == [5] and [len(b.token_ids) for b in blocks] == [4, 3, 4, 2, 1]
+    assert torch.equal(prop.cache[:, :, : prop.num_slots], committed)
+    for b, (s, blk) in enumerate(zip(seqs, blocks)):
+        for j, tok in enumerate(blk.token_ids):
+            hist = s.output_ids + blk.token_ids[:j]
+            q = torch.softmax(process_logits(kept[j][b: b + 1], [s.params], [s.prompt_ids], [hist]), -1)
+            assert torch.equal(blk.probs[j], q[0]) and blk.probs[j, tok] > 0
 
 
 def test_greedy_equals_plain_without_the_kernels(target_dir, eagle3_dir, plain):

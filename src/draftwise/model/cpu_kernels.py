@@ -154,7 +154,7 @@ class Eagle3IO(ctypes.Structure):
 
 # 0, or -1: no scratch memory
 INT_RESULT = ("dw_vnni", "dw_amx_enable", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
-              "dw_eagle3_greedy")
+              "dw_eagle3_greedy", "dw_eagle3_step")
 
 
 class Kernels:
@@ -190,6 +190,7 @@ class Kernels:
             "dw_draft_greedy": [io, args, p, i, i, i, p, p, p, p],
             "dw_draft_greedy_rows": [io, args, p, p, p, p, i, i, p, p, p, p],
             "dw_eagle3_greedy": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p, p],
+            "dw_eagle3_step": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

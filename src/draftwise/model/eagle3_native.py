@@ -1,4 +1,5 @@
-"""EAGLE-3's greedy drafting steps in one kernel call (`dw_eagle3_greedy`, kernels/eagle3.c).
+"""EAGLE-3's greedy drafting steps in one kernel call (`dw_eagle3_greedy`, kernels/eagle3.c), and
+its other rows' steps one kernel call each (`dw_eagle3_step`), their logits back to the caller.
 
 `Eagle3Drafter.draft` for greedy rows (each step's token its logits' argmax) runs per step a
 decoder layer, the target's final norm and LM head and the next row's fc_in: about 20 products a
@@ -6,7 +7,10 @@ round, each a call from Python that forks the OpenMP team, so a k=4 round cost s
 products. `Eagle3Kernel.greedy` makes the same steps in one call on one team: the same products
 (dw_gemm_f32 / dw_gemm_bf16 / dw_linear for the drafter's packed weights, the target's packed
 head, as `PackedLinear` and `compute_logits` call them), the kernels' norms, RoPE and attention for
-torch's (equal up to float rounding).
+torch's (equal up to float rounding). Rows whose tokens are chosen from processed logits (sampled,
+penalised or constrained: `StepChooser`) take `Eagle3Kernel.draft`: the same steps without the
+argmax, one call each, the step's logits handed to the chooser and its tokens fed to the next call;
+the rows draw from q computed from those logits, so DraftBlock.probs stays the q drawn from.
 
 `Eagle3Kernel.of(drafter)` is None where the call cannot run: the kernels unavailable, a
 projection or the target's embedding or head outside them, the drafter's dtype or norm epsilon
@@ -15,6 +19,7 @@ not the target's; the caller then keeps `draft`.
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import torch
 
@@ -79,6 +84,19 @@ class Eagle3Kernel:
         inside the drafter's RoPE table."""
         return len(starts) <= self.max_rows and max(s + k for s, k in zip(starts, ks)) - 1 <= self.cfg.max_position_embeddings
 
+    def _args(self, B: int, cache: torch.Tensor, slots: torch.Tensor) -> DecoderArgs:
+        """The drafter's layer as dw_decoder takes it, over `cache` [1, 2, slots, Hkv, D] through
+        `slots` [B, Lmax] (contiguous; kept alive by the caller for the call)."""
+        cfg = self.cfg
+        cos, sin = self.drafter._rope.tables(cache.device)
+        return DecoderArgs(
+            B=B, T=1, layers=1, hid=cfg.hidden_size, H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads,
+            D=cfg.head_dim, I=cfg.intermediate_size, w=ctypes.addressof(self.layer_ptrs),
+            kinds=ctypes.addressof(self.kinds), final_norm=self.target.model.norm.weight.data_ptr(),
+            eps=cfg.rms_norm_eps, cos=cos.data_ptr(), sin=sin.data_ptr(), cache=cache.data_ptr(),
+            layer_stride=cache.stride(0), kv_stride=cache.stride(1), slots=slots.data_ptr(), Lmax=slots.shape[1],
+            scale=cfg.head_dim ** -0.5, bf=int(self.dtype == torch.bfloat16), threads=torch.get_num_threads())
+
     def greedy(self, first: torch.Tensor, starts: list[int], ks: list[int], cache: torch.Tensor, slots: torch.Tensor,
                confidence: bool = True, logits: bool = False):
         """ks[b] greedy steps of each row: first [B, H] step 1's rows (position starts[b]'s), cache
@@ -87,17 +105,10 @@ class Eagle3Kernel:
         the caller keeps for them). Returns (tokens per row, max softmax probability per row or
         None, the logits [B, max(ks), V] float32 or None): what `Eagle3Drafter.draft` with the
         argmax gives, up to float rounding."""
-        cfg, lib = self.cfg, cpu_kernels.kernels()
-        B, kmax, V = len(ks), max(ks), cfg.vocab_size
-        cos, sin = self.drafter._rope.tables(first.device)
+        lib = cpu_kernels.kernels()
+        B, kmax, V = len(ks), max(ks), self.cfg.vocab_size
         slots = slots.contiguous()
-        args = DecoderArgs(
-            B=B, T=1, layers=1, hid=cfg.hidden_size, H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads,
-            D=cfg.head_dim, I=cfg.intermediate_size, w=ctypes.addressof(self.layer_ptrs),
-            kinds=ctypes.addressof(self.kinds), final_norm=self.target.model.norm.weight.data_ptr(),
-            eps=cfg.rms_norm_eps, cos=cos.data_ptr(), sin=sin.data_ptr(), cache=cache.data_ptr(),
-            layer_stride=cache.stride(0), kv_stride=cache.stride(1), slots=slots.data_ptr(), Lmax=slots.shape[1],
-            scale=cfg.head_dim ** -0.5, bf=int(self.dtype == torch.bfloat16), threads=torch.get_num_threads())
+        args = self._args(B, cache, slots)
         first = first.to(self.dtype).contiguous()
         meta = (ctypes.c_int64 * (2 * B))(*starts, *ks)
         toks = (ctypes.c_int64 * (B * kmax))()
@@ -112,3 +123,28 @@ class Eagle3Kernel:
         tokens = [list(toks[b * kmax: b * kmax + k]) for b, k in enumerate(ks)]
         confs = None if conf is None else [list(conf[b * kmax: b * kmax + k]) for b, k in enumerate(ks)]
         return tokens, confs, out
+
+    def draft(self, first: torch.Tensor, starts: list[int], steps: int, cache: torch.Tensor, slots: torch.Tensor,
+              choose: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """`steps` steps of every row, each step's tokens chosen by the caller: `Eagle3Drafter.draft`
+        with `choose(j, logits [B, V] float32) -> [B]`, one kernel call a step (`dw_eagle3_step`).
+        first, cache and slots as `greedy` takes them (slots reaching starts[b] + steps - 1 for every
+        row); the logits are the kernel's, equal to `draft`'s up to float rounding."""
+        lib = cpu_kernels.kernels()
+        B, V, H = first.shape[0], self.cfg.vocab_size, self.cfg.hidden_size
+        slots = slots.contiguous()
+        args = self._args(B, cache, slots)
+        x = first.to(self.dtype).contiguous()  # [B, H] step 1's rows, then each step's layer outputs a
+        start = torch.tensor(starts, dtype=torch.int64)  # [B]
+        io = ctypes.byref(self.target._native_io())
+        tok = None
+        for j in range(steps):
+            logits = torch.empty(B, V, dtype=torch.float32)  # [B, V]: the chooser may keep it
+            a = torch.empty(B, H, dtype=self.dtype)  # [B, H]
+            rc = lib.eagle3_step(io, ctypes.byref(args), ctypes.byref(self.e3), x.data_ptr(),
+                                 0 if tok is None else tok.data_ptr(), start.data_ptr(), B, j, logits.data_ptr(),
+                                 a.data_ptr())
+            if rc != 0:
+                raise MemoryError("eagle3 draft step: no scratch memory")
+            tok = choose(j, logits).to(torch.int64).contiguous()  # [B]
+            x = a

@@ -26,6 +26,8 @@ The sharing arrangement is DSpark's (proposers/dspark.py):
 - **Greedy rows whose q is their raw logits** (`raw_greedy`) draft in one kernel call instead
   (`Eagle3Kernel.greedy`, model/eagle3_native.py): the same steps, their argmax; the steps' K/V
   written to scratch slots past the paged ones (`step_slots`), so the committed cache is untouched.
+  The other rows take one kernel call a step where the kernels run (`Eagle3Kernel.draft`: the
+  step's layer and head, its logits back to `StepChooser`, the same scratch slots).
 
 p is the target, q the draft.
 """
@@ -151,13 +153,20 @@ class Eagle3Proposer:
         return self.num_slots
 
     def _draft_chosen(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock]) -> None:
-        """The other rows step by step (`Eagle3Drafter.draft`), each token chosen from q (`StepChooser`)."""
+        """The other rows step by step, each token chosen from q (`StepChooser`): one kernel call a step
+        where it runs (`Eagle3Kernel.draft`, the steps' K/V in scratch slots as `_draft_greedy`'s),
+        else `Eagle3Drafter.draft`."""
         lengths = [seqs[i].draft_computed for i in rows]
-        k, v, pos, last = self.context([seqs[i].seq_id for i in rows], lengths)
-        start = torch.tensor(lengths, device=self.device) - 1  # [B]: step 1 is position L-1's row
         cut = [num_draft[i] for i in rows]
         choose = StepChooser([seqs[i] for i in rows], cut, self.eos_ids)
-        self.drafter.draft(last, start, k, v, pos < start[:, None], max(cut), choose)
+        steps = max(cut)
+        if self.kernel is not None and self.kernel.fits([n - 1 for n in lengths], [steps] * len(rows)):
+            first, slots = self.step_slots([seqs[i].seq_id for i in rows], lengths, [steps] * len(rows))
+            self.kernel.draft(first, [n - 1 for n in lengths], steps, self.cache, slots, choose)
+        else:
+            k, v, pos, last = self.context([seqs[i].seq_id for i in rows], lengths)
+            start = torch.tensor(lengths, device=self.device) - 1  # [B]: step 1 is position L-1's row
+            self.drafter.draft(last, start, k, v, pos < start[:, None], steps, choose)
         for r, i in enumerate(rows):
             toks = choose.tokens[r]
             probs = torch.stack(choose.probs[r]) if choose.probs[r] else None  # [n, V]: q_j of a sampled row

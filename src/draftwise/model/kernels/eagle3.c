@@ -2,7 +2,8 @@
  * drafter's decoder layer, the target's final norm and LM head, the argmax, and the next step's row
  * fc_in([norm(a) ; norm(emb(token))]), all on one OpenMP team (team.c) for the whole call: the
  * calls of model/eagle3.py's `Eagle3Drafter.draft` for greedy rows, without a fork of the team and
- * the Python around every product (about 20 a round). */
+ * the Python around every product (about 20 a round). dw_eagle3_step: one of those steps without
+ * the argmax, for rows whose tokens the caller chooses from the step's logits (sampled rows). */
 #include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -19,6 +20,7 @@ struct e3_call {
     float *out_conf, *out_logits;
     char *x, *h, *in, *emb, *buf; /* rows [B, hid], [B, hid], [B, 2 hid], one row, dw_decoder_layers' scratch */
     float *logits;                /* [B, V] */
+    char *out_a;                  /* dw_eagle3_step's layer outputs [B, hid] */
     int64_t *pos, *lens, *news, *act, *tab; /* [B] each, tab [B, Lmax] */
     long A, A2;                   /* rows of this step, of the next one */
     struct dw_decoder_args step;
@@ -51,6 +53,15 @@ static void step_rows(struct e3_call *c, long s) {
     c->A = A;
 }
 
+/* Thread 0: the next step's input row [norm(a) ; norm(emb(tok))] of one sequence into `in` [2 hid]. */
+static void feed_row(struct e3_call *c, const char *a, int64_t tok, char *in) {
+    const struct dw_decoder_args *args = c->args;
+    long hid = args->hid, es = args->bf ? 2 : 4;
+    dw_rms_norm(a, c->e->hidden_norm, in, 1, hid, args->eps, args->bf);
+    dw_embed_rows(c->io, &tok, 1, hid, es, c->emb);
+    dw_rms_norm(c->emb, c->e->embed_norm, in + es * hid, 1, hid, args->eps, args->bf);
+}
+
 /* Thread 0, after step s's head: each row's token (and confidence, logits), and the input rows
  * [norm(a) ; norm(emb(token))] of the sequences that draft a further step, in order. */
 static void choose_and_feed(struct e3_call *c, long s) {
@@ -63,11 +74,7 @@ static void choose_and_feed(struct e3_call *c, long s) {
         int64_t tok = dw_argmax_conf_row(row, V, c->out_conf ? c->out_conf + o : NULL);
         c->out_tok[o] = tok;
         if (c->ks[b] <= s + 1) continue;
-        char *in = c->in + es * A2 * 2 * hid;
-        dw_rms_norm(c->x + es * a * hid, c->e->hidden_norm, in, 1, hid, args->eps, args->bf);
-        dw_embed_rows(c->io, &tok, 1, hid, es, c->emb);
-        dw_rms_norm(c->emb, c->e->embed_norm, in + es * hid, 1, hid, args->eps, args->bf);
-        A2++;
+        feed_row(c, c->x + es * a * hid, tok, c->in + es * A2++ * 2 * hid);
     }
     c->A2 = A2;
 }
@@ -96,6 +103,45 @@ static int eagle3_steps(struct e3_call *c) {
     return rc;
 }
 
+/* The call's rows, logits and tables in one block, dw_decoder_layers' scratch in another: 0, or -1
+ * (nothing allocated) when memory was not available. */
+static int e3_alloc(struct e3_call *c) {
+    const struct dw_decoder_args *args = c->args;
+    long hid = args->hid, es = args->bf ? 2 : 4, V = c->io->V, B = c->B;
+    long rows = es * hid * (4 * B + 1) + 64, bytes = rows + sizeof(float) * B * V + sizeof(int64_t) * B * (4 + args->Lmax);
+    char *mem = (char *)malloc(bytes), *buf = (char *)malloc(dw_decoder_buf_bytes(args, B > 0 ? B : 1));
+    if (!mem || !buf) {
+        free(mem);
+        free(buf);
+        return -1;
+    }
+    c->x = mem, c->h = c->x + es * B * hid, c->in = c->h + es * B * hid, c->emb = c->in + es * B * 2 * hid, c->buf = buf;
+    c->logits = (float *)(mem + rows);
+    c->pos = (int64_t *)(c->logits + B * V), c->lens = c->pos + B, c->news = c->lens + B, c->act = c->news + B;
+    c->tab = c->act + B;
+    return 0;
+}
+
+/* fn(c) on one OpenMP team (or on the calling thread alone), then c's memory freed: fn's result. */
+static int e3_run(struct e3_call *c, int (*fn)(struct e3_call *)) {
+    int rc = 0;
+#ifdef _OPENMP
+    if (c->args->threads > 1 && !dw_team_nt) {
+        struct dw_team_bar bar = {0, 0};
+#pragma omp parallel num_threads(c->args->threads) reduction(| : rc)
+        {
+            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
+            rc |= fn(c);
+            dw_team_leave();
+        }
+    } else
+#endif
+        rc = fn(c);
+    free(c->x);
+    free(c->buf);
+    return rc ? -1 : 0;
+}
+
 /* ks[b] >= 0 greedy steps of each of B sequences. first [B, hid]: step 1's row of each (its last
  * committed position's row, at position start[b]). args: the drafter's layer as dw_decoder takes it
  * (layers 1; final_norm the target's; cos, sin the drafter's RoPE tables, reaching start[b] + ks[b]
@@ -107,36 +153,60 @@ static int eagle3_steps(struct e3_call *c) {
 int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
                      const void *first, const int64_t *start, const int64_t *ks, long B, long kmax,
                      int64_t *out_tok, float *out_conf, float *out_logits) {
-    long hid = args->hid, es = args->bf ? 2 : 4, V = io->V, Lmax = args->Lmax;
-    long rows = es * hid * (4 * B + 1) + 64, bytes = rows + sizeof(float) * B * V + sizeof(int64_t) * B * (4 + Lmax);
-    char *mem = (char *)malloc(bytes), *buf = (char *)malloc(dw_decoder_buf_bytes(args, B > 0 ? B : 1));
-    int rc = 0;
-    if (!mem || !buf) {
-        free(mem);
-        free(buf);
-        return -1;
-    }
+    long hid = args->hid, es = args->bf ? 2 : 4;
     struct e3_call c = {io, args, e, start, ks, B, kmax, out_tok, out_conf, out_logits};
-    c.x = mem, c.h = c.x + es * B * hid, c.in = c.h + es * B * hid, c.emb = c.in + es * B * 2 * hid, c.buf = buf;
-    c.logits = (float *)(mem + rows);
-    c.pos = (int64_t *)(c.logits + B * V), c.lens = c.pos + B, c.news = c.lens + B, c.act = c.news + B;
-    c.tab = c.act + B;
+    if (e3_alloc(&c)) return -1;
     long A = 0;
     for (long b = 0; b < B; b++) /* step 1's rows: the sequences that draft */
         if (ks[b] > 0) memcpy(c.x + es * A++ * hid, (const char *)first + es * b * hid, es * hid);
-#ifdef _OPENMP
-    if (args->threads > 1 && !dw_team_nt) {
-        struct dw_team_bar bar = {0, 0};
-#pragma omp parallel num_threads(args->threads) reduction(| : rc)
-        {
-            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
-            rc |= eagle3_steps(&c);
-            dw_team_leave();
-        }
-    } else
-#endif
-        rc = eagle3_steps(&c);
-    free(mem);
-    free(buf);
-    return rc ? -1 : 0;
+    return e3_run(&c, eagle3_steps);
+}
+
+/* One step of every sequence (the team's part of dw_eagle3_step): the input rows (c->in fed, or
+ * c->x as given), the layer, the head into c->logits, the layer's outputs a left in c->x. */
+static int eagle3_one_step(struct e3_call *c) {
+    const struct dw_decoder_args *args = c->args;
+    const struct dw_eagle3 *e = c->e;
+    long hid = args->hid;
+    if (dw_team_tid == 0) step_rows(c, c->kmax - 1);
+    dw_team_barrier();
+    if (c->A2 > 0)
+        dw_product(e->fc_in_kind, c->in, e->fc_in, e->fc_in_bias, e->fc_in_scale, c->x, c->A2, hid, 2 * hid,
+                   args->bf, args->threads);
+    dw_team_barrier();
+    int rc = dw_decoder_layers(c->x, c->h, c->buf, c->A, &c->step);
+    dw_head_rows(c->io, c->h, c->A, hid, c->logits, args->threads);
+    if (dw_team_tid == 0) memcpy(c->out_a, c->x, (args->bf ? 2 : 4) * c->A * hid);
+    dw_team_barrier();
+    return rc;
+}
+
+/* Step s (0-based) of B sequences, for a caller that chooses each step's tokens itself (sampled
+ * rows): dw_eagle3_greedy's step s of every sequence, without its argmax. x [B, hid]: step 1's rows
+ * (tok NULL), or step s - 1's layer outputs a, each fed with tok[b], the token chosen there, through
+ * fc_in([norm(a) ; norm(emb(tok))]). The step runs at positions start[b] + s and writes its K/V
+ * into the slots of that position (args as dw_eagle3_greedy's, reaching start[b] + s). out_logits
+ * [B, V] the step's logits; out_a [B, hid] its layer outputs (the next step's x). Returns 0, or -1
+ * when scratch memory was not available. */
+int dw_eagle3_step(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
+                   const void *x, const int64_t *tok, const int64_t *start, long B, long s, float *out_logits,
+                   void *out_a) {
+    long hid = args->hid, es = args->bf ? 2 : 4, V = io->V;
+    int64_t *ks = (int64_t *)malloc(sizeof(int64_t) * (B > 0 ? B : 1));
+    if (!ks) return -1;
+    for (long b = 0; b < B; b++) ks[b] = s + 1;
+    struct e3_call c = {io, args, e, start, ks, B, s + 1, NULL, NULL, NULL};
+    if (e3_alloc(&c)) {
+        free(ks);
+        return -1;
+    }
+    if (tok)
+        for (long b = 0; b < B; b++) feed_row(&c, (const char *)x + es * b * hid, tok[b], c.in + es * b * 2 * hid);
+    else
+        memcpy(c.x, x, es * B * hid);
+    c.A2 = tok ? B : 0;
+    c.logits = out_logits, c.out_a = (char *)out_a; /* the head and the layer write the caller's rows */
+    int rc = e3_run(&c, eagle3_one_step);
+    free(ks);
+    return rc;
 }

@@ -330,5 +330,7 @@ struct dw_eagle3 {
 int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_eagle3 *e,
                      const void *first, const int64_t *start, const int64_t *ks, long B, long kmax,
                      int64_t *out_tok, float *out_conf, float *out_logits);
+int dw_eagle3_step(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_eagle3 *e, const void *x,
+                   const int64_t *tok, const int64_t *start, long B, long s, float *out_logits, void *out_a);
 
 #endif
