@@ -270,6 +270,37 @@ def test_the_request_own_index_wins_a_tie():
     assert prop.propose([h], [2])[0].token_ids == [60, 61]
 
 
+def test_the_cache_is_drafted_only_where_it_can_win_and_wins_as_before():
+    rng = random.Random(11)
+    for case in range(200):
+        depth, vocab = rng.randint(3, 7), rng.randint(2, 4)
+        prop = SuffixProposer(suffix_depth=depth, suffix_spec_factor=rng.choice([0.5, 1.0, 3.0]),
+                              suffix_min_prob=rng.choice([0.0, 0.2]))
+        for key in range(rng.randint(1, 3)):
+            prop.finish(History([0], [rng.randrange(vocab) for _ in range(rng.randint(1, 16))], seq_id=100 + key))
+        h = History([rng.randrange(vocab) for _ in range(rng.randint(1, 12))],
+                    [rng.randrange(vocab) for _ in range(rng.randint(0, 6))], seq_id=1)
+        n = rng.randint(1, 10)
+        context = tail(h, depth - 1)
+        own = prop._catch_up(h).draft(context, n, prop.min_prob, prop.spec_factor)
+        other = prop.cache.index.draft(context, n, prop.min_prob, prop.spec_factor)
+        want = other if (other.score, other.match_length) > (own.score, own.match_length) else own
+        assert prop._draft(h, n) == want, case
+
+
+def test_a_perfect_own_draft_skips_the_cache():
+    prop = SuffixProposer(suffix_depth=8)
+    text = list(range(10, 30))
+    prop.finish(History([0], text, seq_id=1))
+    drafted = []
+    index_draft = prop.cache.index.draft
+    prop.cache.index.draft = lambda *a, **kw: drafted.append(a) or index_draft(*a, **kw)
+    assert prop.propose([History(text, text[:7], seq_id=2)], [4])[0].token_ids == text[7:11]
+    assert drafted == []  # its own copy scores 4 of 4 with a match as long: the cache cannot beat it
+    assert prop.propose([History([5, 6], text[:7], seq_id=3)], [4])[0].token_ids == text[7:11]
+    assert len(drafted) == 1  # nothing of its own: drafted from the cache
+
+
 class Grammar:
     """Allows every token but `bad`."""
 

@@ -89,6 +89,17 @@ def test_proposer_sizes_its_draft_by_the_step_cost():
     assert prop.propose([h], [16])[0].token_ids == TEXT[7:11]
 
 
+def test_a_step_cut_to_nothing_is_verified_whole_now_and_then():
+    prop = SuffixProposer(suffix_depth=8)
+    h = History(TEXT, TEXT[:7])
+    prop.set_step_cost(LinearCost(1.0, 10.0))  # a row costs ten steps: the rule keeps nothing
+    lengths = [len(prop.propose([h], [16])[0].token_ids) for _ in range(2 * SuffixProposer.PROBE_EVERY)]
+    probes = [SuffixProposer.PROBE_EVERY - 1, 2 * SuffixProposer.PROBE_EVERY - 1]
+    assert [i for i, n in enumerate(lengths) if n] == probes and lengths[probes[0]] == 7
+    prop.set_step_cost(LinearCost(1.0, 0.0))  # steps the rule keeps something of are no probes
+    assert len(prop.propose([h], [16])[0].token_ids) == 7 and prop.cut_steps == 2 * SuffixProposer.PROBE_EVERY
+
+
 def test_proposer_learns_from_verified_proposals_only():
     prop = SuffixProposer(suffix_depth=8)
     prop.set_step_cost(LinearCost(1.0, 0.0))

@@ -15,7 +15,11 @@ stays >= `suffix_min_prob`; the draft whose expected accepted length (the sum of
 products) is higher wins, the request's own on a tie. In an engine (which hands the proposer its
 step cost, `set_step_cost`) the step's rows then keep the prefixes of their drafts that maximise
 expected committed tokens per second, with acceptance rates calibrated on verified drafts
-(suffix_length.py). The parameters:
+(suffix_length.py); of the steps where the rule keeps nothing, every `PROBE_EVERY`-th verifies its
+drafts whole (a probe: the step cost learns what a verified row costs only from steps that verify
+rows, and a step with nothing to verify runs as plain multi-step decoding, which it does not
+observe, so a row cost overrated once, e.g. by a slow first step, would otherwise stand for good).
+The parameters:
 - `suffix_depth` (24): the longest context that conditions the frequencies. Matches run out well
   before 24 tokens in text that is not a copy, and a copy keeps drafting past it (the draft
   re-anchors on the last depth - 1 tokens). Indexing does not depend on it (a token enters three
@@ -102,6 +106,7 @@ class SuffixProposer:
     feature_layers = ()  # reads no target features
     confidence = True  # the engine turns it off when the policy never reads it
     LONG_CATCH_UP = 32  # committed tokens a row's index takes in within its proposal step; more: timed apart
+    PROBE_EVERY = 8  # steps whose drafts the cost rule cut to nothing, per one that verifies them whole
 
     def __init__(self, suffix_depth: int = 24, suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,
                  suffix_cache_tokens: int = 8192, tree: int = 0, **_):
@@ -114,6 +119,7 @@ class SuffixProposer:
         self.cache = OutputCache(suffix_depth, suffix_cache_tokens)
         self.catch_up_seconds = 0.0  # the last propose's long catch-ups (left out of the step cost model)
         self.step_cost: StepCost | None = None  # set by the engine: drafts sized by suffix_length.py's rule
+        self.cut_steps = 0  # steps whose drafts the rule cut to nothing (every PROBE_EVERY-th is verified whole)
         self.acceptance = AcceptanceTable()  # a slot's most frequent continuation (a chain's every proposal)
         self.sibling_acceptance = AcceptanceTable()  # a tree's other continuations
         # seq_id -> (match length, tokens, a tree's firsts) of its last draft
@@ -131,6 +137,10 @@ class SuffixProposer:
                      for d in drafts]
             context = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) / len(seqs)
             keep = best_lengths(gains, self.step_cost.tokens_seconds(len(seqs), context))
+            if not any(keep):
+                self.cut_steps += 1
+                if self.cut_steps % self.PROBE_EVERY == 0:  # a probe: the drafts verified whole
+                    keep = [len(d.token_ids) for d in drafts]
             drafts = [_cut(d, n) for d, n in zip(drafts, keep)]
         blocks = []
         for s, d in zip(seqs, drafts):
@@ -153,7 +163,12 @@ class SuffixProposer:
                 return index.draft(context, n, self.min_prob, self.spec_factor)
         own = draft(self._catch_up(seq))
         best = own
-        if self.cache.docs:
+        if self.cache.docs and not (self.tree and grammar is None):
+            other = self._cache_chain(context, n, own)
+            if other is not None:
+                best = other
+                self.cache.touch(other.doc)
+        elif self.cache.docs:
             other = draft(self.cache.index)
             if (other.score, other.match_length) > (own.score, own.match_length):
                 best = other
@@ -161,6 +176,21 @@ class SuffixProposer:
         if grammar is not None and best.token_ids:
             best = _cut(best, len(_allowed_prefix(grammar, best.token_ids)))
         return best
+
+    def _cache_chain(self, context: list[int], n: int, own: Draft) -> Draft | None:
+        """The output cache's chain where it beats the request's own (`own`), else None. Its match
+        comes first: a chain of at most L = min(n, spec_factor x m) tokens scores at most L (each
+        running product is at most 1), so where `own` already scores above L, or L with a match
+        as long, the cache's draft (the costly part in a long copy: a re-anchoring per token past
+        the depth bound) cannot win and is not drafted."""
+        if own.score >= n and own.match_length >= len(context):  # (n: every bound; the context: every match)
+            return None
+        matched = self.cache.index.match(context)
+        bound = min(n, int(self.spec_factor * matched[0]))
+        if own.score > bound or (own.score == bound and own.match_length >= matched[0]):
+            return None
+        other = self.cache.index.draft(context, n, self.min_prob, self.spec_factor, matched=matched)
+        return other if (other.score, other.match_length) > (own.score, own.match_length) else None
 
     def _catch_up(self, seq) -> SuffixIndex:
         """The request's index, extended by the tokens committed since it last drafted."""

@@ -90,6 +90,27 @@ def _longest(toks: list[int], e: int, context: list[int], lo: int, hi: int) -> i
     return lo
 
 
+def _grouped(occ: Occurrences) -> dict[int, list]:
+    """`SuffixIndex.continuations` with each token's occurrences moved one on (where the path
+    continues with it): token -> [count, clock of its latest occurrence, its document, [(doc, e + 1)]],
+    in one pass over `occ` (a draft narrows to one token's list)."""
+    out: dict[int, list] = {}
+    for d, e in occ:
+        e += 1
+        toks = d.tokens
+        if e < len(toks):
+            t, clock = toks[e], d.clocks[e]
+            g = out.get(t)
+            if g is None:
+                out[t] = [1, clock, d, [(d, e)]]
+            else:
+                g[0] += 1
+                if clock > g[1]:
+                    g[1], g[2] = clock, d
+                g[3].append((d, e))
+    return out
+
+
 class SuffixIndex:
     def __init__(self, depth: int):
         if depth < 2:
@@ -167,20 +188,21 @@ class SuffixIndex:
     def _extend(candidates: Occurrences, context: list[int], lo: int, top: int) -> tuple[int, Occurrences]:
         """The longest match m in [lo, top] among `candidates` (occurrences of the context's last lo
         tokens) that are followed by a token, and where it so ends; (0, []) when none is followed."""
-        best, occ = 0, []
+        best, occ, want = 0, [], None  # want: the context's last `best` tokens
+        n = len(context)
         for d, e in candidates:
             toks = d.tokens
             if e + 1 == len(toks):  # at the document's end: not followed
                 continue
             hi = min(top, e + 1)
             if best > lo:  # only as long a match or longer counts
-                if hi < best or toks[e - best + 1 : e + 1] != context[len(context) - best :]:
+                if hi < best or toks[e - best + 1 : e + 1] != want:
                     continue
-                m = _longest(toks, e, context, best, hi)
+                m = best if hi == best else _longest(toks, e, context, best, hi)
             else:
                 m = _longest(toks, e, context, lo, hi)
             if m > best:
-                best, occ = m, [(d, e)]
+                best, occ, want = m, [(d, e)], context[n - m :]
             elif m == best:
                 occ.append((d, e))
         return best, occ
@@ -201,32 +223,33 @@ class SuffixIndex:
                     (got[0] + 1, got[1], got[2])
         return out
 
-    def draft(self, context: list[int], max_tokens: int, min_prob: float, spec_factor: float = 1.0) -> Draft:
+    def draft(self, context: list[int], max_tokens: int, min_prob: float, spec_factor: float = 1.0,
+              matched: tuple[int, Occurrences | None] | None = None) -> Draft:
         """Up to min(max_tokens, spec_factor x m) tokens continuing `context`, m the length of the
-        context matched: at each step the most frequent continuation (the most recently seen on a
-        tie), while the running product of frequencies stays >= min_prob."""
-        m, occ = self.match(context)
+        context matched (`matched`: `match(context)` when the caller has it already): at each step
+        the most frequent continuation (the most recently seen on a tie), while the running product
+        of frequencies stays >= min_prob."""
+        m, occ = matched if matched is not None else self.match(context)
         out = Draft(match_length=m)
         limit = min(max_tokens, int(spec_factor * m))
         tail, n, run = list(context[len(context) - m :]), m, 1.0  # n: the path's length
         while len(out.token_ids) < limit:
-            nxt = self.continuations(occ) if n < self.depth else None
+            nxt = _grouped(occ) if n < self.depth else None
             if not nxt:  # at the depth bound (or a path seen only at a document's end): re-anchor
                 n, occ = self.match(tail)
                 tail = tail[len(tail) - n :]
                 occ = self.everywhere() if occ is None else occ
-                nxt = self.continuations(occ)
+                nxt = _grouped(occ)
                 if not nxt:
                     break
-            tok, (count, _, d) = max(nxt.items(), key=lambda kv: kv[1][:2])
-            total = sum(c for c, _, _ in nxt.values())
+            tok, (count, _, d, occ) = max(nxt.items(), key=lambda kv: kv[1][:2])
+            total = sum(g[0] for g in nxt.values())
             run *= count / total
             if run < min_prob:
                 break
             out.token_ids.append(tok)
             out.probs.append(count / total)
             out.doc = d.key
-            occ = [(x, e + 1) for x, e in occ if e + 1 < len(x.tokens) and x.tokens[e + 1] == tok]
             n += 1
             tail.append(tok)
         return out
