@@ -255,6 +255,32 @@ def test_kernel_steps_equal_the_reference(wide_head, plain):
     assert torch.equal(prop.cache[:, :, : prop.num_slots], committed)
 
 
+def test_kernel_cache_writes_equal_a_fresh_forward(wide_head, plain):
+    """A verification's committed rows go into the drafter's cache in one kernel call
+    (`Eagle3Kernel.commit`; a long prefill chunk through PyTorch): after every step the cached rows
+    and K/V of each sequence are those of a fresh forward over its committed tokens."""
+    target, eagle3, _, _ = wide_head
+    _, ps, _, _ = plain
+    llm = LLM(str(target), draft=str(eagle3), spec=SpecConfig(method="eagle3", k=4), max_model_len=64)
+    eng, prop = llm.engine, llm.engine.proposer
+    assert prop.kernel is not None and prop.kernel.commits
+    calls = []
+    real = prop.kernel.commit
+    prop.kernel.commit = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    fresh_target = load_model(target, fuse=False, load_tokenizer=False).model.eval()
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=20, ignore_eos=True)
+              for i in range(4)]
+    seqs = [eng.add_request(f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(ps[:4], params))]
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        for s in seqs:
+            if not (s.is_finished or s.is_prefilling or s.num_computed == 0):
+                assert prop.cache_error(s, fresh_target) <= 1e-4
+                checked += 1
+    assert checked > 10 and calls and max(calls) > 1
+
+
 def test_kernel_chosen_steps_equal_the_reference(wide_head, plain):
     """Sampled rows step through the kernel (`Eagle3Kernel.draft`, one call a step): its logits are
     `Eagle3Drafter.draft`'s fed the same tokens (within float rounding), the committed cache stays;

@@ -146,15 +146,18 @@ class NativeIO(ctypes.Structure):
 
 class Eagle3IO(ctypes.Structure):
     """`struct dw_eagle3` (kernels/kernels.h): an EAGLE-3 drafter's norms and fc_in for its greedy
-    steps (`dw_eagle3_greedy`)."""
+    steps (`dw_eagle3_greedy`), its fc and its layer's kv for its cache writes (`dw_eagle3_commit`)."""
 
     _fields_ = [("hidden_norm", ctypes.c_void_p), ("embed_norm", ctypes.c_void_p), ("fc_in", ctypes.c_void_p),
-                ("fc_in_bias", ctypes.c_void_p), ("fc_in_scale", ctypes.c_void_p), ("fc_in_kind", ctypes.c_int)]
+                ("fc_in_bias", ctypes.c_void_p), ("fc_in_scale", ctypes.c_void_p), ("fc_in_kind", ctypes.c_int),
+                ("fc", ctypes.c_void_p), ("fc_bias", ctypes.c_void_p), ("fc_scale", ctypes.c_void_p),
+                ("fc_kind", ctypes.c_int), ("kv", ctypes.c_void_p), ("kv_bias", ctypes.c_void_p),
+                ("kv_scale", ctypes.c_void_p), ("kv_kind", ctypes.c_int), ("nfeat", ctypes.c_long)]
 
 
 # 0, or -1: no scratch memory
 INT_RESULT = ("dw_vnni", "dw_amx_enable", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
-              "dw_eagle3_greedy", "dw_eagle3_step")
+              "dw_eagle3_greedy", "dw_eagle3_step", "dw_eagle3_commit")
 
 
 class Kernels:
@@ -191,6 +194,7 @@ class Kernels:
             "dw_draft_greedy_rows": [io, args, p, p, p, p, i, i, p, p, p, p],
             "dw_eagle3_greedy": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p, p],
             "dw_eagle3_step": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p],
+            "dw_eagle3_commit": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, p, i, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

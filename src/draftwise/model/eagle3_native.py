@@ -46,10 +46,11 @@ class Eagle3Kernel:
     """The pointers of a prepared drafter and its target that `dw_eagle3_greedy` reads (prepared
     weights never move), found once."""
 
-    def __init__(self, drafter, layer_ptrs, kinds, e3: Eagle3IO, max_rows: int):
+    def __init__(self, drafter, layer_ptrs, kinds, e3: Eagle3IO, max_rows: int, commits: bool):
         self.drafter, self.cfg = drafter, drafter.cfg
         self.target = drafter._target[0]
         self.layer_ptrs, self.kinds, self.e3, self.max_rows = layer_ptrs, kinds, e3, max_rows
+        self.commits = commits  # fc and the layer's kv in the kernels too: `commit` runs
         self.dtype = next(drafter.parameters()).dtype
 
     @staticmethod
@@ -74,10 +75,14 @@ class Eagle3Kernel:
             if n == 1:
                 ptrs.append(layer.post_attention_layernorm.weight.data_ptr())
         kind, w, b, s = prods[4]
-        e3 = Eagle3IO(drafter.hidden_norm.weight.data_ptr(), drafter.embed_norm.weight.data_ptr(), w, b, s, kind)
-        max_rows = SMALL_MAX_ROWS if any(p[0] == 0 for p in prods) else 1 << 30
+        fc, kv = _product(drafter.packed["fc"], dtype), _product(packed["kv"], dtype)  # for `commit`
+        commits = fc is not None and kv is not None
+        fc, kv = fc or (0, 0, 0, 0), kv or (0, 0, 0, 0)
+        e3 = Eagle3IO(drafter.hidden_norm.weight.data_ptr(), drafter.embed_norm.weight.data_ptr(), w, b, s, kind,
+                      fc[1], fc[2], fc[3], fc[0], kv[1], kv[2], kv[3], kv[0], len(drafter.cfg.target_feature_layers))
+        max_rows = SMALL_MAX_ROWS if any(p[0] == 0 for p in prods + [fc, kv]) else 1 << 30
         return Eagle3Kernel(drafter, (ctypes.c_void_p * 14)(*ptrs), (ctypes.c_int * 4)(*(p[0] for p in prods[:4])),
-                            e3, max_rows)
+                            e3, max_rows, commits)
 
     def fits(self, starts: list[int], ks: list[int]) -> bool:
         """Whether one call takes these rows: few enough for every product, each step's position
@@ -148,3 +153,23 @@ class Eagle3Kernel:
                 raise MemoryError("eagle3 draft step: no scratch memory")
             tok = choose(j, logits).to(torch.int64).contiguous()  # [B]
             x = a
+
+    def commit(self, features: torch.Tensor, ids: list[int], start: int, slots: torch.Tensor, cache: torch.Tensor,
+               rows: torch.Tensor) -> None:
+        """Committed positions start .. start + n - 1 into the drafter's cache (`dw_eagle3_commit`):
+        features [n, F*H] the target's, ids [n] the token after each, slots [n] (int64) theirs; row t
+        = `row_input(fuse(features), ids)` to rows [slots, H], its K (rotated) and V (`kv`) to cache
+        [1, 2, slots, Hkv, D] (both in the drafter's dtype), equal to those up to float rounding.
+        For n up to `max_rows` where `commits`."""
+        n = features.shape[0]
+        feat = features.to(self.dtype).contiguous()
+        slots = slots.contiguous()
+        top = self.cfg.max_position_embeddings  # (positions past the RoPE table read its last row, as `rope`)
+        meta = (ctypes.c_int64 * (2 * n))(*ids, *(min(p, top) for p in range(start, start + n)))
+        args = self._args(1, cache, slots[None])
+        base = ctypes.addressof(meta)
+        rc = cpu_kernels.kernels().eagle3_commit(ctypes.byref(self.target._native_io()), ctypes.byref(args),
+                                                 ctypes.byref(self.e3), feat.data_ptr(), base, base + 8 * n,
+                                                 slots.data_ptr(), n, rows.data_ptr())
+        if rc != 0:
+            raise MemoryError("eagle3 cache rows: no scratch memory")

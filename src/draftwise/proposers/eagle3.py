@@ -82,6 +82,11 @@ class Eagle3Proposer:
             raise ValueError(f"eagle3 drafter: features up to position {end - 1}, but the sequence has "
                              f"{seq.num_tokens} tokens (a row reads the token after it)")
         slots = commit_slots(self.kv, seq, start, n, "eagle3", self.device)  # [n]
+        kern = self.kernel
+        if kern is not None and kern.commits and n <= kern.max_rows and self.cache.dtype == self.rows.dtype == kern.dtype:
+            kern.commit(features, nxt, start, slots, self.cache, self.rows)
+            seq.draft_computed = end
+            return
         d = self.drafter
         rows = d.row_input(d.fuse(features[None].to(self.device)), torch.tensor([nxt], device=self.device))  # [1, n, H]
         k, v = d.kv(rows, torch.arange(start, end, device=self.device)[None])  # [1, n, Hkv, D] each

@@ -3,7 +3,9 @@
  * fc_in([norm(a) ; norm(emb(token))]), all on one OpenMP team (team.c) for the whole call: the
  * calls of model/eagle3.py's `Eagle3Drafter.draft` for greedy rows, without a fork of the team and
  * the Python around every product (about 20 a round). dw_eagle3_step: one of those steps without
- * the argmax, for rows whose tokens the caller chooses from the step's logits (sampled rows). */
+ * the argmax, for rows whose tokens the caller chooses from the step's logits (sampled rows).
+ * dw_eagle3_commit: committed positions' context rows and K/V into the drafter's cache (after each
+ * verification), the pieces of `row_input(fuse(.))` and `kv` in one call. */
 #include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -81,7 +83,8 @@ static void choose_and_feed(struct e3_call *c, long s) {
 
 /* The steps on the calling thread: alone, or as one thread of the team (every thread makes the same
  * calls and meets at the same barriers; thread 0 alone the bookkeeping, norms and argmax). */
-static int eagle3_steps(struct e3_call *c) {
+static int eagle3_steps(void *p) {
+    struct e3_call *c = (struct e3_call *)p;
     const struct dw_decoder_args *args = c->args;
     const struct dw_eagle3 *e = c->e;
     long hid = args->hid;
@@ -122,13 +125,13 @@ static int e3_alloc(struct e3_call *c) {
     return 0;
 }
 
-/* fn(c) on one OpenMP team (or on the calling thread alone), then c's memory freed: fn's result. */
-static int e3_run(struct e3_call *c, int (*fn)(struct e3_call *)) {
+/* fn(c) on one OpenMP team of `threads` (or on the calling thread alone): fn's result. */
+static int e3_team(int threads, int (*fn)(void *), void *c) {
     int rc = 0;
 #ifdef _OPENMP
-    if (c->args->threads > 1 && !dw_team_nt) {
+    if (threads > 1 && !dw_team_nt) {
         struct dw_team_bar bar = {0, 0};
-#pragma omp parallel num_threads(c->args->threads) reduction(| : rc)
+#pragma omp parallel num_threads(threads) reduction(| : rc)
         {
             dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
             rc |= fn(c);
@@ -137,6 +140,12 @@ static int e3_run(struct e3_call *c, int (*fn)(struct e3_call *)) {
     } else
 #endif
         rc = fn(c);
+    return rc;
+}
+
+/* fn(c) on one team, then c's memory freed: 0, or -1 when fn failed. */
+static int e3_run(struct e3_call *c, int (*fn)(void *)) {
+    int rc = e3_team(c->args->threads, fn, c);
     free(c->x);
     free(c->buf);
     return rc ? -1 : 0;
@@ -164,7 +173,8 @@ int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *args,
 
 /* One step of every sequence (the team's part of dw_eagle3_step): the input rows (c->in fed, or
  * c->x as given), the layer, the head into c->logits, the layer's outputs a left in c->x. */
-static int eagle3_one_step(struct e3_call *c) {
+static int eagle3_one_step(void *p) {
+    struct e3_call *c = (struct e3_call *)p;
     const struct dw_decoder_args *args = c->args;
     const struct dw_eagle3 *e = c->e;
     long hid = args->hid;
@@ -209,4 +219,76 @@ int dw_eagle3_step(const struct dw_io *io, const struct dw_decoder_args *args, c
     int rc = e3_run(&c, eagle3_one_step);
     free(ks);
     return rc;
+}
+
+/* What dw_eagle3_commit works on: its arguments and the rows between its products. */
+struct e3_commit {
+    const struct dw_io *io;
+    const struct dw_decoder_args *args;
+    const struct dw_eagle3 *e;
+    const void *feat;
+    const int64_t *ids, *pos, *slots;
+    long n;
+    void *rows;
+    char *g, *in, *x, *h, *kv; /* [n, hid], [n, 2 hid], [n, hid], [n, hid], [n, 2 Hkv D] */
+};
+
+/* The team's part of dw_eagle3_commit: the products split across it, thread 0 the norms, the
+ * embedding lookup, RoPE and the cache writes. */
+static int eagle3_commit_rows(void *p) {
+    struct e3_commit *c = (struct e3_commit *)p;
+    const struct dw_decoder_args *args = c->args;
+    const struct dw_eagle3 *e = c->e;
+    long hid = args->hid, n = c->n, es = args->bf ? 2 : 4, row = args->Hkv * args->D, bf = args->bf;
+    int one = dw_team_tid == 0, nt = args->threads;
+    dw_product(e->fc_kind, c->feat, e->fc, e->fc_bias, e->fc_scale, c->g, n, hid, e->nfeat * hid, bf, nt);
+    dw_team_barrier();
+    if (one) { /* [norm(g) ; norm(emb(x_{t+1}))], the embeddings in h for now */
+        dw_embed_rows(c->io, c->ids, n, hid, es, c->h);
+        for (long t = 0; t < n; t++) {
+            dw_rms_norm(c->g + es * t * hid, e->hidden_norm, c->in + es * 2 * t * hid, 1, hid, args->eps, bf);
+            dw_rms_norm(c->h + es * t * hid, e->embed_norm, c->in + es * (2 * t + 1) * hid, 1, hid, args->eps, bf);
+        }
+    }
+    dw_team_barrier();
+    dw_product(e->fc_in_kind, c->in, e->fc_in, e->fc_in_bias, e->fc_in_scale, c->x, n, hid, 2 * hid, bf, nt);
+    dw_team_barrier();
+    if (one) dw_rms_norm(c->x, args->w[0], c->h, n, hid, args->eps, bf); /* the layer's input norm */
+    dw_team_barrier();
+    dw_product(e->kv_kind, c->h, e->kv, e->kv_bias, e->kv_scale, c->kv, n, 2 * row, hid, bf, nt);
+    dw_team_barrier();
+    if (one) {
+        dw_rope(c->kv, n, 2 * row, args->Hkv, args->D, c->pos, args->cos, args->sin, bf); /* k's heads */
+        char *kc = (char *)args->cache, *vc = kc + es * args->kv_stride;
+        for (long t = 0; t < n; t++) {
+            int64_t s = c->slots[t];
+            memcpy(kc + es * s * row, c->kv + es * 2 * t * row, es * row);
+            memcpy(vc + es * s * row, c->kv + es * (2 * t + 1) * row, es * row);
+            memcpy((char *)c->rows + es * s * hid, c->x + es * t * hid, es * hid);
+        }
+    }
+    dw_team_barrier();
+    return 0;
+}
+
+/* The context rows of n committed positions into the drafter's cache. feat [n, nfeat * hid]: the
+ * target's features of the positions; ids [n] the token after each (x_{t+1}); pos [n] their
+ * positions (rows of args->cos, args->sin); slots [n] their slots. Row t = fc_in([norm(fc(feat_t)) ;
+ * norm(emb(ids_t))]) goes to rows [slots, hid] at slots[t], its K (rotated) and V (the layer's input
+ * norm, args->w[0], then e's kv product) to args->cache [2, slots, Hkv, D] (V kv_stride elements
+ * after K). args: the drafter's layer as dw_eagle3_greedy takes it (only hid, Hkv, D, w, eps, cos,
+ * sin, cache, kv_stride, bf, threads read). Returns 0, or -1 when scratch memory was not available. */
+int dw_eagle3_commit(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
+                     const void *feat, const int64_t *ids, const int64_t *pos, const int64_t *slots, long n,
+                     void *rows) {
+    long hid = args->hid, es = args->bf ? 2 : 4, kvw = 2 * args->Hkv * args->D;
+    if (n <= 0) return 0;
+    char *mem = (char *)malloc(es * n * (5 * hid + kvw) + 64);
+    if (!mem) return -1;
+    struct e3_commit c = {io, args, e, feat, ids, pos, slots, n, rows};
+    c.g = mem, c.in = c.g + es * n * hid, c.x = c.in + es * n * 2 * hid, c.h = c.x + es * n * hid;
+    c.kv = c.h + es * n * hid;
+    int rc = e3_team(args->threads, eagle3_commit_rows, &c);
+    free(mem);
+    return rc ? -1 : 0;
 }
