@@ -138,15 +138,16 @@ class Eagle3Proposer:
         position L - 1, step 1's, to L + k - 2)."""
         B, kmax = len(ks), max(ks)
         ctx = self.kv.slots(seq_ids, lengths)  # [B, max L]
-        start = torch.tensor(lengths)[:, None] - 1  # [B, 1]
-        last = ctx.gather(1, start)[:, 0]  # [B]
         Lmax = max(n - 1 + k for n, k in zip(lengths, ks))
         table = torch.zeros(B, Lmax, dtype=torch.long)
-        table[:, : ctx.shape[1]] = ctx[:, :Lmax]
-        j = torch.arange(Lmax)[None] - start  # [B, Lmax] the step of each position from L - 1 on
-        base = self._scratch(B * kmax) + torch.arange(B)[:, None] * kmax
-        table = torch.where((j >= 0) & (j < torch.tensor(ks)[:, None]), base + j, table)
-        return self.rows[last.to(self.device)], table
+        w = min(ctx.shape[1], Lmax)
+        table[:, :w] = ctx[:, :w]
+        rows = table.numpy()  # (row by row in numpy: each torch op costs tens of us between the kernels' calls)
+        base, last = self._scratch(B * kmax), []
+        for b, (n, k) in enumerate(zip(lengths, ks)):
+            last.append(int(rows[b, n - 1]))
+            rows[b, n - 1: n - 1 + k] = range(base + b * kmax, base + b * kmax + k)
+        return self.rows.index_select(0, torch.tensor(last, device=self.device)), table
 
     def _scratch(self, n: int) -> int:
         """The first of n scratch slots past the paged ones (the cache grown to hold them)."""
