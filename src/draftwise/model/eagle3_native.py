@@ -11,6 +11,9 @@ torch's (equal up to float rounding). Rows whose tokens are chosen from processe
 penalised or constrained: `StepChooser`) take `Eagle3Kernel.draft`: the same steps without the
 argmax, one call each, the step's logits handed to the chooser and its tokens fed to the next call;
 the rows draw from q computed from those logits, so DraftBlock.probs stays the q drawn from.
+After verification `Eagle3Kernel.commit` writes the committed positions' rows and context K/V
+into the drafter's cache in one call (`dw_eagle3_commit`): `row_input(fuse(.))` and `kv`'s
+products, norms and RoPE, on one team.
 
 `Eagle3Kernel.of(drafter)` is None where the call cannot run: the kernels unavailable, a
 projection or the target's embedding or head outside them, the drafter's dtype or norm epsilon

@@ -28,6 +28,8 @@ The sharing arrangement is DSpark's (proposers/dspark.py):
   written to scratch slots past the paged ones (`step_slots`), so the committed cache is untouched.
   The other rows take one kernel call a step where the kernels run (`Eagle3Kernel.draft`: the
   step's layer and head, its logits back to `StepChooser`, the same scratch slots).
+- **Cache writes** take one kernel call where the kernels run (`Eagle3Kernel.commit`: fc, fc_in,
+  the layer's k/v and RoPE, the writes to the slots), else the drafter's PyTorch pieces.
 
 p is the target, q the draft.
 """
