@@ -146,13 +146,12 @@ class NativeIO(ctypes.Structure):
 
 class Eagle3IO(ctypes.Structure):
     """`struct dw_eagle3` (kernels/kernels.h): an EAGLE-3 drafter's norms and fc_in for its greedy
-    steps (`dw_eagle3_greedy`), its fc and its layer's kv for its cache writes (`dw_eagle3_commit`)."""
+    steps (`dw_eagle3_greedy`), its fc for its cache writes (`dw_eagle3_commit`)."""
 
     _fields_ = [("hidden_norm", ctypes.c_void_p), ("embed_norm", ctypes.c_void_p), ("fc_in", ctypes.c_void_p),
                 ("fc_in_bias", ctypes.c_void_p), ("fc_in_scale", ctypes.c_void_p), ("fc_in_kind", ctypes.c_int),
                 ("fc", ctypes.c_void_p), ("fc_bias", ctypes.c_void_p), ("fc_scale", ctypes.c_void_p),
-                ("fc_kind", ctypes.c_int), ("kv", ctypes.c_void_p), ("kv_bias", ctypes.c_void_p),
-                ("kv_scale", ctypes.c_void_p), ("kv_kind", ctypes.c_int), ("nfeat", ctypes.c_long)]
+                ("fc_kind", ctypes.c_int), ("nfeat", ctypes.c_long)]
 
 
 # 0, or -1: no scratch memory

@@ -13,7 +13,8 @@ argmax, one call each, the step's logits handed to the chooser and its tokens fe
 the rows draw from q computed from those logits, so DraftBlock.probs stays the q drawn from.
 After verification `Eagle3Kernel.commit` writes the committed positions' rows and context K/V
 into the drafter's cache in one call (`dw_eagle3_commit`): `row_input(fuse(.))` and `kv`'s
-products, norms and RoPE, on one team.
+products (K and V from the layer's q/k/v product, whose weights the steps keep warm), norms and
+RoPE, on one team.
 
 `Eagle3Kernel.of(drafter)` is None where the call cannot run: the kernels unavailable, a
 projection or the target's embedding or head outside them, the drafter's dtype or norm epsilon
@@ -53,7 +54,7 @@ class Eagle3Kernel:
         self.drafter, self.cfg = drafter, drafter.cfg
         self.target = drafter._target[0]
         self.layer_ptrs, self.kinds, self.e3, self.max_rows = layer_ptrs, kinds, e3, max_rows
-        self.commits = commits  # fc and the layer's kv in the kernels too: `commit` runs
+        self.commits = commits  # fc in the kernels too: `commit` runs
         self.dtype = next(drafter.parameters()).dtype
 
     @staticmethod
@@ -78,12 +79,12 @@ class Eagle3Kernel:
             if n == 1:
                 ptrs.append(layer.post_attention_layernorm.weight.data_ptr())
         kind, w, b, s = prods[4]
-        fc, kv = _product(drafter.packed["fc"], dtype), _product(packed["kv"], dtype)  # for `commit`
-        commits = fc is not None and kv is not None
-        fc, kv = fc or (0, 0, 0, 0), kv or (0, 0, 0, 0)
+        fc = _product(drafter.packed["fc"], dtype)  # for `commit` (with the layer's qkv)
+        commits = fc is not None
+        fc = fc or (0, 0, 0, 0)
         e3 = Eagle3IO(drafter.hidden_norm.weight.data_ptr(), drafter.embed_norm.weight.data_ptr(), w, b, s, kind,
-                      fc[1], fc[2], fc[3], fc[0], kv[1], kv[2], kv[3], kv[0], len(drafter.cfg.target_feature_layers))
-        max_rows = SMALL_MAX_ROWS if any(p[0] == 0 for p in prods + [fc, kv]) else 1 << 30
+                      fc[1], fc[2], fc[3], fc[0], len(drafter.cfg.target_feature_layers))
+        max_rows = SMALL_MAX_ROWS if any(p[0] == 0 for p in prods + [fc]) else 1 << 30
         return Eagle3Kernel(drafter, (ctypes.c_void_p * 14)(*ptrs), (ctypes.c_int * 4)(*(p[0] for p in prods[:4])),
                             e3, max_rows, commits)
 

@@ -230,7 +230,7 @@ struct e3_commit {
     const int64_t *ids, *pos, *slots;
     long n;
     void *rows;
-    char *g, *in, *x, *h, *kv; /* [n, hid], [n, 2 hid], [n, hid], [n, hid], [n, 2 Hkv D] */
+    char *g, *in, *x, *h, *qkv; /* [n, hid], [n, 2 hid], [n, hid], [n, hid], [n, (H + 2 Hkv) D] */
 };
 
 /* The team's part of dw_eagle3_commit: the products split across it, thread 0 the norms, the
@@ -240,6 +240,7 @@ static int eagle3_commit_rows(void *p) {
     const struct dw_decoder_args *args = c->args;
     const struct dw_eagle3 *e = c->e;
     long hid = args->hid, n = c->n, es = args->bf ? 2 : 4, row = args->Hkv * args->D, bf = args->bf;
+    long q = args->H * args->D, qkvw = q + 2 * row;
     int one = dw_team_tid == 0, nt = args->threads;
     dw_product(e->fc_kind, c->feat, e->fc, e->fc_bias, e->fc_scale, c->g, n, hid, e->nfeat * hid, bf, nt);
     dw_team_barrier();
@@ -255,15 +256,17 @@ static int eagle3_commit_rows(void *p) {
     dw_team_barrier();
     if (one) dw_rms_norm(c->x, args->w[0], c->h, n, hid, args->eps, bf); /* the layer's input norm */
     dw_team_barrier();
-    dw_product(e->kv_kind, c->h, e->kv, e->kv_bias, e->kv_scale, c->kv, n, 2 * row, hid, bf, nt);
+    /* the layer's q/k/v product (its weights stay warm from the drafting steps: a k/v-only product of
+     * its own, the small-weight loop on one thread, cost more than q's share), q unused */
+    dw_product(args->kinds[0], c->h, args->w[1], args->w[2], args->w[3], c->qkv, n, qkvw, hid, bf, nt);
     dw_team_barrier();
     if (one) {
-        dw_rope(c->kv, n, 2 * row, args->Hkv, args->D, c->pos, args->cos, args->sin, bf); /* k's heads */
+        dw_rope(c->qkv + es * q, n, qkvw, args->Hkv, args->D, c->pos, args->cos, args->sin, bf); /* k's heads */
         char *kc = (char *)args->cache, *vc = kc + es * args->kv_stride;
         for (long t = 0; t < n; t++) {
             int64_t s = c->slots[t];
-            memcpy(kc + es * s * row, c->kv + es * 2 * t * row, es * row);
-            memcpy(vc + es * s * row, c->kv + es * (2 * t + 1) * row, es * row);
+            memcpy(kc + es * s * row, c->qkv + es * (t * qkvw + q), es * row);
+            memcpy(vc + es * s * row, c->qkv + es * (t * qkvw + q + row), es * row);
             memcpy((char *)c->rows + es * s * hid, c->x + es * t * hid, es * hid);
         }
     }
@@ -275,19 +278,20 @@ static int eagle3_commit_rows(void *p) {
  * target's features of the positions; ids [n] the token after each (x_{t+1}); pos [n] their
  * positions (rows of args->cos, args->sin); slots [n] their slots. Row t = fc_in([norm(fc(feat_t)) ;
  * norm(emb(ids_t))]) goes to rows [slots, hid] at slots[t], its K (rotated) and V (the layer's input
- * norm, args->w[0], then e's kv product) to args->cache [2, slots, Hkv, D] (V kv_stride elements
- * after K). args: the drafter's layer as dw_eagle3_greedy takes it (only hid, Hkv, D, w, eps, cos,
- * sin, cache, kv_stride, bf, threads read). Returns 0, or -1 when scratch memory was not available. */
+ * norm and q/k/v product, args->w[0..3]) to args->cache [2, slots, Hkv, D] (V kv_stride elements
+ * after K). args: the drafter's layer as dw_eagle3_greedy takes it (only hid, H, Hkv, D, w, kinds,
+ * eps, cos, sin, cache, kv_stride, bf, threads read). Returns 0, or -1 when scratch memory was not
+ * available. */
 int dw_eagle3_commit(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
                      const void *feat, const int64_t *ids, const int64_t *pos, const int64_t *slots, long n,
                      void *rows) {
-    long hid = args->hid, es = args->bf ? 2 : 4, kvw = 2 * args->Hkv * args->D;
+    long hid = args->hid, es = args->bf ? 2 : 4, qkvw = (args->H + 2 * args->Hkv) * args->D;
     if (n <= 0) return 0;
-    char *mem = (char *)malloc(es * n * (5 * hid + kvw) + 64);
+    char *mem = (char *)malloc(es * n * (5 * hid + qkvw) + 64);
     if (!mem) return -1;
     struct e3_commit c = {io, args, e, feat, ids, pos, slots, n, rows};
     c.g = mem, c.in = c.g + es * n * hid, c.x = c.in + es * n * 2 * hid, c.h = c.x + es * n * hid;
-    c.kv = c.h + es * n * hid;
+    c.qkv = c.h + es * n * hid;
     int rc = e3_team(args->threads, eagle3_commit_rows, &c);
     free(mem);
     return rc ? -1 : 0;

@@ -322,16 +322,13 @@ __attribute__((visibility("hidden"))) long dw_argmax_conf_row(const float *logit
 /* eagle3.c: EAGLE-3's greedy drafting steps. dw_eagle3 holds the drafter's norms on its own output
  * (hidden_norm) and on the drafted token's embedding (embed_norm), [hid] in the dtype, and fc_in
  * [2 hid -> hid] as dw_product takes it (kind, weight, bias and scale or NULL); for
- * dw_eagle3_commit also fc [nfeat hid -> hid] (the features' fusion) and the layer's kv
- * [hid -> 2 Hkv D] (K then V) the same way. */
+ * dw_eagle3_commit also fc [nfeat hid -> hid] (the features' fusion) the same way. */
 struct dw_eagle3 {
     const void *hidden_norm, *embed_norm;
     const void *fc_in, *fc_in_bias, *fc_in_scale;
     int fc_in_kind;
     const void *fc, *fc_bias, *fc_scale;
     int fc_kind;
-    const void *kv, *kv_bias, *kv_scale;
-    int kv_kind;
     long nfeat;
 };
 int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_eagle3 *e,
