@@ -5,7 +5,8 @@ target's fused low/mid/high features.
   of position t are concatenated and projected to g_t = fc(features_t) (`fuse`). The layer's input
   row at position t is fc_in([norm(g_t) ; norm(emb(x_{t+1}))]) (`row_input`), its output a_t (the
   residual stream, before any norm) goes through the target's final norm and LM head (shared and
-  frozen: not the drafter's parameters) and predicts x_{t+2} (`logits`).
+  frozen: not the drafter's parameters) and predicts x_{t+2} (`logits`); or, with `set_head`, a head
+  over the target's most frequent tokens (the others at FLOOR, eagle3_vocab.py).
 - **Drafting is autoregressive** (`draft`). With the committed context x_0..x_L (features of
   positions 0..L-1: the last token x_L has none yet), step 1 is the row of position L-1 (g_{L-1},
   x_L) and predicts x_{L+1}; step j > 1 is the row fc_in([norm(a) ; norm(emb(drafted token))]) at
@@ -62,6 +63,7 @@ class Eagle3Drafter(nn.Module):
             self.fc_in.weight.copy_(torch.eye(h).repeat(1, 2))
         self.layer = BlockLayer(cfg)  # EAGLE-3's one decoder layer
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
+        self._head: list = []  # `set_head`'s head over some tokens (a list: not saved with our weights)
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
         self._rope = RopeTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
@@ -75,6 +77,17 @@ class Eagle3Drafter(nn.Module):
         """Read `target`'s embeddings, final norm and LM head (a LlamaModel); they stay frozen."""
         self._target = [target]
         return self
+
+    def set_head(self, head) -> "Eagle3Drafter":
+        """Draft with `head` (a `PrunedHead` over some of the target's head rows, eagle3_vocab.py)
+        instead of the target's whole LM head."""
+        self._head = [head]
+        return self
+
+    @property
+    def head(self):
+        """`set_head`'s head, or None (the target's)."""
+        return self._head[0] if self._head else None
 
     def rope(self, positions: torch.Tensor):  # [B, L] -> cos, sin_signed [B, L, 1, D]
         return self._rope(positions)
@@ -98,7 +111,8 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, a: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
         t = self._target[0]
-        return t.compute_logits(t.model.norm(a.to(t.model.norm.weight.dtype)))
+        h = t.model.norm(a.to(t.model.norm.weight.dtype))
+        return self._head[0](h) if self._head else t.compute_logits(h)
 
     # -- drafting -------------------------------------------------------------------------------
     def draft(self, first: torch.Tensor, start: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,

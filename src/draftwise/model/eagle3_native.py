@@ -16,6 +16,11 @@ into the drafter's cache in one call (`dw_eagle3_commit`): `row_input(fuse(.))` 
 products (K and V from the layer's q/k/v product, whose weights the steps keep warm), norms and
 RoPE, on one team.
 
+A drafter with a head over some tokens (`--draft-vocab N`, eagle3_vocab.py) runs that head in the
+kernels' `dw_io` (its rows' token ids in `head_ids`): the steps compute its N logits, the greedy
+argmax maps back to token ids, and the logits handed back are expanded to the whole vocabulary,
+FLOOR elsewhere, as `PrunedHead` gives them.
+
 `Eagle3Kernel.of(drafter)` is None where the call cannot run: the kernels unavailable, a
 projection or the target's embedding or head outside them, the drafter's dtype or norm epsilon
 not the target's; the caller then keeps `draft`.
@@ -28,8 +33,10 @@ from typing import Callable
 import torch
 
 from . import cpu_kernels
-from .cpu_kernels import DecoderArgs, Eagle3IO
+from .cpu_kernels import DecoderArgs, Eagle3IO, NativeIO
+from .draft_vocab import FLOOR
 from .packed_weights import PackedLinear
+from .quantize import Int8Linear
 
 SMALL_MAX_ROWS = 16  # dw_linear (a small weight's loop) takes up to this many rows
 
@@ -56,6 +63,35 @@ class Eagle3Kernel:
         self.layer_ptrs, self.kinds, self.e3, self.max_rows = layer_ptrs, kinds, e3, max_rows
         self.commits = commits  # fc in the kernels too: `commit` runs
         self.dtype = next(drafter.parameters()).dtype
+        self.head = drafter.head  # a `PrunedHead` or None (the target's)
+
+    def _io(self):
+        """The `dw_io` of a call: the target's embedding and head, or its embedding and the drafter's
+        head over some tokens (None where that head does not run in the kernels)."""
+        io = self.target._native_io()
+        if io is None or self.head is None:
+            return io
+        inner, kind, scale = self.head.inner, 0, 0
+        native = getattr(inner, "native", None)
+        if isinstance(inner, PackedLinear) and native is not None and native.dtype == self.dtype:
+            kind = 1 if self.dtype == torch.float32 else 2 if io.head_kind == 2 else 0
+            w = native.data_ptr()
+        elif isinstance(inner, Int8Linear) and inner.act8 and inner.float_out and inner.bias is None:
+            kind = 3 if self.dtype == torch.float32 else 4
+            w, scale = inner.qpacked.data_ptr(), inner.scale.data_ptr()
+        if not kind:
+            return None
+        return NativeIO(io.emb, io.emb_packed, w, kind, len(self.head.kept), io.emb_scale, scale,
+                        self.head.kept.data_ptr(), FLOOR)
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits [..., rows] as whole-vocabulary rows [..., V] (FLOOR outside a pruned
+        head's tokens)."""
+        if self.head is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), FLOOR)
+        out[..., self.head.kept] = logits
+        return out
 
     @staticmethod
     def of(drafter) -> "Eagle3Kernel | None":
@@ -67,6 +103,8 @@ class Eagle3Kernel:
         if (dtype not in (torch.float32, torch.bfloat16) or tnorm.weight.dtype != dtype
                 or tnorm.eps != drafter.cfg.rms_norm_eps or next(drafter.parameters()).device.type != "cpu"
                 or target._native_io() is None):
+            return None
+        if drafter.head is not None and not (drafter.head.kept.dtype == torch.int64 and drafter.head.kept.is_contiguous()):
             return None
         layer, packed = drafter.layer, drafter.layer.packed
         prods = [_product(packed[n], dtype) for n in ("qkv", "o", "gate_up", "down")] + [_product(drafter.packed["fc_in"], dtype)]
@@ -85,8 +123,9 @@ class Eagle3Kernel:
         e3 = Eagle3IO(drafter.hidden_norm.weight.data_ptr(), drafter.embed_norm.weight.data_ptr(), w, b, s, kind,
                       fc[1], fc[2], fc[3], fc[0], len(drafter.cfg.target_feature_layers))
         max_rows = SMALL_MAX_ROWS if any(p[0] == 0 for p in prods + [fc]) else 1 << 30
-        return Eagle3Kernel(drafter, (ctypes.c_void_p * 14)(*ptrs), (ctypes.c_int * 4)(*(p[0] for p in prods[:4])),
+        kern = Eagle3Kernel(drafter, (ctypes.c_void_p * 14)(*ptrs), (ctypes.c_int * 4)(*(p[0] for p in prods[:4])),
                             e3, max_rows, commits)
+        return kern if kern._io() is not None else None
 
     def fits(self, starts: list[int], ks: list[int]) -> bool:
         """Whether one call takes these rows: few enough for every product, each step's position
@@ -115,7 +154,8 @@ class Eagle3Kernel:
         None, the logits [B, max(ks), V] float32 or None): what `Eagle3Drafter.draft` with the
         argmax gives, up to float rounding."""
         lib = cpu_kernels.kernels()
-        B, kmax, V = len(ks), max(ks), self.cfg.vocab_size
+        io = self._io()
+        B, kmax, V = len(ks), max(ks), io.V
         slots = slots.contiguous()
         args = self._args(B, cache, slots)
         first = first.to(self.dtype).contiguous()
@@ -124,14 +164,14 @@ class Eagle3Kernel:
         conf = (ctypes.c_float * (B * kmax))() if confidence else None
         out = torch.empty(B, kmax, V, dtype=torch.float32) if logits else None
         base = ctypes.addressof(meta)
-        rc = lib.eagle3_greedy(ctypes.byref(self.target._native_io()), ctypes.byref(args), ctypes.byref(self.e3),
+        rc = lib.eagle3_greedy(ctypes.byref(io), ctypes.byref(args), ctypes.byref(self.e3),
                                first.data_ptr(), base, base + 8 * B, B, kmax, ctypes.addressof(toks),
                                0 if conf is None else ctypes.addressof(conf), 0 if out is None else out.data_ptr())
         if rc != 0:
             raise MemoryError("eagle3 draft steps: no scratch memory")
         tokens = [list(toks[b * kmax: b * kmax + k]) for b, k in enumerate(ks)]
         confs = None if conf is None else [list(conf[b * kmax: b * kmax + k]) for b, k in enumerate(ks)]
-        return tokens, confs, out
+        return tokens, confs, None if out is None else self._full(out)
 
     def draft(self, first: torch.Tensor, starts: list[int], steps: int, cache: torch.Tensor, slots: torch.Tensor,
               choose: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
@@ -140,22 +180,23 @@ class Eagle3Kernel:
         first, cache and slots as `greedy` takes them (slots reaching starts[b] + steps - 1 for every
         row); the logits are the kernel's, equal to `draft`'s up to float rounding."""
         lib = cpu_kernels.kernels()
-        B, V, H = first.shape[0], self.cfg.vocab_size, self.cfg.hidden_size
+        io = self._io()
+        B, V, H = first.shape[0], io.V, self.cfg.hidden_size
         slots = slots.contiguous()
         args = self._args(B, cache, slots)
         x = first.to(self.dtype).contiguous()  # [B, H] step 1's rows, then each step's layer outputs a
         start = torch.tensor(starts, dtype=torch.int64)  # [B]
-        io = ctypes.byref(self.target._native_io())
+        io = ctypes.byref(io)
         tok = None
         for j in range(steps):
-            logits = torch.empty(B, V, dtype=torch.float32)  # [B, V]: the chooser may keep it
+            logits = torch.empty(B, V, dtype=torch.float32)  # [B, V] the head's rows
             a = torch.empty(B, H, dtype=self.dtype)  # [B, H]
             rc = lib.eagle3_step(io, ctypes.byref(args), ctypes.byref(self.e3), x.data_ptr(),
                                  0 if tok is None else tok.data_ptr(), start.data_ptr(), B, j, logits.data_ptr(),
                                  a.data_ptr())
             if rc != 0:
                 raise MemoryError("eagle3 draft step: no scratch memory")
-            tok = choose(j, logits).to(torch.int64).contiguous()  # [B]
+            tok = choose(j, self._full(logits)).to(torch.int64).contiguous()  # [B] (the chooser may keep its rows)
             x = a
 
     def commit(self, features: torch.Tensor, ids: list[int], start: int, slots: torch.Tensor, cache: torch.Tensor,

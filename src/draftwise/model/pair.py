@@ -11,7 +11,8 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 - `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes,
   unless `draft_quantization` names the draft's own ("none" for float weights);
 - `draft_vocab` N keeps the draft's LM head over its N most frequent tokens (draft_vocab.py), ranked
-  with the draft's own tokenizer (a draft of another vocabulary included);
+  with the draft's own tokenizer (a draft of another vocabulary included); an EAGLE-3 drafter's steps
+  then use the kept rows of the target's head (eagle3_vocab.py), ranked with the target's;
 - a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
   beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
   unless `draft_dtype` says otherwise, its projections packed for the CPU kernels (`prepare`): a
@@ -37,6 +38,7 @@ from .dspark import DSparkDrafter, load_dspark
 from .dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkConfig
 from .eagle3 import Eagle3Drafter, load_eagle3
 from .eagle3_config import ARCHITECTURE as EAGLE3_ARCHITECTURE, Eagle3Config
+from .eagle3_vocab import prune_eagle3_head
 from .loader import LoadedModel, load_model, resolve_dtype
 
 
@@ -106,7 +108,8 @@ def is_dspark_dir(path: str | Path) -> bool:
     return drafter_architecture(path) == DSPARK_ARCHITECTURE
 
 
-def _load_feature_drafter(path: Path, arch: str, target: LoadedModel, dtype: str, device: str):
+def _load_feature_drafter(path: Path, arch: str, target: LoadedModel, dtype: str, device: str,
+                          draft_vocab: int | None = None):
     name, load, result = _FEATURE_DRAFTERS[arch]
     try:
         drafter = load(path, target.model, dtype=resolve_dtype(dtype)).to(device)
@@ -114,6 +117,8 @@ def _load_feature_drafter(path: Path, arch: str, target: LoadedModel, dtype: str
             drafter.prepare()
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: not {name} drafter for the target {target.path} ({e})") from None
+    if draft_vocab is not None:  # (EAGLE-3's only: load_pair refuses it for the others)
+        prune_eagle3_head(drafter, target, draft_vocab)
     return result(path, drafter.cfg, drafter)
 
 
@@ -151,10 +156,12 @@ def load_pair(
         return ModelPair(target, None)
     arch = drafter_architecture(resolve_model(draft_dir))
     if arch is not None:
+        if arch == EAGLE3_ARCHITECTURE and draft_own == ["--draft-vocab"]:  # (its head: the target's rows)
+            draft_own = []
         if draft_own:
             raise ValueError(f"{draft_own[0]} applies to a draft model, not to {_FEATURE_DRAFTERS[arch][0]} drafter")
         return ModelPair(target, _load_feature_drafter(resolve_model(draft_dir), arch, target, draft_dtype or dtype,
-                                                       device))
+                                                       device, draft_vocab))
     dq = quantization if draft_quantization is None else draft_quantization  # ("none": load_model's float weights)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
                              load_tokenizer=False, quantization=dq)

@@ -73,7 +73,8 @@ static void choose_and_feed(struct e3_call *c, long s) {
         long b = c->act[a], o = b * c->kmax + s;
         const float *row = c->logits + a * V;
         if (c->out_logits) memcpy(c->out_logits + o * V, row, sizeof(float) * V);
-        int64_t tok = dw_argmax_conf_row(row, V, c->out_conf ? c->out_conf + o : NULL);
+        long best = dw_argmax_conf_row(row, V, c->out_conf ? c->out_conf + o : NULL);
+        int64_t tok = dw_head_token(c->io, best, row[best]); /* a pruned head's row: its token id */
         c->out_tok[o] = tok;
         if (c->ks[b] <= s + 1) continue;
         feed_row(c, c->x + es * a * hid, tok, c->in + es * A2++ * 2 * hid);
@@ -156,9 +157,11 @@ static int e3_run(struct e3_call *c, int (*fn)(void *)) {
  * (layers 1; final_norm the target's; cos, sin the drafter's RoPE tables, reaching start[b] + ks[b]
  * - 1), its cache and slots [B, Lmax]: sequence b's slot per position up to start[b] + ks[b] - 1
  * (the steps write their K/V at positions start[b].., so those slots are the caller's scratch); io:
- * the target's embedding and head. out_tok [B, kmax]; out_conf [B, kmax] (may be NULL) each step's
- * max softmax probability; out_logits [B, kmax, V] (may be NULL) its logits. Row b's first ks[b]
- * entries are written. Returns 0, or -1 when scratch memory was not available. */
+ * the target's embedding and head, or a head over some tokens only (io->head_ids: the drafter's
+ * reduced vocabulary, model/eagle3_vocab.py; V its rows, the argmax mapped to token ids). out_tok
+ * [B, kmax]; out_conf [B, kmax] (may be NULL) each step's max softmax probability; out_logits [B,
+ * kmax, V] (may be NULL) its logits, one per head row. Row b's first ks[b] entries are written.
+ * Returns 0, or -1 when scratch memory was not available. */
 int dw_eagle3_greedy(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
                      const void *first, const int64_t *start, const int64_t *ks, long B, long kmax,
                      int64_t *out_tok, float *out_conf, float *out_logits) {
@@ -196,8 +199,9 @@ static int eagle3_one_step(void *p) {
  * (tok NULL), or step s - 1's layer outputs a, each fed with tok[b], the token chosen there, through
  * fc_in([norm(a) ; norm(emb(tok))]). The step runs at positions start[b] + s and writes its K/V
  * into the slots of that position (args as dw_eagle3_greedy's, reaching start[b] + s). out_logits
- * [B, V] the step's logits; out_a [B, hid] its layer outputs (the next step's x). Returns 0, or -1
- * when scratch memory was not available. */
+ * [B, V] the step's logits (V = io->V, the head's rows: a head over some tokens gives theirs);
+ * out_a [B, hid] its layer outputs (the next step's x). Returns 0, or -1 when scratch memory was not
+ * available. */
 int dw_eagle3_step(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_eagle3 *e,
                    const void *x, const int64_t *tok, const int64_t *start, long B, long s, float *out_logits,
                    void *out_a) {

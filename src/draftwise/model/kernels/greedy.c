@@ -90,6 +90,9 @@ static long head_token(const struct dw_io *io, long best, float top) {
     return top < io->head_floor || gap < tok ? gap : tok;
 }
 
+/* head_token for eagle3.c's greedy steps */
+long dw_head_token(const struct dw_io *io, long best, float top) { return head_token(io, best, top); }
+
 /* argmax_conf_row, and with tok2 not NULL the runner-up (runner_up_row; conf then computed), as
  * token ids (head_token; a pruned head's confidence is its kept logits' softmax: the others add
  * exp(floor - max) = 0 to the sum, but in another order of the additions). */

@@ -318,6 +318,9 @@ int dw_draft_greedy_rows(const struct dw_io *io, const struct dw_decoder_args *a
 void dw_argmax_conf(const float *logits, long rows, long V, int64_t *tok, float *conf, int threads);
 /* a row's first maximum and (conf not NULL) its max softmax probability, for eagle3.c */
 __attribute__((visibility("hidden"))) long dw_argmax_conf_row(const float *logits, long V, float *conf);
+/* the token of row `best` (value top) of a head's logits: best itself, or for a head over some tokens
+ * only (io->head_ids) the full row's first maximum, for eagle3.c */
+__attribute__((visibility("hidden"))) long dw_head_token(const struct dw_io *io, long best, float top);
 
 /* eagle3.c: EAGLE-3's greedy drafting steps. dw_eagle3 holds the drafter's norms on its own output
  * (hidden_norm) and on the drafted token's embedding (embed_norm), [hid] in the dtype, and fc_in
