@@ -20,10 +20,18 @@ from tiny_models import make_model_dir
 KEEP = 256
 
 
+@pytest.fixture(scope="module")
+def rank_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("draft-vocab")
+
+
 @pytest.fixture
-def small_count(monkeypatch, tmp_path):
+def small_count(monkeypatch, rank_dir):
+    """The ranking counted over a small part of the corpus, cached in this module's own folder (not
+    DRAFTWISE_CACHE, which also holds the engine's hardware profiles: a fresh one per test would
+    measure a profile per engine)."""
     monkeypatch.setattr(draft_vocab, "COUNT_CHARS", 200_000)
-    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    monkeypatch.setattr(draft_vocab, "_cache_dir", lambda: rank_dir)
 
 
 @pytest.fixture(scope="module")
