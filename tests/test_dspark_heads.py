@@ -97,6 +97,9 @@ def test_a_fresh_head_leaves_the_base_logits_and_the_type_round_trips(target, tm
     cfg["markov_head_type"] = "lstm"
     with pytest.raises(ValueError, match="markov_head_type.*vanilla, gated, rnn.*'lstm'"):
         DSparkConfig.from_dict(cfg)
+    cfg["markov_head_type"], cfg["causal_block"] = "rnn", "yes"
+    with pytest.raises(ValueError, match="'causal_block': true or false, got 'yes'"):
+        DSparkConfig.from_dict(cfg)
     with pytest.raises(ValueError, match="markov head type 'lstm'"):
         make_head("lstm", 10, 4, 8)
 
