@@ -5,7 +5,7 @@ import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import draft_vocab
-from draftwise.model.draft_vocab import FLOOR, MIN_TOKENS, PrunedHead, _rows, kept_tokens, token_ranking
+from draftwise.model.draft_vocab import FLOOR, MIN_TOKENS, PrunedHead, kept_rows, kept_tokens, token_ranking
 from draftwise.model.pair import load_pair
 from draftwise.model.quantize import GROUP, Int8Linear, quantization_of
 from draftwise.sampling.processors import probs_from_logits
@@ -43,7 +43,7 @@ def test_a_pruned_int8_group_head_gives_the_same_logits_at_the_kept_ids():
     gs = (torch.rand(O, N // GROUP) * 0.01 + 1e-3).half()
     head = Int8Linear([], blocks=[(q, gs)], float_out=True)
     kept = torch.tensor(sorted(torch.randperm(O)[:MIN_TOKENS].tolist()))
-    pruned = PrunedHead(_rows(head, kept, None), kept, O)
+    pruned = PrunedHead(kept_rows(head, kept, None), kept, O)
     h = torch.randn(3, N)
     full, out = head(h).float(), pruned(h)
     assert out.shape == full.shape

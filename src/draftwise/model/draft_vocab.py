@@ -90,7 +90,7 @@ def kept_tokens(ranking: list[int], n: int, vocab_size: int, always: list[int]) 
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
-def _rows(head: nn.Module, kept: torch.Tensor, head_rows: torch.Tensor | None) -> nn.Module:
+def kept_rows(head: nn.Module, kept: torch.Tensor, head_rows: torch.Tensor | None) -> nn.Module:
     """A head module over the `kept` rows of `head`: the same values, fewer outputs."""
     if isinstance(head, Int8Linear) and head.group:
         blocks = [(head.qweight[kept].contiguous(), head.group_scales()[kept].contiguous())]
@@ -139,7 +139,7 @@ def prune_head(model: nn.Module, kept: torch.Tensor) -> None:
     vocab = head.out_features
     if len(kept) >= vocab:
         return
-    model.lm_head = PrunedHead(_rows(head, kept, getattr(model, "head_rows", None)), kept, vocab)
+    model.lm_head = PrunedHead(kept_rows(head, kept, getattr(model, "head_rows", None)), kept, vocab)
     if getattr(model, "head_rows", None) is not None:
         model.head_rows = None  # (refine_top_logits' rows: the kept head's logits are its own)
     model._io = None  # the fused kernels' head: found again (the kept rows, where they run there)

@@ -10,7 +10,7 @@ greedy output stays the target's; only what the drafter proposes changes.
 
 The kept rows are the target head's own values: its float rows (the weight, the kept `head_rows`,
 or read back from dw_gemm's packing [ceil(V/16), N, 16]) packed again for dw_gemm, or an int8 /
-int4 head's kept blocks (draft_vocab.py's `_rows`). The kernel path (model/eagle3_native.py) runs
+int4 head's kept blocks (draft_vocab.py's `kept_rows`). The kernel path (model/eagle3_native.py) runs
 them as the head of its `dw_io` with their token ids (`head_ids`), the PyTorch path through
 `PrunedHead`.
 """
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_kernels
-from .draft_vocab import PrunedHead, _rows, kept_tokens, token_ranking
-from .packed_weights import PackedLinear, _pack
+from .draft_vocab import PrunedHead, kept_rows, kept_tokens, token_ranking
+from .packed_weights import PackedLinear
 
 
 def _float_rows(target, kept: torch.Tensor) -> torch.Tensor | None:
@@ -42,12 +41,9 @@ def kept_head(target, kept: torch.Tensor) -> PrunedHead:
     vocab = target.cfg.vocab_size
     w = _float_rows(target, kept)
     if w is None:
-        inner = _rows(target.lm_head, kept, None)  # int8 / int4: the kept blocks
+        inner = kept_rows(target.lm_head, kept, None)  # int8 / int4: the kept blocks
     else:
-        inner = PackedLinear([w])
-        if inner.native is None and cpu_kernels.kernels() is not None and w.dtype in (torch.float32, torch.bfloat16):
-            # dw_gemm's packing whatever the size (the kernels' head takes it; `PackedLinear` runs it)
-            inner.native, inner.packed, inner.weight, inner.small, inner.weight_t = _pack(w), None, None, False, None
+        inner = PackedLinear([w], native=True)  # dw_gemm's packing whatever the size: the kernels' head takes it
     return PrunedHead(inner, kept, vocab)
 
 

@@ -139,19 +139,22 @@ class PackedLinear(nn.Module):
     Fused projections (q/k/v, gate/up) pass several weights, concatenated along the outputs.
     """
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None, native: bool = False):
+        """`native`: dw_gemm's packing whatever the weight's size, where the kernels run and take its
+        dtype (a head the fused kernels read, e.g. model/eagle3_vocab.py's)."""
         super().__init__()
         w = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.out_features, self.in_features = w.shape
         self.bias = None if biases is None else nn.Parameter(torch.cat(biases), requires_grad=False)
         self.native = None  # dw_gemm_f32's packed weight, where it replaces oneDNN (see _native_pack)
-        if _packable(w):  # an opaque oneDNN tensor: kept as a plain attribute, not a parameter
+        if _packable(w) and not native:  # an opaque oneDNN tensor: kept as a plain attribute, not a parameter
             self.packed, self.weight = None, None
             self.native = _native_pack(w, self.bias)
             if self.native is None:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
         elif (w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
-              and w.numel() >= NATIVE_MIN_NUMEL and native_gemm_wanted()):
+              and ((w.numel() >= NATIVE_MIN_NUMEL and native_gemm_wanted())
+                   or (native and cpu_kernels.kernels() is not None))):
             # bfloat16 without native bfloat16 products here (dw_gemm_bf16), or a weight below
             # oneDNN's threshold but big enough for two threads: dw_gemm rather than the
             # single-threaded small-weight loop, and every product of such a target packed (its

@@ -86,12 +86,10 @@ def dspark_loss_fn(target, anchors: int, decay: float, weights: LossWeights = Lo
             q_logits, p, conf, labels, valid = block_forward(drafter, target, batch, a)
             return dspark_loss(q_logits, p, labels, conf, position_weights(valid, decay), weights)[0]
         a1 = sample_anchors(batch.shape[0], batch.shape[1], first_anchors)
-        parts = block_forward(drafter, target, batch, a, a1)
-        V = parts[0][0].shape[-1]
-        rows = lambda i: torch.cat([part[i].reshape(-1, V) if i < 2 else part[i].reshape(-1)  # noqa: E731
-                                    for part in parts])
+        parts = block_forward(drafter, target, batch, a, a1)  # the blocks', then the first rows'
         w = torch.cat([position_weights(part[4], decay).reshape(-1) for part in parts])
-        return dspark_loss(rows(0), rows(1), rows(3), rows(2), w, weights)[0]
+        q_logits, p, conf, labels, _ = (torch.cat([x.reshape(-1, *x.shape[3:]) for x in xs]) for xs in zip(*parts))
+        return dspark_loss(q_logits, p, labels, conf, w, weights)[0]
 
     return loss_fn
 
