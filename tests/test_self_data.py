@@ -96,3 +96,31 @@ def test_train_draft_on_self_data(setup, tmp_path):
                                 data="self", data_dir=tmp_path / "ckpt" / "self_data", gen_tokens=0,
                                 overrides=dict(shape="tiny", batch_size=2, seq_len=16, warmup_steps=1))
     assert again["self_data"]["tokens"] == summary["self_data"]["tokens"]  # trained on what was there
+
+
+def test_train_eagle3_on_self_data_over_kept_tokens(setup, tmp_path, monkeypatch):
+    """`train eagle3 --data self --draft-vocab N`: trained on the replies, over N tokens whose ids are
+    saved with the drafter; loaded, it drafts over exactly those (a PrunedHead) and greedy output
+    stays plain decoding's."""
+    from draftwise import LLM, SamplingParams, SpecConfig
+    from draftwise.model import draft_vocab
+    from draftwise.model.draft_vocab import PrunedHead
+    from draftwise.train.eagle3 import train_eagle3
+
+    monkeypatch.setattr(draft_vocab, "_cache_dir", lambda: tmp_path / "rank")
+    tok, target = setup
+    n = 300
+    summary = train_eagle3(tmp_path / "e3", target, tokens=2 * 2 * 16, ckpt_dir=tmp_path / "ck", steps=2,
+                           data="self", gen={"tokens": 10**9, "max_tokens": 8}, draft_vocab=n,
+                           overrides=dict(batch_size=2, seq_len=16, warmup_steps=1))
+    assert summary["data"] == "self" and summary["draft_vocab"] == n
+    assert json.loads((tmp_path / "e3" / "config.json").read_text())["draft_vocab"] == n
+    llm = LLM(str(target), draft=str(tmp_path / "e3"), spec=SpecConfig(method="eagle3", k=3))
+    head = llm.engine.proposer.drafter.head
+    assert isinstance(head, PrunedHead) and len(head.kept) == n
+    assert torch.equal(head.kept.cpu(), llm.engine.proposer.drafter.draft_vocab_ids.cpu())
+    assert head.kept.unique().numel() == n and int(head.kept.max()) < tok.get_vocab_size()
+    ps = [tok.encode(t).ids for t in ("def split_words(text):", "Count the words")]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(target)).generate(ps, sp)
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [o.token_ids for o in plain]

@@ -53,17 +53,17 @@ def add_parser(subparsers):
     p.add_argument("--ce-only", action="store_true", help="draft: cross-entropy only, no distillation")
     p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term, the rest CE (default 0.9)")
     p.add_argument("--data", choices=["corpus", "self"], default="corpus",
-                   help="draft: train on the corpus (distilling the target's distributions), or on the target's "
-                        "own replies to chat prompts made from the corpus (self: generated first, resumable; "
-                        "default corpus)")
-    p.add_argument("--data-dir", help="draft --data self: where the generated shards go (default <ckpt-dir>/self_data)")
+                   help="draft, eagle3: train on the corpus (distilling the target's distributions), or on the "
+                        "target's own replies to chat prompts made from the corpus (self: generated first, "
+                        "resumable; default corpus)")
+    p.add_argument("--data-dir", help="--data self: where the generated shards go (default <ckpt-dir>/self_data)")
     p.add_argument("--gen-tokens", type=int, default=1_000_000,
-                   help="draft --data self: generate until the shards hold this many tokens (0: use what is there; "
+                   help="--data self: generate until the shards hold this many tokens (0: use what is there; "
                         "default 1000000)")
     p.add_argument("--gen-max-tokens", type=positive_int, default=192,
-                   help="draft --data self: reply length (default 192)")
+                   help="--data self: reply length (default 192)")
     p.add_argument("--gen-minutes", type=float,
-                   help="draft --data self: stop generating after this many minutes (default: no limit)")
+                   help="--data self: stop generating after this many minutes (default: no limit)")
     p.add_argument("--device", default="cpu",
                    help="draft --data self: cpu or cuda (generation and training; default cpu)")
     p.add_argument("--ckpt-dir", help="checkpoint directory (default: checkpoints/target, checkpoints/target_hybrid "
@@ -115,6 +115,12 @@ def _add_dspark_args(p) -> None:
     p.add_argument("--steps", type=positive_int, default=5,
                    help=f"eagle3: draft steps unrolled by training-time test (default 5; batch 4 x 256 tokens, "
                         f"lr {E['lr']:g}, warm-up {E['warmup_steps']} unless set)")
+    p.add_argument("--draft-vocab", type=positive_int, default=None,
+                   help="eagle3: learn and draft over the target's N most frequent tokens only (the ids are saved "
+                        "with the drafter, which then drafts over them by default; default: the whole vocabulary)")
+    p.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="eagle3: the dtype of the frozen target's pass (features and p); bfloat16 is several "
+                        "times faster on CPUs with bfloat16 matrix units (default float32)")
     p.add_argument("--eval-draft", help="eagle3: also measure this draft model's held-out acceptance at the same "
                                         "positions (a model directory sharing the target's vocabulary; default: none)")
 
@@ -134,8 +140,8 @@ def run(args) -> int:
 
     if args.minutes is not None and args.tokens is not None:
         raise UserError("give --minutes or --tokens, not both")
-    if args.data == "self" and args.what != "draft":
-        raise UserError("--data self is for `train draft` (the target's own replies are the draft's data)")
+    if args.data == "self" and args.what not in ("draft", "eagle3"):
+        raise UserError("--data self is for `train draft` and `train eagle3` (the target's own replies are their data)")
     if args.gen_tokens < 0:
         raise UserError(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
     if args.gen_minutes is not None and not args.gen_minutes > 0:
@@ -240,7 +246,11 @@ def _train_eagle3(args) -> None:
     try:
         train_eagle3(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                      ckpt_dir=args.ckpt_dir or "checkpoints/eagle3", resume=args.resume, steps=args.steps,
-                     feature_layers=layers, overrides=overrides, log=_log, progress=args.progress, draft_dir=draft)
+                     feature_layers=layers, overrides=overrides, log=_log, progress=args.progress, draft_dir=draft,
+                     data=args.data, data_dir=args.data_dir, draft_vocab=args.draft_vocab,
+                     target_dtype=args.target_dtype,
+                     gen={"tokens": args.gen_tokens, "max_tokens": args.gen_max_tokens, "minutes": args.gen_minutes}
+                     if args.data == "self" else None)
     except ValueError as e:  # a config the target cannot serve
         raise UserError(str(e)) from None
 

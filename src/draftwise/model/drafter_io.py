@@ -19,7 +19,8 @@ def save_drafter(drafter: nn.Module, config: dict, out: str | Path, dtype: torch
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
+             for k, v in drafter.state_dict().items()}  # (integer buffers, such as token ids, stay integers)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 

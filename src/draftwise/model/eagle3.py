@@ -62,6 +62,8 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.fc_in.weight.copy_(torch.eye(h).repeat(1, 2))
         self.layer = BlockLayer(cfg)  # EAGLE-3's one decoder layer
+        if cfg.draft_vocab:  # the tokens it was trained to draft over (train eagle3 --draft-vocab), saved with it
+            self.register_buffer("draft_vocab_ids", torch.zeros(cfg.draft_vocab, dtype=torch.long))
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
         self._head: list = []  # `set_head`'s head over some tokens (a list: not saved with our weights)
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)

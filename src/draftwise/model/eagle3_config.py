@@ -32,6 +32,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     target: str = ""  # the target's directory (informational; the caller loads the pair)
+    draft_vocab: int = 0  # trained to draft over these many of the target's tokens (0: all); ids in the weights
     extra: dict = field(default_factory=dict)  # unknown keys, kept on a round trip
 
     @property
@@ -61,6 +62,10 @@ class Eagle3Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ModelLoadError(f"config.json {name!r}: an integer >= 1, got {v!r}")
+        dv = self.draft_vocab
+        if not isinstance(dv, int) or isinstance(dv, bool) or dv < 0 or (dv and dv > self.vocab_size):
+            raise ModelLoadError(f"config.json 'draft_vocab': an integer from 0 (the whole vocabulary) to "
+                                 f"vocab_size {self.vocab_size}, got {dv!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(f"config.json: num_attention_heads {self.num_attention_heads} is not a multiple "
                                  f"of num_key_value_heads {self.num_key_value_heads}")

@@ -13,6 +13,9 @@ or read back from dw_gemm's packing [ceil(V/16), N, 16]) packed again for dw_gem
 int4 head's kept blocks (draft_vocab.py's `kept_rows`). The kernel path (model/eagle3_native.py) runs
 them as the head of its `dw_io` with their token ids (`head_ids`), the PyTorch path through
 `PrunedHead`.
+
+A drafter trained over N tokens (`draftwise train eagle3 --draft-vocab N`) carries their ids in its
+weights (`draft_vocab_ids`) and drafts over them unless `--draft-vocab` says otherwise.
 """
 from __future__ import annotations
 
@@ -47,16 +50,30 @@ def kept_head(target, kept: torch.Tensor) -> PrunedHead:
     return PrunedHead(inner, kept, vocab)
 
 
-def prune_eagle3_head(drafter, target, n: int) -> None:
-    """`--draft-vocab N` for an EAGLE-3 drafter: its steps' head over the target's N most frequent
-    tokens (target: a `LoadedModel`, its tokenizer ranks them). N equal to the vocabulary keeps the
-    whole head."""
+def frequent_tokens(target, n: int) -> torch.Tensor:
+    """The sorted ids of the target's N most frequent tokens (target: a `LoadedModel`, its tokenizer
+    ranks them; special tokens and EOS always kept)."""
     vocab = target.config.vocab_size
     if n > vocab:
         raise ValueError(f"--draft-vocab {n}: the target's vocabulary has {vocab} tokens")
     if target.tokenizer is None:
         raise ValueError("--draft-vocab: ranking the target's tokens needs its tokenizer.json")
     always = list(target.tokenizer.get_added_tokens_decoder()) + list(target.eos_token_ids)
-    kept = kept_tokens(token_ranking(target.tokenizer), n, vocab, always)
+    return kept_tokens(token_ranking(target.tokenizer), n, vocab, always)
+
+
+def prune_eagle3_head(drafter, target, n: int | None) -> None:
+    """`--draft-vocab N` for an EAGLE-3 drafter: its steps' head over the target's N most frequent
+    tokens. N None: over the tokens it was trained to draft over (`draft_vocab_ids`), if any. N
+    equal to the vocabulary keeps the whole head."""
+    vocab = target.config.vocab_size
+    if n is not None:
+        kept = frequent_tokens(target, n)
+    elif getattr(drafter, "draft_vocab_ids", None) is not None:
+        kept = drafter.draft_vocab_ids.cpu()
+        if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= vocab):
+            raise ValueError(f"draft_vocab_ids: token ids outside the target's vocabulary of {vocab}")
+    else:
+        return
     if len(kept) < vocab:
         drafter.set_head(kept_head(target.model, kept))

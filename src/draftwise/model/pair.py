@@ -117,8 +117,11 @@ def _load_feature_drafter(path: Path, arch: str, target: LoadedModel, dtype: str
             drafter.prepare()
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: not {name} drafter for the target {target.path} ({e})") from None
-    if draft_vocab is not None:  # (EAGLE-3's only: load_pair refuses it for the others)
-        prune_eagle3_head(drafter, target, draft_vocab)
+    if arch == EAGLE3_ARCHITECTURE:  # (--draft-vocab is EAGLE-3's only: load_pair refuses it for the others)
+        try:
+            prune_eagle3_head(drafter, target, draft_vocab)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
     return result(path, drafter.cfg, drafter)
 
 

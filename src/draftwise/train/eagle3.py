@@ -14,6 +14,14 @@ Loss: the cross-entropy against the target's distribution at every unrolled step
 its projections at std 0.02 and fc_in as the sum of its two inputs (starting its layer as a copy of
 a target layer, as DSpark does, gave a higher loss after 60 steps: 6.20 against 5.90). The loop,
 the schedule, checkpoints (resume) and progress are train/trainer.py's.
+
+Data: the corpus's windows, or (`--data self`) the target's own replies to chat prompts
+(self_data.py: prompt and reply, teacher-forced like any window). With `draft_vocab` N the drafter
+learns and drafts over the target's N most frequent tokens only (eagle3_vocab.py): its head is those
+rows of the target's, the loss reads p on them (-sum over the kept x of p(x) log q(x)), the ids are
+saved with its weights, and the held-out acceptance is that of the pruned drafter against the
+whole p. `target_dtype` bfloat16 runs the frozen target's pass in bfloat16 (on CPUs with bfloat16
+matrix units several times faster than float32; the drafter itself trains in float32).
 """
 from __future__ import annotations
 
@@ -25,9 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import corpus
+from ..model.draft_vocab import PrunedHead
 from ..model.eagle3 import Eagle3Drafter, save_eagle3
 from ..model.eagle3_config import Eagle3Config
+from ..model.eagle3_vocab import frequent_tokens
 from ..model.loader import load_model
+from . import self_data
 from .data import Batches, eval_windows, load_streams
 from .eagle3_eval import eagle3_acceptance
 from .fit import corpus_stats
@@ -58,78 +69,125 @@ def ttt_loss(step_logits: list[torch.Tensor], p: torch.Tensor, decay: float = ST
     return (per_step * w).sum() / w.sum(), per_step.detach()
 
 
-def _target_pass(target, ids: torch.Tensor, layers: tuple[int, ...]):
-    """ids [B, T] -> features [B, T, F*H], p [B, T, V] (the frozen target's)."""
+class KeptRowsHead(torch.nn.Module):
+    """Training's head over the kept tokens: [..., H] -> [..., N] float32 logits, the target head's
+    kept rows (frozen); at evaluation a `PrunedHead` spreads them over the whole vocabulary."""
+
+    def __init__(self, rows: torch.Tensor):
+        super().__init__()
+        self.register_buffer("rows", rows.detach().float().contiguous())
+        self.out_features, self.in_features = self.rows.shape
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.rows)
+
+
+def _target_pass(target, ids: torch.Tensor, layers: tuple[int, ...], kept: torch.Tensor | None = None):
+    """ids [B, T] -> features [B, T, F*H], p [B, T, V] (the frozen target's; [B, T, N] at the kept
+    tokens only with `kept`)."""
     with torch.no_grad():
         hidden, feats = target(ids, feature_layers=layers)
         p = torch.softmax(target.compute_logits(hidden).float(), -1)
-    return feats, p
+    return feats, (p if kept is None else p[..., kept])
 
 
-def eagle3_loss_fn(target, steps: int):
+def eagle3_loss_fn(target, steps: int, kept: torch.Tensor | None = None):
     """`(drafter, batch [B, T]) -> loss` for the Trainer."""
 
     def loss_fn(drafter, batch):
-        feats, p = _target_pass(target, batch, tuple(drafter.cfg.target_feature_layers))
+        feats, p = _target_pass(target, batch, tuple(drafter.cfg.target_feature_layers), kept)
         return ttt_loss(drafter.unroll(feats, batch, steps), p)[0]
 
     return loss_fn
 
 
 @torch.no_grad()
-def val_loss(drafter, target, windows: torch.Tensor, steps: int) -> float:
+def val_loss(drafter, target, windows: torch.Tensor, steps: int, kept: torch.Tensor | None = None) -> float:
     total = 0.0
     for w in windows.split(2):
-        feats, p = _target_pass(target, w, tuple(drafter.cfg.target_feature_layers))
+        feats, p = _target_pass(target, w, tuple(drafter.cfg.target_feature_layers), kept)
         total += float(ttt_loss(drafter.unroll(feats, w, steps), p)[0]) * w.shape[0]
     return total / max(1, windows.shape[0])
 
 
-def build_drafter(tcfg, target_model, steps: int, feature_layers, seed: int, target: str = "") -> Eagle3Drafter:
-    """A fresh drafter: projections at std 0.02, fc_in the sum of its inputs."""
+def build_drafter(tcfg, target_model, steps: int, feature_layers, seed: int, target: str = "",
+                  kept: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A fresh drafter: projections at std 0.02, fc_in the sum of its inputs; `kept` the token ids it
+    drafts over (None: all)."""
     torch.manual_seed(seed)
-    cfg = Eagle3Config.for_target(tcfg, steps=steps, feature_layers=feature_layers, target=target).check(tcfg)
-    drafter = Eagle3Drafter(cfg)
+    cfg = Eagle3Config.for_target(tcfg, steps=steps, feature_layers=feature_layers, target=target)
+    cfg.draft_vocab = 0 if kept is None else len(kept)
+    drafter = Eagle3Drafter(cfg.check(tcfg))
+    if kept is not None:
+        drafter.draft_vocab_ids.copy_(kept)
     for m in drafter.modules():
         if isinstance(m, torch.nn.Linear) and m is not drafter.fc_in:
             torch.nn.init.normal_(m.weight, std=0.02)
     return drafter.share(target_model)
 
 
+def _streams(loaded, target_dir: Path, ckpt_dir: Path, split, data: str, data_dir: Path, gen: dict, log):
+    if data == "corpus":
+        return load_streams(loaded.tokenizer, split, ckpt_dir)
+    if gen.get("tokens"):
+        self_data.generate(target_dir, data_dir, gen["tokens"], max_tokens=gen.get("max_tokens", 192),
+                           minutes=gen.get("minutes"), log=log or print)
+    return self_data.load_streams(data_dir, loaded.config.eos_token_id[0])
+
+
 def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/eagle3", resume=False,
                  steps: int = 5, feature_layers: list[int] | None = None, overrides=None, log=None,
-                 progress: bool | None = None, draft_dir: str | Path | None = None) -> dict:
+                 progress: bool | None = None, draft_dir: str | Path | None = None, data: str = "corpus",
+                 data_dir: str | Path | None = None, gen: dict | None = None, draft_vocab: int | None = None,
+                 target_dtype: str = "float32") -> dict:
     """Train, save the drafter in `out`, and write `out`/training.json with the held-out acceptance of
-    the drafter and (with `draft_dir`) of a separate draft model at the same positions."""
+    the drafter and (with `draft_dir`) of a separate draft model at the same positions. `gen`
+    (tokens, max_tokens, minutes): with data "self", generate the replies first (resumable)."""
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
+    if data not in ("corpus", "self"):
+        raise ValueError(f"data: corpus or self, got {data!r}")
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
+    if data == "self" and data_dir is None:
+        data_dir = ckpt_dir / "self_data"
     hp = dict(EAGLE3_DEFAULTS, **(overrides or {}))
-    loaded = load_model(target_dir, dtype="float32", fuse=False)
+    loaded = load_model(target_dir, dtype=target_dtype, fuse=False)
     target = loaded.model.eval().requires_grad_(False)
+    kept = None
+    if draft_vocab is not None:
+        kept = frequent_tokens(loaded, draft_vocab)
+        kept = None if len(kept) >= loaded.config.vocab_size else kept
     drafter = build_drafter(loaded.config, target, steps, feature_layers, hp["seed"],
-                            target=os.path.relpath(target_dir.resolve(), out.resolve()))
+                            target=os.path.relpath(target_dir.resolve(), out.resolve()), kept=kept)
+    if kept is not None:
+        head_rows = KeptRowsHead(target.lm_head.weight[kept])
+        drafter.set_head(head_rows)
     split = corpus.split()
-    streams = load_streams(loaded.tokenizer, split, ckpt_dir)
+    streams = _streams(loaded, target_dir, ckpt_dir, split, data, data_dir, gen or {}, log)
     cfg = TrainConfig(ckpt_dir=str(ckpt_dir), batch_size=hp["batch_size"], seq_len=hp["seq_len"], lr=hp["lr"],
                       warmup_steps=hp["warmup_steps"], seed=hp["seed"], max_tokens=tokens, minutes=minutes,
                       weight_decay=0.0)
     val = eval_windows(streams["val"], hp["seq_len"], VAL_WINDOWS)
     trainer = Trainer(drafter, Batches(streams["train"], cfg.batch_size, cfg.seq_len, seed=cfg.seed), cfg,
-                      loss_fn=eagle3_loss_fn(target, steps), eval_fn=lambda d: val_loss(d, target, val, steps),
+                      loss_fn=eagle3_loss_fn(target, steps, kept),
+                      eval_fn=(lambda d: val_loss(d, target, val, steps, kept)) if len(val) else None,
                       log=log, progress=progress)
     if resume:
         trainer.resume()
     summary = trainer.run()
     drafter.eval()
     save_eagle3(drafter, out)
+    if kept is not None:  # evaluated as it drafts: q over the kept tokens, none elsewhere
+        drafter.set_head(PrunedHead(head_rows, kept, loaded.config.vocab_size))
     held_out = eval_windows(streams["val"], hp["seq_len"], EVAL_WINDOWS)
     summary.update(role="eagle3", target=str(target_dir), history=trainer.history, peak_rss_mb=round(peak_rss_mb()),
                    trainable_parameters=sum(p.numel() for p in drafter.parameters()),
                    objective=f"soft CE against p at each of {steps} unrolled steps, weights {STEP_DECAY}^(j-1)",
-                   corpus=corpus_stats(split, streams),
-                   held_out={"eagle3": eagle3_acceptance(drafter, target, held_out, EVAL_ANCHORS, steps)})
-    if draft_dir is not None:
+                   corpus=corpus_stats(split, streams) if data == "corpus" else {"self_data": str(data_dir)},
+                   data=data, draft_vocab=0 if kept is None else len(kept), target_dtype=target_dtype,
+                   held_out={"eagle3": eagle3_acceptance(drafter, target, held_out, EVAL_ANCHORS, steps)}
+                   if len(held_out) else {"note": "no held-out window (too little data)"})
+    if draft_dir is not None and len(held_out):
         from .dspark_eval import draft_acceptance
 
         draft = load_model(draft_dir, dtype="float32", fuse=False, load_tokenizer=False).model.eval()
