@@ -19,9 +19,9 @@ one among the verified (a proposal after a rejection, or one the policy did not 
 nothing). Both inputs are functions of the past (committed history, earlier verifications), so
 the length, like the draft, is causal.
 
-The step's seconds come from the engine (`StepCosted.set_step_cost`): the policy's hardware
-profile when it has one, plus what the engine's measured steps add (policies/cost.py's
-`OnlineCost`); before any step is measured the cost is flat and every drafted proposal is kept.
+The step's seconds come from the engine (`StepCosted.set_step_cost`): its measured steps fitted in
+rows and tokens (policies/cost.py's `OnlineCost` over an empty profile); before any step is
+measured the cost is flat and every drafted proposal is kept.
 """
 from __future__ import annotations
 

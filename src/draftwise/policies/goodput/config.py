@@ -1,7 +1,7 @@
 """`GoodputConfig`: every tuned constant of the goodput policy, in one frozen dataclass.
 
-A field's comment says why the constant exists; docs/ARCHITECTURE.md says what each was measured
-to do (a constant stays only where a paired A/B shows it helps). `GoodputPolicy(config=...)`
+A field's comment says why the constant exists; docs/ARCHITECTURE.md gives the reason of each
+(a constant stays only where a paired A/B shows it helps). `GoodputPolicy(config=...)`
 takes another one, for an A/B or a test.
 """
 from __future__ import annotations
