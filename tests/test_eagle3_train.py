@@ -123,6 +123,12 @@ def test_cli_train_eagle3_errors(tmp_path, target_dir, capsys):
     assert main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
                  "--eval-draft", str(tmp_path / "nowhere")]) == 2
     assert "--eval-draft " + str(tmp_path / "nowhere") + ": not a model directory" in capsys.readouterr().err
+    assert main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
+                 "--data", "self", "--gen-model", str(tmp_path / "nowhere")]) == 2
+    assert "--gen-model " + str(tmp_path / "nowhere") + ": not a model directory" in capsys.readouterr().err
+    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
+                 "--data", "self"]) == 2
+    assert "--data self is for `train draft` and `train eagle3`" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
               "--steps", "0"])

@@ -62,6 +62,8 @@ def add_parser(subparsers):
                         "default 1000000)")
     p.add_argument("--gen-max-tokens", type=positive_int, default=192,
                    help="--data self: reply length (default 192)")
+    p.add_argument("--gen-model", help="--data self: the model that generates the replies (default --target; e.g. "
+                                        "the same weights kept quantized, which generate faster)")
     p.add_argument("--gen-minutes", type=float,
                    help="--data self: stop generating after this many minutes (default: no limit)")
     p.add_argument("--device", default="cpu",
@@ -150,6 +152,10 @@ def run(args) -> int:
         raise UserError(f"--device {args.device}: not available here (cpu, or cuda where a GPU is)")
     if args.target:  # a bare name is a directory under models/ (paths.resolve_model)
         args.target = str(resolve_model(args.target))
+    if args.gen_model:
+        args.gen_model = str(resolve_model(args.gen_model))
+        if not Path(args.gen_model, "config.json").is_file():
+            raise UserError(f"--gen-model {args.gen_model}: not a model directory (no config.json)")
     t0 = time.time()
     if args.what == "tokenizer":
         pipeline.train_tokenizer_dir(args.out)
@@ -177,7 +183,8 @@ def run(args) -> int:
                              resume=args.resume, ce_only=args.ce_only, alpha=args.alpha,
                              overrides=_overrides(args), init=args.init, data=args.data, data_dir=args.data_dir,
                              gen_tokens=args.gen_tokens if args.data == "self" else 0, gen_minutes=args.gen_minutes,
-                             gen_max_tokens=args.gen_max_tokens, device=args.device, log=_log, progress=args.progress)
+                             gen_max_tokens=args.gen_max_tokens, device=args.device, log=_log, progress=args.progress,
+                             gen_model=args.gen_model)
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
                            resume=args.resume, draft_continue_minutes=args.draft_continue_minutes, log=_log,
@@ -249,8 +256,8 @@ def _train_eagle3(args) -> None:
                      feature_layers=layers, overrides=overrides, log=_log, progress=args.progress, draft_dir=draft,
                      data=args.data, data_dir=args.data_dir, draft_vocab=args.draft_vocab,
                      target_dtype=args.target_dtype,
-                     gen={"tokens": args.gen_tokens, "max_tokens": args.gen_max_tokens, "minutes": args.gen_minutes}
-                     if args.data == "self" else None)
+                     gen={"tokens": args.gen_tokens, "max_tokens": args.gen_max_tokens, "minutes": args.gen_minutes,
+                          "model": args.gen_model} if args.data == "self" else None)
     except ValueError as e:  # a config the target cannot serve
         raise UserError(str(e)) from None
 

@@ -46,7 +46,8 @@ def kd_loss_fn(teacher, alpha: float = 0.9):
 
 def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/draft", resume=False,
                 ce_only=False, alpha=0.9, overrides=None, log=None, init=None, data="corpus", data_dir=None,
-                gen_tokens=0, gen_minutes=None, gen_max_tokens=192, device="cpu", progress: bool | None = None) -> dict:
+                gen_tokens=0, gen_minutes=None, gen_max_tokens=192, device="cpu", progress: bool | None = None,
+                gen_model=None) -> dict:
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
     hp = dict(DRAFT_DEFAULTS, **(overrides or {}))
     split = corpus.split()
@@ -55,7 +56,7 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
         hp = dict(hp, shape=(overrides or {}).get("shape", "draft-wide"))
         data_dir = Path(data_dir) if data_dir is not None else ckpt_dir / "self_data"
         if gen_tokens:
-            gen = self_data.generate(target_dir, data_dir, gen_tokens, max_tokens=gen_max_tokens, device=device,
+            gen = self_data.generate(gen_model or target_dir, data_dir, gen_tokens, max_tokens=gen_max_tokens, device=device,
                                      minutes=gen_minutes, log=log or print)
         teacher = None  # the replies are the labels: the target's config is all the training needs
         tcfg = ModelConfig.from_dir(target_dir)

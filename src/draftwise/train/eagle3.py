@@ -130,7 +130,7 @@ def _streams(loaded, target_dir: Path, ckpt_dir: Path, split, data: str, data_di
     if data == "corpus":
         return load_streams(loaded.tokenizer, split, ckpt_dir)
     if gen.get("tokens"):
-        self_data.generate(target_dir, data_dir, gen["tokens"], max_tokens=gen.get("max_tokens", 192),
+        self_data.generate(gen.get("model") or target_dir, data_dir, gen["tokens"], max_tokens=gen.get("max_tokens", 192),
                            minutes=gen.get("minutes"), log=log or print)
     return self_data.load_streams(data_dir, loaded.config.eos_token_id[0])
 
@@ -142,7 +142,8 @@ def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
                  target_dtype: str = "float32") -> dict:
     """Train, save the drafter in `out`, and write `out`/training.json with the held-out acceptance of
     the drafter and (with `draft_dir`) of a separate draft model at the same positions. `gen`
-    (tokens, max_tokens, minutes): with data "self", generate the replies first (resumable)."""
+    (tokens, max_tokens, minutes, model): with data "self", generate the replies first (resumable;
+    by `model`, default the target: e.g. the same weights kept quantized, faster)."""
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
     if data not in ("corpus", "self"):
