@@ -21,7 +21,8 @@ learns and drafts over the target's N most frequent tokens only (eagle3_vocab.py
 rows of the target's, the loss reads p on them (-sum over the kept x of p(x) log q(x)), the ids are
 saved with its weights, and the held-out acceptance is that of the pruned drafter against the
 whole p. `target_dtype` bfloat16 runs the frozen target's pass in bfloat16 (on CPUs with bfloat16
-matrix units several times faster than float32; the drafter itself trains in float32).
+matrix units several times faster than float32); the drafter keeps its float32 weights and the
+trainer's autocast.
 """
 from __future__ import annotations
 
