@@ -144,6 +144,8 @@ def run(args) -> int:
         raise UserError("give --minutes or --tokens, not both")
     if args.data == "self" and args.what not in ("draft", "eagle3"):
         raise UserError("--data self is for `train draft` and `train eagle3` (the target's own replies are their data)")
+    if args.what != "eagle3" and (args.draft_vocab is not None or args.target_dtype != "float32"):
+        raise UserError("--draft-vocab and --target-dtype are for `train eagle3`")
     if args.gen_tokens < 0:
         raise UserError(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
     if args.gen_minutes is not None and not args.gen_minutes > 0:

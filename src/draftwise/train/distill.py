@@ -56,8 +56,8 @@ def train_draft(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoint
         hp = dict(hp, shape=(overrides or {}).get("shape", "draft-wide"))
         data_dir = Path(data_dir) if data_dir is not None else ckpt_dir / "self_data"
         if gen_tokens:
-            gen = self_data.generate(gen_model or target_dir, data_dir, gen_tokens, max_tokens=gen_max_tokens, device=device,
-                                     minutes=gen_minutes, log=log or print)
+            gen = self_data.generate(gen_model or target_dir, data_dir, gen_tokens, max_tokens=gen_max_tokens,
+                                     device=device, minutes=gen_minutes, log=log or print)
         teacher = None  # the replies are the labels: the target's config is all the training needs
         tcfg = ModelConfig.from_dir(target_dir)
         streams = self_data.load_streams(data_dir, tcfg.eos_token_id[0])

@@ -131,8 +131,8 @@ def _streams(loaded, target_dir: Path, ckpt_dir: Path, split, data: str, data_di
     if data == "corpus":
         return load_streams(loaded.tokenizer, split, ckpt_dir)
     if gen.get("tokens"):
-        self_data.generate(gen.get("model") or target_dir, data_dir, gen["tokens"], max_tokens=gen.get("max_tokens", 192),
-                           minutes=gen.get("minutes"), log=log or print)
+        self_data.generate(gen.get("model") or target_dir, data_dir, gen["tokens"],
+                           max_tokens=gen.get("max_tokens", 192), minutes=gen.get("minutes"), log=log or print)
     return self_data.load_streams(data_dir, loaded.config.eos_token_id[0])
 
 
