@@ -25,7 +25,7 @@ from .draft_vocab import PrunedHead, kept_rows, kept_tokens, token_ranking
 from .packed_weights import PackedLinear
 
 
-def _float_rows(target, kept: torch.Tensor) -> torch.Tensor | None:
+def float_rows(target, kept: torch.Tensor) -> torch.Tensor | None:
     """The target head's float rows of the `kept` tokens [n, H], or None (a quantized head)."""
     head = target.lm_head
     w = getattr(head, "weight", None)
@@ -42,7 +42,7 @@ def _float_rows(target, kept: torch.Tensor) -> torch.Tensor | None:
 def kept_head(target, kept: torch.Tensor) -> PrunedHead:
     """A `PrunedHead` over the `kept` rows of `target`'s LM head (a prepared LlamaModel)."""
     vocab = target.cfg.vocab_size
-    w = _float_rows(target, kept)
+    w = float_rows(target, kept)
     if w is None:
         inner = kept_rows(target.lm_head, kept, None)  # int8 / int4: the kept blocks
     else:

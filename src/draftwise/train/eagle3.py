@@ -37,7 +37,7 @@ from .. import corpus
 from ..model.draft_vocab import PrunedHead
 from ..model.eagle3 import Eagle3Drafter, save_eagle3
 from ..model.eagle3_config import Eagle3Config
-from ..model.eagle3_vocab import frequent_tokens
+from ..model.eagle3_vocab import float_rows, frequent_tokens
 from ..model.loader import load_model
 from . import self_data
 from .data import Batches, eval_windows, load_streams
@@ -162,7 +162,10 @@ def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     drafter = build_drafter(loaded.config, target, steps, feature_layers, hp["seed"],
                             target=os.path.relpath(target_dir.resolve(), out.resolve()), kept=kept)
     if kept is not None:
-        head_rows = KeptRowsHead(target.lm_head.weight[kept])
+        rows = float_rows(target, kept)
+        if rows is None:
+            raise ValueError("--draft-vocab: the target's LM head has no float rows to train over")
+        head_rows = KeptRowsHead(rows)
         drafter.set_head(head_rows)
     split = corpus.split()
     streams = _streams(loaded, target_dir, ckpt_dir, split, data, data_dir, gen or {}, log)
