@@ -296,6 +296,23 @@ def test_dspark_verifies_less_per_row_under_load():
     assert got[1] == 4 and got[16] <= 2, got
 
 
+def test_dspark_prices_rows_at_the_whole_steps_rate():
+    """Theta's seconds are the planned drafting plus the verification: the plan predicts its
+    drafter steps, and with drafting as dear as a verification a proposal too weak to pay for its
+    row at the verification-only rate is verified, as the long-run rate (drafting included) says."""
+    policy = DSparkPolicy(k=4, cost=CostModel(COST.target, (0.0006, 0.0002, 0.0)), has_draft_model=True,
+                          config=FROZEN)
+    seqs = rows(1)
+    lengths = policy.plan(seqs, [4])
+    assert sum(lengths) >= 1 and policy.draft_seconds == pytest.approx(0.0008 * lengths[0])
+    conf = [0.9, 0.5, 0.5, 0.5]  # survivals about 0.93, 0.49, 0.25, 0.13
+    policy.draft_seconds = 0.004  # four such drafter steps planned
+    with_drafting = policy.admit(seqs, blocks_of(conf, 1), 0.0)
+    policy.draft_seconds = 0.0  # the verification-only Theta
+    verification_only = policy.admit(seqs, blocks_of(conf, 1), 0.0)
+    assert with_drafting[0] > verification_only[0], (with_drafting, verification_only)
+
+
 def test_dspark_drafts_nothing_for_a_useless_drafter_but_probes():
     """After a drafter that is never right (observed through the interface), the plan drafts for no
     row but the probes: one row at a time, the first after `probe_every` idle steps."""

@@ -9,9 +9,18 @@ admits one at a time while the expected throughput
 
     Theta = (R + sum of admitted a) * SPS(R + admitted),   SPS(T) = 1 / seconds(T)
 
-keeps rising (R rows, each feeding its last committed token; seconds(T) the verification step at
-T tokens: the profile plus the online residual, `OnlineCost.tokens_seconds`); it stops at the
-first candidate that does not raise Theta.
+keeps rising (R rows, each feeding its last committed token; seconds(T) the whole step at T
+tokens: the drafting planned for it plus the verification, the profile plus the online residual,
+`OnlineCost.tokens_seconds`); it stops at the first candidate that does not raise Theta.
+
+**Why the drafting counts although it is spent.** Over many steps the rate is the sum of the
+committed tokens over the sum of the steps' seconds; a step maximises it by verifying proposal j
+while a_j / (its marginal seconds) exceeds that long-run rate, which the step's own ratio with its
+drafting in the denominator estimates. Verification alone in the denominator sets the price of a
+row as high as the step's verification-only rate, above the rate the engine runs at, and cuts
+proposals that pay (on the embedded pair at c=1 it verified 2.2-3.0 of fixed k=4's 3.35 tokens a
+round). The drafting seconds are the plan's prediction for the lengths it chose before drafting
+(the cost model's drafter steps and catch-ups): a constant of the step, read before any proposal.
 
 **Why the early stop keeps it exact.** Survivals fall along a row, so until the first drop the
 admitted candidates are exactly those processed, and the next one is the best of each row's next
@@ -101,6 +110,7 @@ class DSparkPolicy:
             raise ValueError("the dspark policy needs a cost model (a hardware profile)")
         self.k = k
         self.core = Planner(config or GoodputConfig(), cost, has_draft_model)
+        self.draft_seconds = 0.0  # the planned step's predicted drafting seconds (a constant of admission)
 
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         core = self.core
@@ -108,10 +118,20 @@ class DSparkPolicy:
         # no measured check here: an engine-wide probe is always allowed
         probes = core.probe_rows(seqs, plan, max_draft, lambda: True)
         if not core.has_draft_model:  # drafting is free in the cost model: admission reads every proposal
+            self.draft_seconds = 0.0
             return list(max_draft)
         lengths = [max(n, p) for n, p in zip(plan.lengths, probes)]
         core.count_catch_ups(plan.lags, lengths)
+        self.draft_seconds = self.planned_draft_seconds(plan.context, lengths, plan.catch)
         return lengths
+
+    def planned_draft_seconds(self, context: float, lengths: Sequence[int], catch: Sequence[float]) -> float:
+        """Predicted seconds of drafting `lengths`: drafter step j over the rows drafting past j,
+        plus the drafting rows' catch-up (amortised, as the plan prices it)."""
+        model = self.core.model
+        steps = sum(model.draft_step_seconds(sum(n > j for n in lengths), context)
+                    for j in range(max(lengths, default=0)))
+        return steps + sum(c for c, n in zip(catch, lengths) if n)
 
     def hints(self) -> StepHints:
         return StepHints(reads_confidence=True)
@@ -120,7 +140,12 @@ class DSparkPolicy:
         if not any(b.token_ids for b in blocks):
             return [0] * len(blocks)
         core, rows = self.core, len(seqs)
-        seconds = core.model.tokens_seconds(rows, core.context(seqs))  # the drafting is spent: verification only
+        verify = core.model.tokens_seconds(rows, core.context(seqs))
+        drafting = self.draft_seconds  # predicted at plan time: never this step's measured drafting
+
+        def seconds(tokens: int) -> float:
+            return drafting + verify(tokens)
+
         probes = [1 if s.seq_id in core.probes and b.token_ids else 0 for s, b in zip(seqs, blocks)]
         return self.schedule(survival_table(seqs, blocks, core.calibration), seconds, probes)
 
