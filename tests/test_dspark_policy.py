@@ -331,6 +331,23 @@ def test_dspark_drafts_nothing_for_a_useless_drafter_but_probes():
     assert 1 <= sum(drafted) <= 3 and max(drafted) == 1, drafted
 
 
+def test_dspark_stops_drafting_what_admission_always_cuts():
+    """A drafter whose confidences admission always cuts (nothing verified, so no acceptance is
+    ever observed): the plan learns the cut proposals' calibrated rates and stops drafting within
+    a few rounds instead of paying the drafter every step."""
+    policy = DSparkPolicy(k=4, cost=COST, has_draft_model=True, config=FROZEN)
+    seqs, planned = rows(1), []
+    for _ in range(8):
+        lengths = policy.plan(seqs, [4])
+        planned.append(lengths[0])
+        if lengths[0]:
+            block = DraftBlock([1] * lengths[0], None, [0.001] * lengths[0])
+            assert policy.admit(seqs, [block], 0.0) == [0]
+            policy.observe(seqs[0], block, 0, 0)
+        policy.observe_step(StepTiming(1, 1, 50.0, lengths, 0.004))
+    assert planned[0] > 0 and planned[-4:] == [0] * 4, planned
+
+
 def test_dspark_has_the_whole_interface():
     policy = policy_class("dspark")(k=3, cost=COST, has_draft_model=True)
     assert isinstance(policy, Policy) and policy.hints().reads_confidence and not policy.plain_next(2)

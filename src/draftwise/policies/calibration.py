@@ -98,5 +98,22 @@ class Calibration:
             r.observed += 1.0
             r.accepted += ok
 
+    def observe_unverified(self, seq_id: int, expected: float) -> None:
+        """A round drafted but verified none of its proposals (an admission rule cut them all):
+        nothing was tested, so the confidence bins learn nothing, but the figures the plan reads
+        before drafting (first position, the request's and the engine's rates) take the first
+        proposal's calibrated rate `expected` as a fractional observation. Without it a plan whose
+        proposals admission always cuts keeps drafting on estimates that never move."""
+        r = self.requests.setdefault(seq_id, RequestEstimate())
+        r.observed = r.observed * REQUEST_DECAY + 1.0
+        r.accepted = r.accepted * REQUEST_DECAY + expected
+        r.predicted = r.predicted * REQUEST_DECAY + expected
+        self.total[0] = self.total[0] * ENGINE_DECAY + expected
+        self.total[1] = self.total[1] * ENGINE_DECAY + 1.0
+        if not self.by_position:
+            self.by_position.append([0.0, 0.0])
+        pos = self.by_position[0]
+        pos[0], pos[1] = pos[0] * ENGINE_DECAY + expected, pos[1] * ENGINE_DECAY + 1.0
+
     def forget(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)

@@ -155,8 +155,13 @@ class DSparkPolicy:
         return prefix_schedule(survivals, step_seconds, minimum)
 
     def observe(self, seq: History, block: DraftBlock, num_verified: int, num_accepted: int) -> None:
-        if num_verified:  # nothing tested: nothing to calibrate, and the row's probe clock runs on
-            self.core.observe(seq, block, num_verified, num_accepted, calibrate=True, plain_leads=_never)
+        core = self.core
+        if num_verified:
+            core.observe(seq, block, num_verified, num_accepted, calibrate=True, plain_leads=_never)
+        elif block.token_ids:  # drafted, all cut: nothing tested (the probe clock runs on), but the
+            # plan learns what admission saw, or it drafts for ever what is never verified
+            conf = block.confidence[0] if block.confidence else None
+            core.calibration.observe_unverified(seq.seq_id, core.calibration.rate(seq.seq_id, seq.params.is_greedy, conf))
 
     def observe_step(self, timing: StepTiming) -> StepPrediction | None:
         core = self.core
