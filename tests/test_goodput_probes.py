@@ -52,6 +52,21 @@ def test_grid_cost_reads_the_measured_points():
     assert g.target_seconds(4, 8, 100) == pytest.approx(g.target_seconds(4, 8, 64) + COST.target[3] * 4 * 36)
 
 
+def test_grid_cost_never_predicts_less_for_more_tokens():
+    """A measured dip (4 rows faster than 1 to 3, as float32 kernels run on some CPUs) is pooled:
+    seconds are non-decreasing in tokens, the least-squares such curve (pool adjacent violators)."""
+    from draftwise.policies.cost import GridCost, monotone
+
+    pooled = monotone([(1, 2.88), (2, 3.09), (3, 2.94), (4, 2.35), (5, 3.30)])
+    assert [x for x, _ in pooled] == [1, 2, 3, 4, 5]
+    assert [y for _, y in pooled] == pytest.approx([2.815, 2.815, 2.815, 2.815, 3.30])
+    assert monotone([(1, 1.0), (2, 2.0)]) == [(1, 1.0), (2, 2.0)]
+    ms = [2.88, 3.09, 2.94, 2.35, 3.30]
+    g = GridCost(COST, [(1, t, 64, x / 1000) for t, x in zip(range(1, 6), ms)])
+    seconds = [g.target_seconds(1, t, 64) for t in range(1, 6)]
+    assert all(a <= b for a, b in zip(seconds, seconds[1:])) and seconds[0] == pytest.approx(0.002815)
+
+
 def test_goodput_probes_back_off_with_a_useless_drafter():
     """Probes that accept nothing double their interval (32, 64, ... up to max_probe_every); one
     that accepts brings it back to probe_every. The measured check's bursts of fixed speculation
