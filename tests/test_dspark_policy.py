@@ -28,6 +28,7 @@ from policy_helpers import COST, PROMPTS, never_right, rows
 from test_policy_causal import enumerate_admissions
 
 FROZEN = GoodputConfig(learn_step_cost=False)
+DEAR_DRAFTER = CostModel(COST.target, (0.02, 0.01, 0.0))  # a drafter step dearer than any gain
 
 
 def retrospective_schedule(survivals, step_seconds):
@@ -346,6 +347,26 @@ def test_dspark_stops_drafting_what_admission_always_cuts():
             policy.observe(seqs[0], block, 0, 0)
         policy.observe_step(StepTiming(1, 1, 50.0, lengths, 0.004))
     assert planned[0] > 0 and planned[-4:] == [0] * 4, planned
+
+
+def test_dspark_coasts_after_a_plan_that_drafts_nothing():
+    """A plan that drafts for no row: the next coast_steps steps of that batch run plain without
+    a plan (`plain_next`), not past the engine-wide probe, and not after a request ends."""
+    policy = DSparkPolicy(k=4, cost=DEAR_DRAFTER, has_draft_model=True, config=FROZEN)
+    seqs = rows(2)
+    assert not policy.plain_next(2)  # nothing planned yet
+    assert policy.plan(seqs, [4, 4]) == [0, 0]
+    held = 0
+    while policy.plain_next(2):
+        assert not policy.plain_next(3)  # another batch size plans
+        assert policy.plan(seqs, [0, 0]) == [0, 0]  # a held step: no row may draft
+        policy.observe_step(StepTiming(2, 2, 50.0, [0, 0], 0.004))
+        held += 1
+    assert held == min(FROZEN.coast_steps, FROZEN.probe_every - 1), held
+    policy.plan(seqs, [4, 4])
+    assert policy.plain_next(2)
+    policy.forget(seqs[0].seq_id)
+    assert not policy.plain_next(2)
 
 
 def test_dspark_has_the_whole_interface():

@@ -111,9 +111,15 @@ class DSparkPolicy:
         self.k = k
         self.core = Planner(config or GoodputConfig(), cost, has_draft_model)
         self.draft_seconds = 0.0  # the planned step's predicted drafting seconds (a constant of admission)
+        self.coast: list[int] | None = None  # [batch size, held steps left] after a plan that drafted nothing
 
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         core = self.core
+        if not any(max_draft):  # no row may draft (a held step: `plain_next`): nothing to plan
+            core.set_probes(seqs, [0] * len(seqs))
+            core.count_catch_ups([0] * len(seqs), [0] * len(seqs))
+            self.draft_seconds = 0.0
+            return [0] * len(seqs)
         plan = core.plan(seqs, max_draft)
         # no measured check here: an engine-wide probe is always allowed
         probes = core.probe_rows(seqs, plan, max_draft, lambda: True)
@@ -123,6 +129,7 @@ class DSparkPolicy:
         lengths = [max(n, p) for n, p in zip(plan.lengths, probes)]
         core.count_catch_ups(plan.lags, lengths)
         self.draft_seconds = self.planned_draft_seconds(plan.context, lengths, plan.catch)
+        self.coast = None if any(lengths) else [len(seqs), core.config.coast_steps]
         return lengths
 
     def planned_draft_seconds(self, context: float, lengths: Sequence[int], catch: Sequence[float]) -> float:
@@ -174,7 +181,16 @@ class DSparkPolicy:
         return core.observe_cost(timing, lengths, profile)
 
     def plain_next(self, num_seqs: int) -> bool:
-        return False  # a probe may come due at any step
+        """After a plan that drafted for no row, the next `coast_steps` steps of the same batch run
+        plain without a plan (the scheduler may then give a lone greedy row several steps in one
+        call), unless the engine-wide probe comes due or a request ends: with no proposal
+        verified the estimates do not move, and the plan would say the same."""
+        coast, core = self.coast, self.core
+        if coast is None or coast[0] != num_seqs or coast[1] <= 0 or core.idle_steps + 1 >= core.engine_probe_interval:
+            return False
+        coast[1] -= 1
+        return True
 
     def forget(self, seq_id: int) -> None:
         self.core.forget(seq_id)
+        self.coast = None  # the batch changed: plan again
