@@ -112,6 +112,7 @@ class DSparkPolicy:
         self.core = Planner(config or GoodputConfig(), cost, has_draft_model)
         self.draft_seconds = 0.0  # the planned step's predicted drafting seconds (a constant of admission)
         self.coast: list[int] | None = None  # [batch size, held steps left] after a plan that drafted nothing
+        self.held = 0  # held steps so far (one in coast_observe_every teaches the cost model)
 
     def plan(self, seqs: Sequence[History], max_draft: Sequence[int]) -> list[int]:
         core = self.core
@@ -175,6 +176,9 @@ class DSparkPolicy:
         core.count_step(timing)
         if timing.seconds is None:  # a mixed or multi-step step: not the decode step the cost model describes
             return None
+        held = self.coast is not None and timing.num_tokens == timing.num_seqs
+        if held and self.held % core.config.coast_observe_every:  # plain steps alike: a few teach enough
+            return None
         core.learn_catch_up(timing.catch_up_seconds)
         lengths = list(timing.draft_lengths) if core.has_draft_model else []
         profile = core.model.profile_seconds(timing.num_seqs, timing.num_tokens, timing.context, lengths)
@@ -189,6 +193,7 @@ class DSparkPolicy:
         if coast is None or coast[0] != num_seqs or coast[1] <= 0 or core.idle_steps + 1 >= core.engine_probe_interval:
             return False
         coast[1] -= 1
+        self.held += 1
         return True
 
     def forget(self, seq_id: int) -> None:
