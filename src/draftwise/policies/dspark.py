@@ -174,8 +174,8 @@ class DSparkPolicy:
     def observe_step(self, timing: StepTiming) -> StepPrediction | None:
         core = self.core
         core.count_step(timing)
-        if timing.seconds is None:  # a mixed or multi-step step: not the decode step the cost model describes
-            return None
+        if timing.seconds is None or timing.cold:  # a mixed, multi-step or cold step: not the warm decode
+            return None  # step the cost model describes (a cold one pays the caches other work filled)
         held = self.coast is not None and timing.num_tokens == timing.num_seqs
         if held and self.held % core.config.coast_observe_every:  # plain steps alike: a few teach enough
             return None
