@@ -32,6 +32,7 @@ DEFAULT_BUDGET_SECONDS = 60.0
 # seconds (a small target's step, which the caches decide), else one
 WARM_RUNS = 3
 WARM_BELOW = 0.02
+TIMING = "warm"  # how runs are timed: in the profile cache's key (a profile timed otherwise is measured again)
 
 Progress = Callable[[int, int, str], None]  # (points done, points planned, what runs now)
 Point = tuple  # (model: "target" | "draft", B, T, C)

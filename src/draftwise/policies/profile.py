@@ -24,7 +24,7 @@ from ..model.quantize import quantization_of
 from .fit import fit_cost_model, fit_errors, predict_target  # noqa: F401 (re-exported)
 from .hardware import (FINGERPRINT_BYTES, FORMAT, DraftPoint, GridPoint, HardwareProfile,  # noqa: F401 (re-exported)
                        dtype_name, machine_info, model_fingerprint)
-from .measure import DEFAULT_BUDGET_SECONDS, DEFAULT_CONTEXTS, Progress, batch_sizes, measure_profile  # noqa: F401
+from .measure import TIMING, DEFAULT_BUDGET_SECONDS, DEFAULT_CONTEXTS, Progress, batch_sizes, measure_profile  # noqa: F401
 
 CACHE_GRID = (64, 4)  # (max_num_seqs, k) measured at least for the cache: a bench that runs
                      # c=1, then 2, 4, ... finds the one profile covering each level
@@ -38,13 +38,13 @@ def profile_cache_path(target_path: str | Path, draft_path: str | Path | None, d
                        device: str, threads: int, quantization: str | None = None) -> Path:
     """The cache file of a pair and run settings: keyed by the models' fingerprints (not their
     paths: a copy reuses the profile), dtypes, weight quantization, device, threads, the CPU
-    model and, on CPU, the fused kernels' source (new kernels time differently: measured again)
-    and whether products run on AMX tiles."""
+    model, how runs are timed (`measure.TIMING`) and, on CPU, the fused kernels' source (new
+    kernels time differently: measured again) and whether products run on AMX tiles."""
     key = {
         "target": model_fingerprint(target_path),
         "draft": model_fingerprint(draft_path) if draft_path is not None else None,
         "dtype": str(dtype), "draft_dtype": str(draft_dtype) if draft_path is not None else None,
-        "device": str(device), "threads": int(threads), "cpu": machine_info()["cpu"],
+        "device": str(device), "threads": int(threads), "cpu": machine_info()["cpu"], "timing": TIMING,
     }
     if str(device) == "cpu":
         key["kernels"] = hashlib.sha256(cpu_kernels.source_bytes()).hexdigest()[:16]
