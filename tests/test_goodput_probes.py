@@ -208,8 +208,6 @@ def test_goodput_full_arm_wins_when_the_plan_truncates_too_much():
     """A profile that overstates verification (0.8 ms a token) makes the plan truncate blocks
     while the clock charges 0.2 ms: the measured check, which corrects each arm's predicted
     seconds by what its steps took, settles on the "full" arm (every row drafts and verifies k)."""
-    import random
-
     cost = CostModel((0.003, 0.0002, 0.0008, 0.0), (0.0003, 0.00005, 0.0))
     policy = GoodputPolicy(k=4, cost=cost, has_draft_model=True, config=FROZEN)  # (the profile's view throughout)
     rng = random.Random(0)
