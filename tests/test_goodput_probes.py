@@ -53,7 +53,7 @@ def test_grid_cost_reads_the_measured_points():
 
 
 def test_grid_cost_never_predicts_less_for_more_tokens():
-    """A measured dip (4 rows faster than 1 to 3, as float32 kernels run on some CPUs) is pooled:
+    """A measured dip (4 rows timed faster than 1 to 3: noise, caches) is pooled:
     seconds are non-decreasing in tokens, the least-squares such curve (pool adjacent violators)."""
     from draftwise.policies.cost import GridCost, monotone
 

@@ -191,9 +191,10 @@ class GridCost(CostModel):
     along the last segment outside the grid); the context term is the fit's t_ctx * B * (C - C0).
 
     Each B's seconds are made non-decreasing in tokens first (`monotone`): more work never
-    predicts less time. A kernel can run some row counts faster than fewer (float32 on an Intel
-    Xeon: 4 rows in 2.35 ms, 1 row in 2.88), and a curve with such a dip stops DSpark's early-
-    stopped admission at the dip's start, before the rows that cost nothing more.
+    predicts less time. Measured points carry noise and cache effects (a profile timed right
+    after other shapes put 4 rows at 2.35 ms and 1 row at 2.88 on an Intel Xeon), and a curve
+    with a dip stops DSpark's early-stopped admission at the dip's start, before the rows that
+    cost nothing more.
     """
 
     def __init__(self, fit: CostModel, points: list[tuple[int, int, int, float]]):

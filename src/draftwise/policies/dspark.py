@@ -169,7 +169,8 @@ class DSparkPolicy:
         elif block.token_ids:  # drafted, all cut: nothing tested (the probe clock runs on), but the
             # plan learns what admission saw, or it drafts for ever what is never verified
             conf = block.confidence[0] if block.confidence else None
-            core.calibration.observe_unverified(seq.seq_id, core.calibration.rate(seq.seq_id, seq.params.is_greedy, conf))
+            rate = core.calibration.rate(seq.seq_id, seq.params.is_greedy, conf)
+            core.calibration.observe_unverified(seq.seq_id, rate)
 
     def observe_step(self, timing: StepTiming) -> StepPrediction | None:
         core = self.core

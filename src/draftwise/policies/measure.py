@@ -116,8 +116,9 @@ def _runners(target: LoadedModel, draft: LoadedModel | None, max_num_seqs: int, 
 def _plan(runner: ModelRunner, bs: list[int], k: int, contexts: list[int], with_draft: bool, repeats: int,
           deadline: float) -> tuple[list[Point], list[dict]]:
     """The points to measure, in priority order while their estimated runs (one untimed, then
-    `repeats` of warm-ups and a timed run) fit before the deadline, and those skipped. The estimate: linear in the tokens fed,
-    from the two ends of the grid (each run twice: the first call of a shape pays one-time costs)."""
+    `repeats` of warm-ups and a timed run) fit before the deadline, and those skipped. The
+    estimate: linear in the tokens fed, from the two ends of the grid (each run twice: the first
+    call of a shape pays one-time costs)."""
     t_small = min(_time_run(runner, 1, 1, contexts[0]) for _ in range(2))
     n_big = bs[-1] * (k + 1)
     t_big = min(_time_run(runner, bs[-1], k + 1, contexts[-1]) for _ in range(2))

@@ -24,7 +24,8 @@ from ..model.quantize import quantization_of
 from .fit import fit_cost_model, fit_errors, predict_target  # noqa: F401 (re-exported)
 from .hardware import (FINGERPRINT_BYTES, FORMAT, DraftPoint, GridPoint, HardwareProfile,  # noqa: F401 (re-exported)
                        dtype_name, machine_info, model_fingerprint)
-from .measure import TIMING, DEFAULT_BUDGET_SECONDS, DEFAULT_CONTEXTS, Progress, batch_sizes, measure_profile  # noqa: F401
+from .measure import (TIMING, DEFAULT_BUDGET_SECONDS, DEFAULT_CONTEXTS, Progress, batch_sizes,  # noqa: F401
+                      measure_profile)
 
 CACHE_GRID = (64, 4)  # (max_num_seqs, k) measured at least for the cache: a bench that runs
                      # c=1, then 2, 4, ... finds the one profile covering each level
