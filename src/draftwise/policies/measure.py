@@ -29,7 +29,8 @@ from .hardware import DraftPoint, GridPoint, HardwareProfile, dtype_name, machin
 DEFAULT_CONTEXTS = (64, 256)
 DEFAULT_BUDGET_SECONDS = 60.0
 # untimed runs of a shape before each timed one: WARM_RUNS where a run takes under WARM_BELOW
-# seconds (a small target's step, which the caches decide), else one
+# seconds (a small target's step, which the caches decide), else none (a larger step streams its
+# weights from memory whatever ran before; runs of its own would halve the points the budget allows)
 WARM_RUNS = 3
 WARM_BELOW = 0.02
 TIMING = "warm"  # how runs are timed: in the profile cache's key (a profile timed otherwise is measured again)
@@ -142,15 +143,15 @@ def _plan(runner: ModelRunner, bs: list[int], k: int, contexts: list[int], with_
 
 def _warm_runs(seconds: float) -> int:
     """Untimed runs of a shape before a timed one that takes about `seconds`."""
-    return WARM_RUNS if seconds < WARM_BELOW else 1
+    return WARM_RUNS if seconds < WARM_BELOW else 0
 
 
 def _sample(runners: dict[str, ModelRunner], points: list[Point], k: int, repeats: int, deadline: float,
             progress: Progress | None) -> dict[Point, list[float]]:
     """One untimed run per point (a shape's first call pays one-time costs), then `repeats` rounds
     over all points: a burst of load from other processes spoils one sample of many points, which
-    the median discards, rather than every sample of one point. Each timed run follows untimed
-    ones of the same shape (`_warm_runs`): the engine's decode steps repeat one shape, with the
+    the median discards, rather than every sample of one point. Each short timed run follows
+    untimed ones of the same shape (`_warm_runs`): the engine's decode steps repeat one shape, with the
     weights and the K/V in the caches as the step before left them; a run right after another
     shape's (a batch of 64 rows, say) finds them evicted, and a small target's step measured so
     took twice as long (float32 embedded target on an Intel Xeon: 3.0 ms, against 1.5-1.7 ms
