@@ -33,7 +33,7 @@ DEFAULT_BUDGET_SECONDS = 60.0
 # weights from memory whatever ran before; runs of its own would halve the points the budget allows)
 WARM_RUNS = 3
 WARM_BELOW = 0.02
-TIMING = "warm"  # how runs are timed: in the profile cache's key (a profile timed otherwise is measured again)
+TIMING = "warm-short"  # how runs are timed: in the profile cache's key (a profile timed otherwise is measured again)
 
 Progress = Callable[[int, int, str], None]  # (points done, points planned, what runs now)
 Point = tuple  # (model: "target" | "draft", B, T, C)
