@@ -13,6 +13,7 @@ output exact.
   FAIL for Appendix A's retrospective scheduler registered as a test policy.
 """
 import itertools
+import random
 from fractions import Fraction as F
 from types import SimpleNamespace
 
@@ -374,8 +375,6 @@ def test_dspark_plan_recovers_from_early_rejections(seed):
     """Proposals accepted at 0.9 each, but the first rounds reject at position 3: a position is
     tested only when the plan drafts that far, and a light prior on its estimate locked the plan at
     two proposals for good. With the engine-wide rate worth 8 observations it drafts 3-4 again."""
-    import random
-
     cost = CostModel((0.05, 0.0, 0.0012, 0.0), (0.016, 0.0, 0.0))  # a 50 ms step, a 16 ms drafter step
     policy = DSparkPolicy(k=4, cost=cost, has_draft_model=True, config=FROZEN)
     rng, seqs, planned = random.Random(seed), rows(1), []
