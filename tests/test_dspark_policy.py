@@ -13,7 +13,6 @@ output exact.
   FAIL for Appendix A's retrospective scheduler registered as a test policy.
 """
 import itertools
-import random
 from fractions import Fraction as F
 from types import SimpleNamespace
 
@@ -368,27 +367,6 @@ def test_dspark_coasts_after_a_plan_that_drafts_nothing():
     assert policy.plain_next(2)
     policy.forget(seqs[0].seq_id)
     assert not policy.plain_next(2)
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_dspark_plan_recovers_from_early_rejections(seed):
-    """Proposals accepted at 0.9 each, but the first rounds reject at position 3: a position is
-    tested only when the plan drafts that far, and a light prior on its estimate locked the plan at
-    two proposals for good. With the engine-wide rate worth 8 observations it drafts 3-4 again."""
-    cost = CostModel((0.05, 0.0, 0.0012, 0.0), (0.016, 0.0, 0.0))  # a 50 ms step, a 16 ms drafter step
-    policy = DSparkPolicy(k=4, cost=cost, has_draft_model=True, config=FROZEN)
-    rng, seqs, planned = random.Random(seed), rows(1), []
-    for step in range(300):
-        n = policy.plan(seqs, [4])[0]
-        planned.append(n)
-        if n:
-            block = DraftBlock([1] * n, None, [0.9] * n)
-            verified, accepted = policy.admit(seqs, [block], 0.0)[0], 0
-            while accepted < verified and rng.random() < 0.9 and not (step < 6 and accepted == 2):
-                accepted += 1
-            policy.observe(seqs[0], block, verified, accepted)
-        policy.observe_step(StepTiming(1, 1 + n, 50.0, [n], 0.06))
-    assert sum(planned[-100:]) / 100 > 3.3, planned[-100:]
 
 
 def test_dspark_has_the_whole_interface():

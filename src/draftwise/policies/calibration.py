@@ -16,10 +16,6 @@ from dataclasses import dataclass
 NUM_BINS = 20
 UNKNOWN = NUM_BINS  # the bin of proposals without a confidence
 PRIOR_WEIGHT = 2.0
-# observations the engine-wide rate is worth in a position's estimate before drafting: a position
-# is tested only when the plan drafts that far, so a light prior let a few early rejections at
-# position 3 stop the plan drafting there for good (its estimate never tested again)
-POSITION_PRIOR_WEIGHT = 8.0
 ENGINE_DECAY = 0.999  # per observation: the engine-wide tables follow drift slowly
 REQUEST_DECAY = 0.8  # per round: a request's estimates follow its last ~5 rounds
 
@@ -75,7 +71,7 @@ class Calibration:
         out = []
         for j in range(n):
             acc, tested = self.by_position[j] if j < len(self.by_position) else (0.0, 0.0)
-            rate = (acc + POSITION_PRIOR_WEIGHT * g) / (tested + POSITION_PRIOR_WEIGHT)
+            rate = (acc + PRIOR_WEIGHT * g) / (tested + PRIOR_WEIGHT)
             out.append(min(0.995, rate * scale))
         return out
 
