@@ -22,7 +22,9 @@ def add_parser(sub):
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest batch measured (default 64)")
     p.add_argument("--contexts", default="64,256", help="context lengths, comma-separated (default 64,256)")
     p.add_argument("--budget", type=float, default=60.0, help="seconds of measurement at most (default 60)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is kept (default 5)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per point, the median kept; a run under 20 ms follows three untimed runs of "
+                        "its shape (the caches as the engine's repeated steps leave them) (default 5)")
     p.add_argument("--out", default=None,
                    help="JSON file to write (default: the cache file the engine reads for these models, dtypes, "
                         "device and threads, under $DRAFTWISE_CACHE/profiles, by default ~/.cache/draftwise/profiles)")
