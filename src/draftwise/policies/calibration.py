@@ -78,25 +78,14 @@ class Calibration:
     def observe(self, seq_id: int, greedy: bool, confidences: list[float | None], num_accepted: int) -> None:
         """One round's tested proposals: confidences[:num_accepted] accepted, then one rejected
         (when len(confidences) > num_accepted)."""
-        r = self.requests.setdefault(seq_id, RequestEstimate())
-        r.observed *= REQUEST_DECAY
-        r.accepted *= REQUEST_DECAY
-        r.predicted *= REQUEST_DECAY
-        tested = confidences[: num_accepted + 1]
-        for j, conf in enumerate(tested):
+        r = self._new_round(seq_id)
+        for j, conf in enumerate(confidences[: num_accepted + 1]):
             ok = 1.0 if j < num_accepted else 0.0
             cell = self.tables[int(greedy)][_bin(conf)]
             r.predicted += cell[0] / cell[1]
             cell[0] = cell[0] * ENGINE_DECAY + ok
             cell[1] = cell[1] * ENGINE_DECAY + 1.0
-            self.total[0] = self.total[0] * ENGINE_DECAY + ok
-            self.total[1] = self.total[1] * ENGINE_DECAY + 1.0
-            while len(self.by_position) <= j:
-                self.by_position.append([0.0, 0.0])
-            pos = self.by_position[j]
-            pos[0], pos[1] = pos[0] * ENGINE_DECAY + ok, pos[1] * ENGINE_DECAY + 1.0
-            r.observed += 1.0
-            r.accepted += ok
+            self._tally(r, j, ok)
 
     def observe_unverified(self, seq_id: int, expected: float) -> None:
         """A round drafted but verified none of its proposals (an admission rule cut them all):
@@ -104,16 +93,29 @@ class Calibration:
         before drafting (first position, the request's and the engine's rates) take the first
         proposal's calibrated rate `expected` as a fractional observation. Without it a plan whose
         proposals admission always cuts keeps drafting on estimates that never move."""
+        r = self._new_round(seq_id)
+        r.predicted += expected
+        self._tally(r, 0, expected)
+
+    def _new_round(self, seq_id: int) -> RequestEstimate:
+        """The request's estimate, its decayed counts aged by one round."""
         r = self.requests.setdefault(seq_id, RequestEstimate())
-        r.observed = r.observed * REQUEST_DECAY + 1.0
-        r.accepted = r.accepted * REQUEST_DECAY + expected
-        r.predicted = r.predicted * REQUEST_DECAY + expected
-        self.total[0] = self.total[0] * ENGINE_DECAY + expected
+        r.observed *= REQUEST_DECAY
+        r.accepted *= REQUEST_DECAY
+        r.predicted *= REQUEST_DECAY
+        return r
+
+    def _tally(self, r: RequestEstimate, j: int, ok: float) -> None:
+        """One tested proposal at position j (ok: accepted, or a fractional expectation): the
+        engine-wide rate, the position's, the request's."""
+        self.total[0] = self.total[0] * ENGINE_DECAY + ok
         self.total[1] = self.total[1] * ENGINE_DECAY + 1.0
-        if not self.by_position:
+        while len(self.by_position) <= j:
             self.by_position.append([0.0, 0.0])
-        pos = self.by_position[0]
-        pos[0], pos[1] = pos[0] * ENGINE_DECAY + expected, pos[1] * ENGINE_DECAY + 1.0
+        pos = self.by_position[j]
+        pos[0], pos[1] = pos[0] * ENGINE_DECAY + ok, pos[1] * ENGINE_DECAY + 1.0
+        r.observed += 1.0
+        r.accepted += ok
 
     def forget(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)

@@ -73,8 +73,11 @@ class OnlineCost:
     @staticmethod
     def draft_lengths_seconds(cost: CostModel, lengths, context: float) -> float:
         """Drafter time for rows drafting `lengths` tokens: step j runs the rows drafting past j."""
-        lengths = list(lengths)
-        return sum(cost.draft_seconds(sum(n > j for n in lengths), context) for j in range(max(lengths, default=0)))
+        return _by_steps(lambda rows: cost.draft_seconds(rows, context), lengths)
+
+    def drafting_seconds(self, lengths, context: float) -> float:
+        """`draft_lengths_seconds` with each drafter step's learned residual (`draft_step_seconds`)."""
+        return _by_steps(lambda rows: self.draft_step_seconds(rows, context), lengths)
 
     def residual(self, num_seqs: int, num_tokens: int, drafter_steps: int = 0) -> float:
         e0, e1, e2, e3 = self._coef
@@ -156,6 +159,12 @@ class OnlineCost:
             if all(v >= 0 for v in sol):
                 return x
             free = [f and x[i] >= 0 for i, f in enumerate(free)]  # drop the negative slopes, solve the rest
+
+
+def _by_steps(step_seconds, lengths) -> float:
+    """Seconds of drafting `lengths` tokens per row: drafter step j over the rows drafting past j."""
+    lengths = list(lengths)
+    return sum(step_seconds(sum(n > j for n in lengths)) for j in range(max(lengths, default=0)))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -136,10 +136,7 @@ class DSparkPolicy:
     def planned_draft_seconds(self, context: float, lengths: Sequence[int], catch: Sequence[float]) -> float:
         """Predicted seconds of drafting `lengths`: drafter step j over the rows drafting past j,
         plus the drafting rows' catch-up (amortised, as the plan prices it)."""
-        model = self.core.model
-        steps = sum(model.draft_step_seconds(sum(n > j for n in lengths), context)
-                    for j in range(max(lengths, default=0)))
-        return steps + sum(c for c, n in zip(catch, lengths) if n)
+        return self.core.model.drafting_seconds(lengths, context) + sum(c for c, n in zip(catch, lengths) if n)
 
     def hints(self) -> StepHints:
         return StepHints(reads_confidence=True)
