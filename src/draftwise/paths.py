@@ -18,8 +18,14 @@ def default_target() -> Path:
     return models_dir() / "target"
 
 
-def default_draft() -> Path:
-    return models_dir() / "draft"
+# the embedded drafter of each method that reads one (the distilled draft model otherwise)
+EMBEDDED_DRAFTERS = {"dspark": "dspark"}
+
+
+def default_draft(method: str = "draft") -> Path:
+    """The embedded target's drafter for `method`: `models/dspark` for dspark (DSpark's drafter
+    on the target's features), the distilled draft model `models/draft` for the others."""
+    return models_dir() / EMBEDDED_DRAFTERS.get(method, "draft")
 
 
 def resolve_model(name: str | Path) -> Path:

@@ -29,8 +29,9 @@ def add_parser(sub):
                                                     "dspark:k=N, eagle3:k=N, with an optional "
                                                     ":policy=fixed|adaptive|goodput|dspark (e.g. draft:k=4:policy=goodput), "
                                                     ":forced=N, :tree=N (draft, suffix: a tree of at most k nodes, N children per expanded node), "
-                                                    ":rollback=snapshot|replay and :copy=2 (the same config "
-                                                    "again in its own engine: an A/A control of the machine's noise); "
+                                                    ":rollback=snapshot|replay, :copy=2 (the same config "
+                                                    "again in its own engine: an A/A control of the machine's noise) "
+                                                    "and :draft=DIR (this config's drafter instead of --draft); "
                                                     "none is added when missing, as the reference (default: "
                                                     "none,draft:k=2,draft:k=4,ngram:k=4; --quick: "
                                                     "none,draft:k=4,ngram:k=4; not used with --url)")
@@ -90,8 +91,8 @@ def _add_model_args(p) -> None:
     """The models and where they run: in-process, or a server under --url."""
     p.add_argument("--model", help="target model directory (default: the embedded target; not used with --url)")
     p.add_argument("--draft", help="draft model directory, or a DSpark / EAGLE-3 drafter's for dspark / eagle3 configs "
-                                   "(default: the "
-                                   "embedded draft when --model is not given; with --model, draft configs need it)")
+                                   "(default: the embedded draft when --model is not given, models/dspark where the "
+                                   "first drafting config is dspark; with --model, draft configs need it)")
     p.add_argument("--url", default=None,
                    help="benchmark an OpenAI-compatible server instead (e.g. http://HOST:8000); the settings record "
                         "what it says about itself (/v1/models; a draftwise server's /health and /metrics), and the "

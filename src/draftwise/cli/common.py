@@ -79,8 +79,8 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help:
     p.add_argument("--model", help="target model directory (Hugging Face format, or a name under models/); "
                                    "default: the embedded target")
     p.add_argument("--draft", help="draft model directory (a DSpark / EAGLE-3 drafter's with --method dspark / "
-                                   "eagle3); default: the "
-                                   "embedded draft when --model is not given, else none")
+                                   "eagle3); default: the embedded draft when --model is not given (with "
+                                   "--method dspark the embedded DSpark drafter, models/dspark), else none")
     p.add_argument("--method", default=None, help=method_help.format(methods=_method_names()))
     p.add_argument("--k", type=int, default=4, help="proposals per round (default 4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

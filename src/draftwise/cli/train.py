@@ -4,7 +4,7 @@
     draftwise train target --out DIR [--tokenizer DIR] [--minutes N | --tokens N] [--resume]
     draftwise train draft --target DIR --out DIR [--minutes N | --tokens N] [--ce-only] [--resume]
     draftwise train draft --target models/smollm2 --data self --out DIR [--gen-tokens N] [--minutes N]
-    draftwise train all --out models [--target-minutes N] [--draft-minutes N]
+    draftwise train all --out models [--target-minutes N] [--draft-minutes N] [--dspark-minutes N]
     draftwise train random-draft --target DIR --out DIR [--shape draft] [--seed N]   (a useless drafter)
     draftwise train dspark --target DIR --out DIR [--minutes N | --tokens N] [--block-size G] [--resume]
     draftwise train eagle3 --target DIR --out DIR [--minutes N | --tokens N] [--steps N] [--eval-draft DIR] [--resume]
@@ -82,6 +82,9 @@ def add_parser(subparsers):
     p.add_argument("--draft-continue-minutes", type=float, default=0.0,
                    help="all: then continue both drafts from their weights for this budget (distilled) / as many "
                         "tokens (CE) (default 0: no continuation)")
+    p.add_argument("--dspark-minutes", type=float, default=0.0,
+                   help="all: then train the embedded target's DSpark drafter (models/dspark) for this budget "
+                        "(default 0: none)")
     add_progress_arg(p, "optimizer steps done / planned, loss, tokens/s")
     return p
 
@@ -189,8 +192,8 @@ def run(args) -> int:
                              gen_model=args.gen_model)
     else:
         pipeline.train_all(args.out, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes,
-                           resume=args.resume, draft_continue_minutes=args.draft_continue_minutes, log=_log,
-                           progress=args.progress)
+                           resume=args.resume, draft_continue_minutes=args.draft_continue_minutes,
+                           dspark_minutes=args.dspark_minutes, log=_log, progress=args.progress)
     print(json.dumps({"done": args.what, "out": args.out, "wall_seconds": round(time.time() - t0, 1)}))
     return 0
 

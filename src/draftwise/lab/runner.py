@@ -1,6 +1,6 @@
 """`bench` orchestration: every workload x config x load level, the same requests each time.
 
-For each workload the target (and draft) are loaded once; each config gets its own engine,
+The target and each config's drafter are loaded once (bench_models.py); each config gets its own engine,
 warmed up on a few short requests before anything is measured. Levels are the outer loop and
 configs the inner one, so slow drift in background load spreads over all configs. Each
 (config, level) run yields
@@ -19,6 +19,7 @@ from ..model.chat_template import ChatTemplate
 from . import correctness, memory, steal
 from .arrivals import LoadLevel
 from .backends import EngineBackend, sampling_params
+from .bench_models import BenchModels, load_bench_models
 from .capacity import find_capacities
 from .http_bench import run_http
 from .metrics import speculation_figures, summarize
@@ -37,7 +38,8 @@ class BenchConfig:
     "draft:k=4:tree=2" (a drafted tree of at most k nodes, 2 children per expanded node; suffix too),
     "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot),
     "draft:k=4:copy=2" (the same config again in an engine of its own: an A/A control, whose
-    figures against the original's show how far the machine's noise alone moves a cell)."""
+    figures against the original's show how far the machine's noise alone moves a cell),
+    "dspark:k=4:draft=DIR" (this config's drafter, instead of --draft: lab/bench_models.py)."""
 
     label: str
     method: str | None
@@ -48,6 +50,7 @@ class BenchConfig:
     rollback: str = "snapshot"  # hybrid targets: EngineConfig.recurrent_rollback
     copy: int = 1  # > 1: an A/A control, the same config again in an engine of its own
     tree: int = 0  # SpecConfig.tree: children per expanded node of a drafted tree (0: chains)
+    draft: str | None = None  # this config's drafter directory (None: --draft, or the embedded one)
 
     @property
     def spec(self) -> SpecConfig:
@@ -62,7 +65,7 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
         if not entry:
             continue
         method, *opts = entry.split(":")
-        k, policy, forced, rollback, copy, tree = 4, "fixed", SpecConfig.forced, "snapshot", 1, 0
+        k, policy, forced, rollback, copy, tree, draft = 4, "fixed", SpecConfig.forced, "snapshot", 1, 0, None
         for o in opts:
             key, sep, val = o.partition("=")
             if key == "k" and sep and val.isdigit():
@@ -77,21 +80,27 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
                 copy = int(val)
             elif key == "tree" and sep and val.isdigit():
                 tree = int(val)
+            elif key == "draft" and sep and val:
+                draft = val
             else:
                 raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
-                                 f"draft:k=4:policy=goodput (or :forced=N, :tree=N, :rollback=replay, :copy=2); "
+                                 f"draft:k=4:policy=goodput (or :forced=N, :tree=N, :rollback=replay, :copy=2, "
+                                 f":draft=DIR); "
                                  f"got {entry!r}")
         method = None if method in ("none", "") else method
-        if method is not None:
-            _needs_draft(method)  # validates the name
+        if method is not None and not _needs_draft(method) and draft is not None:  # (validates the name too)
+            raise ValueError(f"--configs {entry!r}: :draft=DIR names a drafter, and {method} drafts without one")
+        if method is None and draft is not None:
+            raise ValueError(f"--configs {entry!r}: :draft=DIR names a drafter, and none drafts nothing")
         SpecConfig(method=method, k=k, policy=policy, forced=forced, tree=tree)  # validates k, the policy, forced, tree
         label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
         label += "" if method is None or forced == SpecConfig.forced else f":forced={forced}"
         label += "" if method is None or not tree else f":tree={tree}"
         label += "" if method is None or rollback == "snapshot" else f":rollback={rollback}"
+        label += "" if draft is None else f":draft={draft}"
         label += "" if copy == 1 else f":copy={copy}"
         out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced,
-                               rollback if method else "snapshot", copy, tree if method else 0))
+                               rollback if method else "snapshot", copy, tree if method else 0, draft))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")
@@ -147,14 +156,8 @@ def run_bench(plan: BenchPlan, console: Console | None = None) -> list[dict]:
     console = console or Console(stderr=True)
     if plan.url:
         return [run_http(plan, w, console) for w in plan.workloads]
-    from ..model.pair import load_pair
-
-    uses_draft = [c.label for c in plan.configs if _uses_draft(c)]
-    target, draft = load_pair(plan.model, plan.draft, needs_draft=bool(uses_draft), dtype=plan.dtype,
-                              draft_dtype=plan.draft_dtype, device=plan.device,
-                              method=uses_draft[0] if uses_draft else "draft", quantization=plan.quantization,
-                              draft_quantization=plan.draft_quantization, draft_vocab=plan.draft_vocab)
-    return [_run_workload(plan, w, target, draft, console) for w in plan.workloads]
+    models = load_bench_models(plan, [c for c in plan.configs if _uses_draft(c)])
+    return [_run_workload(plan, w, models, console) for w in plan.workloads]
 
 
 def _needs_draft(method: str) -> bool:
@@ -163,11 +166,11 @@ def _needs_draft(method: str) -> bool:
     return proposer_class(method).needs_draft_model
 
 
-def _engine(plan: BenchPlan, cfg: BenchConfig, target, draft, max_seqs: int, max_len_needed: int) -> LLMEngine:
+def _engine(plan: BenchPlan, cfg: BenchConfig, models: BenchModels, max_seqs: int, max_len_needed: int) -> LLMEngine:
     ecfg = EngineConfig(dtype=plan.dtype, device=plan.device, max_num_seqs=max_seqs,
                         kv_cache_max_tokens=max_seqs * (max_len_needed + 2 * cfg.k + 16),
                         enable_prefix_caching=plan.prefix_caching, recurrent_rollback=cfg.rollback)
-    return LLMEngine(target, draft if _uses_draft(cfg) else None, cfg.spec, ecfg)
+    return LLMEngine(models.target, models.draft(cfg.label), cfg.spec, ecfg)
 
 
 def _recurrent_memory(engine: LLMEngine) -> dict | None:
@@ -197,11 +200,9 @@ class _Prompts:
     chat: ChatTemplate
 
 
-def _prepare(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> _Prompts:
-    reqs = wl.requests
-    max_len = target.config.max_position_embeddings
-    if draft is not None:
-        max_len = min(max_len, draft.config.max_position_embeddings)
+def _prepare(plan: BenchPlan, wl: Workload, models: BenchModels, console: Console) -> _Prompts:
+    reqs, target = wl.requests, models.target
+    max_len = models.max_len()
     max_k = max(c.k for c in plan.configs)
     mts = [plan.tokens_for(r) for r in reqs]
     params = [sampling_params(r, plan.seed + i, mt, not plan.stop_at_eos) for i, (r, mt) in enumerate(zip(reqs, mts))]
@@ -216,10 +217,10 @@ def _prepare(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> 
                     need=max(len(p) + mt for p, mt in zip(prompts, mts)), chat=chat)
 
 
-def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console) -> dict:
+def _run_workload(plan: BenchPlan, wl: Workload, models: BenchModels, console: Console) -> dict:
     """Every config at every level (then the capacity search and the distribution test, where
     asked for) on one workload, each config in an engine of its own."""
-    w = _prepare(plan, wl, target, draft, console)
+    w = _prepare(plan, wl, models, console)
     reqs = w.reqs
     max_seqs = max([int(lv.value) for lv in plan.levels if lv.kind == "concurrency"] + [32])
     dist_ids = [p[-plan.dist_prompt_tokens:] for p in w.prompts[: plan.dist_prompts]]
@@ -228,7 +229,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
     total = len(plan.configs) * len(plan.levels) * len(reqs) * plan.repeats
     with make_progress(console, plan.progress) as progress:
         task = progress.add_task(f"{wl.name}", total=total)
-        backends = _warm_backends(plan, wl, w, target, draft, max_seqs, progress, task)
+        backends = _warm_backends(plan, wl, w, models, max_seqs, progress, task)
         for level in plan.levels:
             for cfg, run, records in _run_level(plan, wl, w, backends, level, progress, task):
                 runs.append(run)
@@ -240,7 +241,7 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
             dist = _distribution_tests(plan, wl, backends, dist_ids, temp, progress, task)
         del backends
     runs.sort(key=lambda r: [c.label for c in plan.configs].index(r["config"]))
-    _compare_to_none(runs, outputs, reqs, w.prompts, target)
+    _compare_to_none(runs, outputs, reqs, w.prompts, models.target)
     return {"name": wl.name, "num_requests": len(reqs), "sampled": wl.sampled, "temperature": temp,
             "chat_template": None if not any(r.messages for r in reqs) else "plain" if w.chat.is_plain else "model",
             "truncated_prompts": w.truncated, "runs": runs, "distribution": dist, "capacity": capacity,
@@ -248,13 +249,13 @@ def _run_workload(plan: BenchPlan, wl: Workload, target, draft, console: Console
                                       "horizon": plan.dist_horizon, "temperature": temp} if wl.sampled else None}
 
 
-def _warm_backends(plan: BenchPlan, wl: Workload, w: _Prompts, target, draft, max_seqs: int, progress,
+def _warm_backends(plan: BenchPlan, wl: Workload, w: _Prompts, models: BenchModels, max_seqs: int, progress,
                    task) -> dict[str, EngineBackend]:
     """One engine per config, each warmed up on a few short requests before anything is measured."""
     backends = {}
     n_w = min(plan.warmup_requests, len(w.reqs))
     for cfg in plan.configs:
-        backends[cfg.label] = backend = EngineBackend(_engine(plan, cfg, target, draft, max_seqs, w.need))
+        backends[cfg.label] = backend = EngineBackend(_engine(plan, cfg, models, max_seqs, w.need))
         progress.update(task, description=f"{wl.name} {cfg.label} warm-up")
         backend.run(w.reqs[:n_w], w.prompts[:n_w], [sampling_params(r, 0, 8) for r in w.reqs[:n_w]],
                     LoadLevel("concurrency", max(1, n_w)))

@@ -146,31 +146,59 @@ def load_pair(
     tokenizer.json, weights, fields) are `load_model`'s `ModelLoadError`s, naming the file."""
     draft_dir = None
     if needs_draft:
-        draft_dir = Path(draft) if draft else (None if model else default_draft())
+        draft_dir = Path(draft) if draft else (None if model else default_draft(method))
         if draft_dir is None:
             raise ValueError(f"speculative method {method!r} needs a draft model directory ({draft_option}); "
                              "the embedded draft is the default only with the embedded target")
     draft_own = [f for f, v in (("--draft-quantization", draft_quantization), ("--draft-vocab", draft_vocab)) if v]
     if draft_dir is None and draft_own:  # (before the target loads: an error, not a minute's wait)
         raise ValueError(f"{draft_own[0]} applies to a draft model; method {method or 'none'!r} loads none")
+    if draft_dir is not None:  # (a drafter's options checked before the target loads)
+        check_draft_options(draft_dir, draft_quantization, draft_vocab)
     target = load_model(Path(model) if model else default_target(), dtype=dtype, device=device,
                         quantization=quantization)
     if draft_dir is None:
         return ModelPair(target, None)
+    return ModelPair(target, load_draft(target, draft_dir, dtype=dtype, draft_dtype=draft_dtype, device=device,
+                                        quantization=quantization, draft_quantization=draft_quantization,
+                                        draft_vocab=draft_vocab))
+
+
+def options_for(draft_dir: str | Path, draft_quantization: str | None, draft_vocab: int | None) -> dict:
+    """Of the draft's own options, those that apply to the drafter in `draft_dir`: both to a draft
+    model, --draft-vocab to an EAGLE-3 drafter (its steps over the target head's rows), none to a
+    DSpark drafter."""
+    arch = drafter_architecture(resolve_model(draft_dir))
+    if arch is None:
+        return {"draft_quantization": draft_quantization, "draft_vocab": draft_vocab}
+    return {"draft_quantization": None, "draft_vocab": draft_vocab if arch == EAGLE3_ARCHITECTURE else None}
+
+
+def check_draft_options(draft_dir, draft_quantization, draft_vocab) -> None:
+    """A ValueError naming the first of the draft's options that does not apply to `draft_dir`'s drafter."""
+    kept = options_for(draft_dir, draft_quantization, draft_vocab)
+    for flag, key, value in (("--draft-quantization", "draft_quantization", draft_quantization),
+                             ("--draft-vocab", "draft_vocab", draft_vocab)):
+        if value and not kept[key]:
+            arch = drafter_architecture(resolve_model(draft_dir))
+            raise ValueError(f"{flag} applies to a draft model, not to {_FEATURE_DRAFTERS[arch][0]} drafter")
+
+
+def load_draft(target: LoadedModel, draft_dir: str | Path, *, dtype: str = "float32", draft_dtype: str | None = None,
+               device: str = "cpu", quantization: str | None = None, draft_quantization: str | None = None,
+               draft_vocab: int | None = None):
+    """The draft in `draft_dir` beside a loaded `target` (as `load_pair` loads it): a draft model,
+    or a `LoadedDSpark` / `LoadedEagle3` sharing the target's weights."""
+    check_draft_options(draft_dir, draft_quantization, draft_vocab)
     arch = drafter_architecture(resolve_model(draft_dir))
     if arch is not None:
-        if arch == EAGLE3_ARCHITECTURE and draft_own == ["--draft-vocab"]:  # (its head: the target's rows)
-            draft_own = []
-        if draft_own:
-            raise ValueError(f"{draft_own[0]} applies to a draft model, not to {_FEATURE_DRAFTERS[arch][0]} drafter")
-        return ModelPair(target, _load_feature_drafter(resolve_model(draft_dir), arch, target, draft_dtype or dtype,
-                                                       device, draft_vocab))
+        return _load_feature_drafter(resolve_model(draft_dir), arch, target, draft_dtype or dtype, device, draft_vocab)
     dq = quantization if draft_quantization is None else draft_quantization  # ("none": load_model's float weights)
     draft_model = load_model(draft_dir, dtype=draft_dtype_for(dtype, device, draft_dtype), device=device,
                              load_tokenizer=False, quantization=dq)
     if draft_vocab is not None:
         _prune_draft_head(draft_model, target, draft_vocab)
-    return ModelPair(target, draft_model)
+    return draft_model
 
 
 def _prune_draft_head(draft: LoadedModel, target: LoadedModel, n: int) -> None:

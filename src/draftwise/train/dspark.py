@@ -162,7 +162,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
                  block_size: int = 5, markov_rank: int | None = None, feature_layers: list[int] | None = None,
                  decay: float | None = None, num_layers: int = 1, anchor_feature: bool = True,
                  from_target_layer: bool = True, markov_head_type: str = "vanilla", overrides=None, log=None,
-                 progress: bool | None = None) -> dict:
+                 progress: bool | None = None, save_dtype: torch.dtype = torch.float32) -> dict:
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
@@ -199,7 +199,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     # Sequential Temperature Scaling: fitted on the held-out windows above, tested on the next ones
     calib_test = eval_windows(streams["val"], hp["seq_len"], 2 * EVAL_WINDOWS)[EVAL_WINDOWS:]
     summary["calibration"] = calibrate(drafter, target, held_out, calib_test, EVAL_ANCHORS)
-    save_dspark(drafter, out)
+    save_dspark(drafter, out, dtype=save_dtype)  # (the figures above: the float32 weights)
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     if log:
         acc = summary["held_out"]

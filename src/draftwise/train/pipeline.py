@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 
 from .. import corpus
 from .data import load_streams
@@ -53,12 +55,15 @@ def train_target(out, tokenizer_dir=None, minutes=None, tokens=None, ckpt_dir="c
 
 
 def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_continue_minutes=0.0,
-              log=None, progress: bool | None = None) -> dict:
+              dspark_minutes=0.0, log=None, progress: bool | None = None) -> dict:
     """Tokenizer, target, distilled draft, then the CE-only comparison draft (same shape, same
     number of training tokens as the distilled one; kept in checkpoints/, not shipped), then
     the evaluation and the model card. With `draft_continue_minutes`, both drafts then continue
     from their weights (fresh optimizer, lr 1.5e-3, warm-up 20, data seed 1): the distilled one
-    for that budget, the CE-only one for the same number of tokens (the shipped draft was made so)."""
+    for that budget, the CE-only one for the same number of tokens (the shipped draft was made so).
+    With `dspark_minutes`, a DSpark drafter on the target's features (`out/dspark`, bfloat16
+    weights, train/dspark.py's defaults) before the model card."""
+    from .dspark import train_dspark
     from .report import write_model_card
 
     out = Path(out)
@@ -78,6 +83,9 @@ def train_all(out, target_minutes=80.0, draft_minutes=15.0, resume=False, draft_
                           ckpt_dir="checkpoints/draft_long", overrides=hp2, init=out / "draft", **shown)
         train_draft(ce_dir, out / "target", tokens=kd2["tokens"], resume=resume, ce_only=True,
                     ckpt_dir="checkpoints/draft_ce_long", overrides=hp2, init=ce_dir, **shown)
+    if dspark_minutes:
+        train_dspark(out / "dspark", out / "target", minutes=dspark_minutes, ckpt_dir="checkpoints/dspark",
+                     resume=resume, save_dtype=torch.bfloat16, **shown)
     write_model_card(out, ce_draft_dir=ce_dir, total_wall_s=time.time() - t0)
     return {"wall_seconds": round(time.time() - t0, 1)}
 

@@ -139,7 +139,7 @@ def write_model_card(models: str | Path, ce_draft_dir=None, total_wall_s: float 
     tt = _read(models / "target" / "training.json")
     dt = _read(models / "draft" / "training.json")
     lines = (_overview(models, tt, dt) + _corpus_section(tt.get("corpus", {})) + TOKENIZER_SECTION
-             + _speculation_section(ev) + _quality_section(ev) + REPRODUCE_SECTION)
+             + _speculation_section(ev) + dspark_section(models) + _quality_section(ev) + REPRODUCE_SECTION)
     if make_models_note:
         lines += ["", make_models_note]
     lines += ["", f"Hardware: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
@@ -293,11 +293,47 @@ def _quality_section(ev: dict) -> list[str]:
     ]
 
 
+def dspark_section(models: Path) -> list[str]:
+    """The DSpark drafter `models/dspark` (when `train all` made one) from its training.json: what it
+    is, its training, its held-out acceptance by block position and its calibration."""
+    t = _read(Path(models) / "dspark" / "training.json")
+    if not t:
+        return []
+    cfg = json.loads((Path(models) / "dspark" / "config.json").read_text())
+    acc, cal = t.get("held_out", {}), t.get("calibration", {})
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    hp = t.get("config", {})
+    return [
+        "## DSpark drafter (`models/dspark`)",
+        "",
+        f"A drafter on the target's own features (docs/ARCHITECTURE.md, \"DSpark\"): it reads the target's layers "
+        f"{', '.join(str(i) for i in cfg['target_feature_layers'])} (0-based), shares its embeddings and LM head, and "
+        f"proposes a block of {cfg['block_size']} tokens per forward ({cfg['num_hidden_layers']} backbone layer, "
+        f"{cfg['markov_head_type']} Markov head of rank {cfg['markov_rank']}, a confidence head); "
+        f"{t.get('trainable_parameters', 0):,} parameters of its own. `--method dspark` uses it by default with the "
+        "embedded target.",
+        "",
+        f"Training: {t.get('objective', '?')}; {t.get('tokens', 0):,} tokens ({t.get('steps')} steps of "
+        f"{hp.get('batch_size')}x{hp.get('seq_len')}, {t.get('anchors_per_window')} blocks a window), "
+        f"{t.get('train_seconds', 0) / 60:.1f} min at {t.get('tokens_per_second')} tokens/s, lr {hp.get('lr')}; "
+        "the target's one forward gives the features and p (no generation).",
+        "",
+        f"Held out ({acc.get('blocks', 0):,} blocks of {cfg['block_size']}, teacher-forced): acceptance of a sampled "
+        f"proposal c*_k = 1 - TV(q_k, p_k) by block position {fmt(acc.get('per_position', []))}; greedy agreement "
+        f"{fmt(acc.get('greedy_per_position', []))}; tokens expected accepted from a block "
+        f"{acc.get('expected_accepted', 0):.2f} sampled, {acc.get('greedy_accepted', 0):.2f} greedy. Confidence "
+        f"after Sequential Temperature Scaling: ECE of the cumulative survival "
+        f"{cal.get('after', {}).get('ece', 0):.1%} on other held-out windows "
+        f"({cal.get('before', {}).get('ece', 0):.1%} before).",
+        "",
+    ]
+
+
 REPRODUCE_SECTION = [
     "## Reproduce",
     "",
     "```",
-    "make models      # = draftwise train all --out models --draft-continue-minutes 100 (...)",
+    "make models      # = draftwise train all --out models --draft-continue-minutes 100 --dspark-minutes 40 (...)",
     "# or step by step:",
     "draftwise train tokenizer --out checkpoints/tokenizer",
     "draftwise train target --out models/target --tokenizer checkpoints/tokenizer --minutes 80",
@@ -308,6 +344,8 @@ REPRODUCE_SECTION = [
     "    --lr 1.5e-3 --warmup 20 --seed 1 --ckpt-dir checkpoints/draft_long",
     "draftwise train draft --target models/target --out checkpoints/draft_ce_model --init checkpoints/draft_ce_model \\",
     "    --ce-only --tokens M --lr 1.5e-3 --warmup 20 --seed 1 --ckpt-dir checkpoints/draft_ce_long",
+    "# the DSpark drafter (train all writes its weights in bfloat16):",
+    "draftwise train dspark --target models/target --out models/dspark --ckpt-dir checkpoints/dspark --minutes 40",
     "```",
     "",
     "Checkpoints (model, optimizer, RNG, data position, elapsed time) are written to `checkpoints/` every",
