@@ -157,12 +157,12 @@ def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plai
             if s.is_finished or s.is_prefilling or s.num_computed == 0:
                 continue
             assert s.draft_computed == s.num_computed
-            assert len(prop.kv.tables[s.seq_id]) == -(-s.draft_computed // prop.kv.block_size)
+            assert prop.kv is None and prop.slots is eng.runner.kv  # the target's slots
             got, _, last = prop.context([s.seq_id], [s.draft_computed])
             fresh, fused = fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])
             for (k, v), (fk, fv) in zip(got, fresh):
                 assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
-            slots = prop.kv.slots([s.seq_id], [s.draft_computed])[0]
+            slots = prop.slots.slots([s.seq_id], [s.draft_computed])[0]
             assert (prop.fused[slots] - fused[0]).abs().max() <= 1e-4
             assert torch.equal(last[0], prop.fused[slots[-1]])
             checked += 1
@@ -205,6 +205,46 @@ def test_q_is_the_markov_heads_conditional_on_the_drafted_token(target_dir, dspa
     # the Markov head makes q_2 depend on x_1: another x_1 gives another q_2
     bias = lambda x: d.markov.step(None, torch.tensor([x]), hidden[1:2])[1]  # noqa: E731 (vanilla: no state)
     assert not torch.allclose(bias((prev[1] + 1) % eng.vocab_size), bias(prev[1]))
+
+
+@pytest.mark.parametrize("blocks", [None, 8])
+def test_prefix_cache_hits_bring_the_drafters_rows(target_dir, dspark_dir, blocks):
+    """The drafter's rows live at the target's slots: a request whose prompt shares whole blocks
+    with an earlier one starts with the target's cached prefix and the drafter's rows of it (no
+    forward over them), which equal a fresh forward's; greedy output equals plain decoding's, with
+    preemptions too (8 blocks of 16 for 4 in flight)."""
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 100) for _ in range(40)]  # two whole blocks of 16, and some
+    ps = [shared + [rng.randrange(1, 100) for _ in range(rng.randint(1, 6))] for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(target_dir)).generate(ps, sp)]
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="test-dspark-oracle", k=4),
+              num_kv_blocks=blocks, max_model_len=64, max_num_seqs=4)
+    eng, prop = llm.engine, llm.engine.proposer
+    assert eng.runner.kv.prefix_cache is not None and prop.kv is None and prop.slots is eng.runner.kv
+    fresh_target = load_model(target_dir, fuse=False, load_tokenizer=False).model.eval()
+    first = eng.add_request("warm", ps[0], sp)
+    while eng.has_unfinished():
+        eng.step()
+    seqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(ps)]
+    hits = checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        for s in seqs:
+            if s.is_finished or s.num_computed == 0:
+                continue
+            assert s.draft_computed == s.num_computed  # (a prefill chunk's rows are committed at once)
+            got, _, _ = prop.context([s.seq_id], [s.draft_computed])
+            fresh, _ = fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])
+            for (k, v), (fk, fv) in zip(got, fresh):
+                assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
+            checked += 1
+    assert first.output_ids == want[0]
+    assert [s.output_ids for s in seqs] == want
+    assert eng.stats.prefix_cache_hit_tokens >= 32 * len(ps) and checked > 20
+    assert eng.stats.proposed_tokens > 0
+    if blocks:
+        assert eng.stats.preemptions > 0
 
 
 def test_batched_blocks_equal_the_uncached_reference(target_dir, dspark_dir, plain):

@@ -85,6 +85,7 @@ def test_greedy_equals_plain(target_dir, eagle3_dir, plain, method, seqs, blocks
     llm0, ps, sp, want = plain
     llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method=method, k=4), max_num_seqs=seqs,
               num_kv_blocks=blocks, max_model_len=64)
+    assert llm.engine.runner.kv.prefix_cache is None  # (its rows read the next token: no prefix cache)
     outs = llm.generate(ps, sp)
     assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
     st = llm.engine.stats

@@ -40,6 +40,7 @@ import torch
 from ..model.loader import LoadedModel
 from ..model.runner import ModelRunner
 from ..proposers import DraftBlock, drafting_class, proposer_class
+from ..proposers.base import TargetSlotted
 from ..sampling import SamplingParams, process_logits
 from ..sampling.processors import changes_logits
 from ..sampling.grammar import GrammarState, compile_constraint, grammar_bitmask
@@ -100,12 +101,16 @@ class LLMEngine:
         self.proposer = self.speculation.proposer if self.speculation else None
         self.policy = self.speculation.policy if self.speculation else None
         # a drafter on the target's features (proposers/dspark.py) gets every committed row's features:
-        # a prefix-cache hit would skip the target's forward over it, so the target caches no prefix;
-        # every forward that commits tokens returns them (multi-step calls too: `_multi_step`)
+        # every forward that commits tokens returns them (multi-step calls too: `_multi_step`). A
+        # prefix-cache hit skips the target's forward over the prefix: the target caches prefixes only
+        # for a drafter whose rows live at its slots (`TargetSlotted`: the hit brings them along)
         self.feature_layers = tuple(self.proposer.feature_layers) if self.proposer is not None else ()
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # this step's, by seq_id (target_forward)
+        slotted = isinstance(self.proposer, TargetSlotted)
         self.runner = ModelRunner(target, num_blocks, cfg.block_size, recurrent_rollback=cfg.recurrent_rollback,
-                                  prefix_caching=cfg.enable_prefix_caching and not self.feature_layers)
+                                  prefix_caching=cfg.enable_prefix_caching and (slotted or not self.feature_layers))
+        if slotted:
+            self.proposer.use_target_slots(self.runner.kv)
         draft_kv = self.proposer.kv if self.proposer is not None else None
         # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
         # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
@@ -120,7 +125,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.runner.kv, draft_kv, max_len, self.spec.max_draft, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             max_forced=self.spec.max_forced, mixed_chunk=target.model.FUSED_MAX_TOKENS if self.mixed else None,
-            multi_step=cfg.multi_step,
+            multi_step=cfg.multi_step, draft_follows_target=slotted,
         )
         # a policy that knows the next step runs plain (a coasting lease) lets a lone greedy row
         # commit several tokens in one call there, as plain decoding does

@@ -58,9 +58,13 @@ class Scheduler:
         max_forced: int = 0,
         mixed_chunk: int | None = None,
         multi_step: int = 1,
+        draft_follows_target: bool = False,
     ):
         self.target_kv = target_kv
         self.draft_kv = draft_kv
+        # the drafter's rows live at the target's slots (proposers/base.py's TargetSlotted): a
+        # prefix-cache hit of the target holds them too, so its drafter starts at the matched length
+        self.draft_follows_target = draft_follows_target
         self.max_model_len = max_model_len
         self.k = k
         self.max_forced = max_forced
@@ -190,10 +194,12 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed == 0:  # a cached prefix needs no prefill (prefix caching)
                 seq.num_computed = self.target_kv.match_prefix(seq.seq_id, seq.all_ids)
+                if self.draft_follows_target:
+                    seq.draft_computed = seq.num_computed
             n = min(seq.num_tokens - seq.num_computed, budget, chunk)
             if not self._reserve_ok(seq, seq.num_computed + n, 0):
                 self.target_kv.free(seq.seq_id)  # the shared blocks go back; matched again next time
-                seq.num_computed = 0
+                seq.num_computed = seq.draft_computed = 0
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

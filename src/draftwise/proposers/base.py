@@ -157,6 +157,17 @@ class StepCosted(Protocol):
                          path: list[int] | None = None) -> None: ...
 
 
+@runtime_checkable
+class TargetSlotted(Protocol):
+    """A drafter on the target's features whose cache of committed positions is a function of the
+    committed tokens up to each position only (DSpark's context K/V): it keeps its rows at the
+    target's own slots (`use_target_slots`, the target's `KVManager`) instead of a pool of its own,
+    so a prefix-cache hit of the target brings the drafter's rows of that prefix with it. `kv` is
+    then None (the scheduler reserves target slots only)."""
+
+    def use_target_slots(self, kv: KVManager) -> None: ...
+
+
 METHODS = Registry("speculative method", " or none")
 register_proposer = METHODS.register
 available_methods = METHODS.names

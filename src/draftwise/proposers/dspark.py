@@ -8,16 +8,19 @@ The sharing arrangement:
   layers' outputs for every fed row, and postprocess hands each sequence's *committed* rows to
   `commit_features`: a prefill chunk's rows, and in verification the rows of [last committed,
   accepted proposals]. The recovered or bonus token has no features yet: it is the next anchor.
-- **The drafter's cache** holds each committed position's `context_kv` per backbone layer in a
-  paged pool of its own (`kv`, a `KVManager` over `cache [layers, 2, slots, Hkv, D]`; the scheduler
-  frees it with the sequence's other blocks on preemption and finish), and with `anchor_feature`
-  each committed position's fused feature in `fused [slots, H]` at the same slots (a block reads its
-  last position's: the slot of position L-1). Only committed rows are ever
-  written, so its length is the target's `num_computed` after every step (`seq.draft_computed`) and
-  rollback is bookkeeping: blocks reserved past it are truncated. A preempted sequence's prefill is
-  recomputed with features and refills it. Prefix caching: a cached prefix would skip the target's
-  forward and with it the features, so the engine keeps the target's prefix cache off for a
-  drafter that reads features (the simplest correct choice: every hit would have to be refused).
+- **The drafter's cache** holds each committed position's `context_kv` per backbone layer in
+  `cache [layers, 2, slots, Hkv, D]`, and with `anchor_feature` its fused feature in `fused
+  [slots, H]` (a block reads its last position's: the slot of position L-1), at the **target's
+  slots** (`use_target_slots`: the target's `KVManager`, `TargetSlotted`): position i of a sequence
+  lives in the slot where the target keeps its K/V. Only committed rows are ever written, so its
+  length is the target's `num_computed` after every step (`seq.draft_computed`), and rollback is the
+  target's bookkeeping. A preempted sequence's prefill is recomputed with features and refills it.
+  **Prefix caching**: a row here is a function of the tokens up to its position only (the target's
+  features there), and every position in a block the target's prefix cache registers has been
+  committed, its row written in the same step; so a prefix-cache hit, which skips the target's
+  forward over the prefix and with it the features, finds the drafter's rows of that prefix in the
+  shared blocks (the scheduler sets `draft_computed` to the matched length). Without
+  `use_target_slots` (a proposer built outside an engine) the drafter keeps a pool of its own.
 - **Drafting** (`propose`): one forward for every drafting row: the block [anchor, mask x
   (gamma-1)] at positions L .. L+gamma-1 (L = the row's committed context, the anchor its last
   committed token), each row's context K/V gathered from its slots and padded to the longest
@@ -55,7 +58,8 @@ class DSparkProposer:
         self.feature_layers = tuple(cfg.target_feature_layers)
         self.gamma = cfg.block_size
         self.eos_ids = list(eos_ids or [])
-        self.kv = KVManager(num_blocks, block_size)
+        self.slots = KVManager(num_blocks, block_size)  # its rows' slots: a pool of its own until `use_target_slots`
+        self.kv = self.slots  # what the scheduler reserves besides the target's (None once the target's are used)
         dtype = next(self.drafter.parameters()).dtype
         self.device = next(self.drafter.parameters()).device
         self.cache = pool_tensor((cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
@@ -64,6 +68,13 @@ class DSparkProposer:
         self.fused = (torch.zeros(num_blocks * block_size, cfg.hidden_size, dtype=dtype, device=self.device)
                       if cfg.anchor_feature else None)  # [slots, H]
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
+
+    def use_target_slots(self, kv: KVManager) -> None:
+        """Keep the rows at the target's slots (`kv`: the target's KVManager, `cache` sized to its pool)."""
+        if kv.pool.num_blocks * kv.block_size != self.cache.shape[2]:
+            raise ValueError(f"dspark drafter: the target's pool has {kv.pool.num_blocks * kv.block_size} slots, "
+                             f"its cache {self.cache.shape[2]}")
+        self.slots, self.kv = kv, None
 
     @torch.inference_mode()
     def commit_features(self, seq, start, features):
@@ -76,7 +87,7 @@ class DSparkProposer:
                                  f"{seq.draft_computed} positions")
             return
         end = start + n
-        slots = commit_slots(self.kv, seq, start, n, "dspark", self.device)  # [n]
+        slots = commit_slots(self.slots, seq, start, n, "dspark", self.device, own=self.kv is not None)  # [n]
         pos = torch.arange(start, end, device=self.device)[None]  # [1, n]
         fused = self.drafter.fuse(features[None].to(self.device))  # [1, n, H]
         for layer, (k, v) in enumerate(self.drafter.context_kv(fused, pos)):  # [1, n, Hkv, D] each
@@ -90,7 +101,7 @@ class DSparkProposer:
         """Each drafter layer's context K/V of the rows, gathered from their slots and padded to the
         longest, and the fused feature of each row's last position: ([(k, v) [B, S, Hkv, D] per layer],
         positions [B, S] (HIDDEN_POSITION = padding), last [B, H] or None without `anchor_feature`)."""
-        slots, pos, last_slot = padded_context(self.kv, seq_ids, lengths, self.device)
+        slots, pos, last_slot = padded_context(self.slots, seq_ids, lengths, self.device)
         last = self.fused[last_slot] if self.fused is not None else None  # [B, H]
         kv = [(self.cache[layer, 0][slots], self.cache[layer, 1][slots]) for layer in range(self.cache.shape[0])]
         return kv, pos, last
@@ -135,7 +146,7 @@ class DSparkProposer:
         pairs = list(zip(self.context([seq.seq_id], [n])[0],
                          self.drafter.context_kv(fused, torch.arange(n, device=self.device)[None])))
         if self.fused is not None:
-            slots = self.kv.slots([seq.seq_id], [n]).to(self.device)  # [1, n]
+            slots = self.slots.slots([seq.seq_id], [n]).to(self.device)  # [1, n]
             pairs.append(((self.fused[slots],), (fused,)))
         worst = 0.0
         for got, fresh in pairs:
@@ -148,4 +159,4 @@ class DSparkProposer:
         """Nothing to roll back: the cache holds committed rows only (`commit_features`)."""
 
     def finish(self, seq):
-        """The scheduler frees the sequence's blocks of the drafter's cache."""
+        """The scheduler frees the sequence's blocks (the target's, or the drafter's own pool's)."""

@@ -35,15 +35,17 @@ def checked_drafter(method: str, draft, target):
     return draft
 
 
-def commit_slots(kv: KVManager, seq, start: int, n: int, method: str, device) -> torch.Tensor:
-    """The slots [n] of seq's committed positions start .. start + n - 1, the cache's length made
-    start + n (blocks reserved past it truncated): the features must continue where it ends."""
+def commit_slots(kv: KVManager, seq, start: int, n: int, method: str, device, own: bool = True) -> torch.Tensor:
+    """The slots [n] of seq's committed positions start .. start + n - 1: the features must continue
+    where the cache ends. `own`: `kv` is the drafter's own pool, whose length this makes start + n
+    (blocks reserved past it truncated); else the target's, which holds them already."""
     if start != seq.draft_computed:
         raise ValueError(f"{method} drafter: features from position {start}, but its cache holds "
                          f"{seq.draft_computed} positions")
     end = start + n
-    kv.reserve(seq.seq_id, end)
-    kv.truncate(seq.seq_id, end)
+    if own:
+        kv.reserve(seq.seq_id, end)
+        kv.truncate(seq.seq_id, end)
     return kv.slots([seq.seq_id], [end])[0, start:end].to(device)
 
 
