@@ -227,7 +227,7 @@ def test_prefix_cache_hits_bring_the_drafters_rows(target_dir, dspark_dir, block
     while eng.has_unfinished():
         eng.step()
     seqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(ps)]
-    hits = checked = 0
+    checked = 0
     while eng.has_unfinished():
         eng.step()
         for s in seqs:
