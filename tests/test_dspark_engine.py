@@ -21,7 +21,7 @@ from draftwise.lab import correctness
 from draftwise.lab.runner import parse_configs
 from draftwise.model import load_model
 from draftwise.model.config import ModelLoadError
-from draftwise.policies import StatelessPolicy, register_policy
+from draftwise.policies import CostModel, StatelessPolicy, register_policy
 from draftwise.model.dspark import DSparkDrafter, save_dspark
 from draftwise.model.dspark_config import DSparkConfig
 from draftwise.model.runner import ModelRunner
@@ -283,8 +283,10 @@ def test_dspark_policy_reads_the_confidences(target_dir, dspark_dir, plain):
     llm0, ps, sp, want = plain
     (cfg,) = [c for c in parse_configs("dspark:k=4:policy=dspark") if c.method]
     assert (cfg.method, cfg.k, cfg.policy) == ("dspark", 4, "dspark")
+    # (a target step far dearer than the drafter's measured call here: the plan drafts)
+    slow_target = CostModel((0.05,) + tuple(COST.target[1:]), COST.draft)
     llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="test-dspark-oracle", k=4,
-                                                                      policy="dspark", cost_model=COST))
+                                                                      policy="dspark", cost_model=slow_target))
     outs = llm.generate(ps[:16], sp)
     assert_equal_but_near_ties(llm0.engine.target.model, ps[:16], [o.token_ids for o in outs], want[:16])
     st = llm.engine.stats

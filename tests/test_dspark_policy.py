@@ -21,7 +21,9 @@ import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.policies import CostModel, Policy, StepTiming, policy_class, register_policy
+from draftwise.policies.cost import BlockCost
 from draftwise.policies.dspark import DSparkPolicy, prefix_schedule
+from draftwise.policies.goodput.plan import choose_lengths
 from draftwise.policies.goodput import GoodputConfig
 from draftwise.proposers import DraftBlock
 from policy_helpers import COST, PROMPTS, never_right, rows
@@ -367,6 +369,52 @@ def test_dspark_coasts_after_a_plan_that_drafts_nothing():
     assert policy.plain_next(2)
     policy.forget(seqs[0].seq_id)
     assert not policy.plain_next(2)
+
+
+def test_block_cost_learns_a_drafting_call():
+    cost = BlockCost()
+    assert cost.seconds(1) == 0.0  # nothing measured yet: the first steps draft and measure
+    for _ in range(20):
+        cost.observe(1, 0.003)
+    assert cost.seconds(1) == pytest.approx(0.003) and cost.seconds(4) == pytest.approx(0.003)  # one batch size
+    for rows_, s in ((1, 0.003), (4, 0.0045), (8, 0.0065)) * 30:
+        cost.observe(rows_, s)
+    assert cost.seconds(16) > cost.seconds(8) > cost.seconds(1) and cost.seconds(0) == 0.0
+
+
+def test_choose_lengths_charges_a_block_drafter_once_a_row():
+    """A block drafter's call costs the same for one proposal or four: a row that drafts at all
+    drafts its whole block's worth of gain, and a call dearer than the gain drafts nothing."""
+    gains = [[0.9, 0.8, 0.7, 0.6]]
+    step = COST.target_seconds  # (the profile's target)
+    call = lambda rows_: 0.002 * rows_  # noqa: E731
+    lengths, _ = choose_lengths(gains, lambda t: step(1, t), call, block=True)
+    per_step, _ = choose_lengths(gains, lambda t: step(1, t), call)
+    assert lengths == [4] and per_step[0] < 4  # (per step, four calls: the last proposals do not pay)
+    dear = lambda rows_: 0.05  # noqa: E731
+    assert choose_lengths(gains, lambda t: step(1, t), dear, block=True)[0] == [0]
+
+
+@pytest.mark.parametrize("call_seconds,drafts", [(0.0002, True), (0.05, False)])
+def test_dspark_prices_a_feature_drafters_call(call_seconds, drafts):
+    """A drafter on the target's features (`block_drafter`): the plan drafts a row's whole block
+    or nothing, by the drafting seconds the engine measured; a call dearer than what its block
+    gains runs plain (probes aside), a cheap one drafts every step."""
+    policy = DSparkPolicy(k=4, cost=COST, has_draft_model=False, config=FROZEN, block_drafter=True)
+    seqs, planned = rows(1), []
+    for _ in range(12):
+        lengths = policy.plan(seqs, [4])
+        planned.append(lengths[0])
+        assert lengths[0] in (0, 4)  # a whole block or none
+        if lengths[0]:
+            assert policy.draft_seconds == policy.core.block.seconds(1)
+            block = DraftBlock([1] * 4, None, [0.9] * 4)
+            n = policy.admit(seqs, [block], 0.0)[0]
+            policy.observe(seqs[0], block, n, n)
+        policy.observe_step(StepTiming(1, 1 + lengths[0], 50.0, lengths, 0.004 + (call_seconds if lengths[0] else 0),
+                                       draft_seconds=call_seconds if lengths[0] else 0.0))
+    assert planned[0] == 4  # before any call is measured: drafting looks free
+    assert (planned[-4:] == [4] * 4) if drafts else (planned[-4:] == [0] * 4), planned
 
 
 def test_dspark_has_the_whole_interface():

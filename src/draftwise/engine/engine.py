@@ -100,10 +100,9 @@ class LLMEngine:
         self.speculation = Speculation(self.spec, cfg, target, draft, num_blocks, self.stats) if cls else None
         self.proposer = self.speculation.proposer if self.speculation else None
         self.policy = self.speculation.policy if self.speculation else None
-        # a drafter on the target's features (proposers/dspark.py) gets every committed row's features:
-        # every forward that commits tokens returns them (multi-step calls too: `_multi_step`). A
-        # prefix-cache hit skips the target's forward over the prefix: the target caches prefixes only
-        # for a drafter whose rows live at its slots (`TargetSlotted`: the hit brings them along)
+        # a drafter on the target's features (proposers/dspark.py) gets every committed row's features from
+        # every forward that commits tokens (multi-step calls too); a prefix-cache hit skips them, so the target
+        # caches prefixes only for a drafter whose rows live at its slots (`TargetSlotted`: a hit brings them)
         self.feature_layers = tuple(self.proposer.feature_layers) if self.proposer is not None else ()
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # this step's, by seq_id (target_forward)
         slotted = isinstance(self.proposer, TargetSlotted)
@@ -239,8 +238,9 @@ class LLMEngine:
             st.decode_steps += 1
             st.speculative_steps += any(b.token_ids for b in blocks.values())
             # the step's decode part: its time without the prefill chunks' forward
-            self.speculation.observe_step(decoding, drafted, blocks, t4 - t0 - self._prefill_seconds,
-                                          timed=not self._mixed_step, several_steps=self._multi_stepped, span=(t0, t4))
+            self.speculation.observe_step(decoding, drafted, blocks, t4 - t0 - self._prefill_seconds, span=(t0, t4),
+                                          timed=not self._mixed_step, several_steps=self._multi_stepped,
+                                          draft_seconds=t2 - t1)
         st.steps += 1
         st.propose_seconds += t2 - t1
         st.verify_seconds += t3 - t2

@@ -74,7 +74,9 @@ class Speculation:
         # model is the target's, the drafting falls in its online residual
         profiled = None if self.proposer.feature_layers else draft
         cost = cost_model(spec, config, target, profiled) if pcls.needs_cost_model else None
-        self.policy = pcls(k=spec.k, cost=cost, has_draft_model=profiled is not None)
+        # (block_drafter only where it holds: a policy written for the first three keywords still loads)
+        extra = {"block_drafter": True} if self.proposer.feature_layers else {}
+        self.policy = pcls(k=spec.k, cost=cost, has_draft_model=profiled is not None, **extra)
         # a proposer that sizes its drafts by a verified row's cost (suffix): the decode steps'
         # measured seconds, fitted in rows and tokens (an OnlineCost over an empty profile: at one
         # row a profile's grid holds single differences of its noise, docs/ARCHITECTURE.md)
@@ -154,12 +156,12 @@ class Speculation:
 
     def observe_step(self, decoding: list[ScheduledSeq], drafted: dict[int, DraftBlock],
                      blocks: dict[int, DraftBlock], seconds: float, *, timed: bool, several_steps: int,
-                     span: tuple[float, float] | None = None) -> None:
+                     span: tuple[float, float] | None = None, draft_seconds: float | None = None) -> None:
         """Tell the policy what a decode step cost; record its prediction against the clock.
         `timed`: its decode rows ran in a forward of their own (not a mixed step);
         `several_steps`: the target steps a lone row ran in one call (multi-step; 0: one step);
         `span`: the step's (start, end) on the clock: a step that began longer after the previous
-        decode step's end than it took is cold (`StepTiming.cold`)."""
+        decode step's end than it took is cold (`StepTiming.cold`); `draft_seconds`: its drafting."""
         cold = False
         if span is not None:
             gap = span[0] - self._last_step_end if self._last_step_end is not None else 0.0
@@ -178,7 +180,8 @@ class Speculation:
         if self.step_cost is not None and seconds is not None:
             self.step_cost.observe(b, tokens, ctx, [], seconds - catch_up)
         predicted = self.policy.observe_step(StepTiming(b, tokens, ctx, lengths, seconds, catch_up, untimed,
-                                                        num_steps=max(1, several_steps), cold=cold))
+                                                        num_steps=max(1, several_steps), cold=cold,
+                                                        draft_seconds=draft_seconds))
         if predicted is not None:  # against the decode step proper (the drafter's long catch-ups left out)
             self.stats.record_prediction(predicted.seconds, predicted.profile_seconds, seconds - catch_up)
 

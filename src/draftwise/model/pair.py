@@ -4,9 +4,11 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 `draftwise bench` (lab/runner.py) and `draftwise check` (cli/check.py):
 
 - the target is `model`, or the embedded target (`paths.default_target()`) when none is given;
-- the draft is `draft`, or the embedded draft only when no target was given either (a user's
-  target and the embedded draft would not share a tokenizer); a method that needs a draft and
-  has none fails before anything is loaded;
+- the draft is `draft`, or the embedded drafter of the method (`paths.default_draft`: models/dspark
+  for dspark, the distilled draft models/draft otherwise) only when no target was given either (a
+  user's target and the embedded drafters would not share a tokenizer); a method that needs a draft
+  and has none fails before anything is loaded; `load_draft` loads one drafter beside a target
+  already loaded (bench: each config's, lab/bench_models.py);
 - the target runs in `dtype`, the draft in `draft_dtype_for(dtype, device, draft_dtype)`;
 - `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes,
   unless `draft_quantization` names the draft's own ("none" for float weights);

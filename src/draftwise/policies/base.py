@@ -68,6 +68,7 @@ class StepTiming:
     # the engine was away longer than this step took (an idle wait, other engines' time slices): a
     # cold start (caches holding other work's data), not what the arms' steps cost
     cold: bool = False
+    draft_seconds: float | None = None  # the step's drafting as measured (proposals, and the plan around them)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class StepPrediction:
 @runtime_checkable
 class Policy(Protocol):
     """Constructed with keyword context: k (the configured maximum), cost (a CostModel or None),
-    has_draft_model (drafting costs a forward)."""
+    has_draft_model (drafting costs a forward the profile times), block_drafter (one call drafts
+    every row's block, its seconds not profiled: a drafter on the target's features)."""
 
     name: str
     needs_cost_model: bool

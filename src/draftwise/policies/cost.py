@@ -251,3 +251,32 @@ def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
             blocks[-1][1] += n2
     ys = [total / n for total, n in blocks for _ in range(int(n))]
     return [(x, y) for (x, _), y in zip(points, ys)]
+
+
+class BlockCost:
+    """Seconds of one call of a drafter that drafts every row's block at once (a drafter on the
+    target's features: one forward a round, whatever the lengths), which a profile does not time:
+    a + b * rows fitted to the engine's measured drafting seconds by exponentially weighted least
+    squares (b >= 0; one batch size seen: its mean). 0 before anything is measured, so the first
+    steps draft and measure it."""
+
+    DECAY = 0.98  # per observed step: the fit follows the last ~50 drafting steps
+
+    def __init__(self):
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.seen = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d, x = self.DECAY, float(rows)
+        self._w = self._w * d + 1.0
+        self._sx, self._sy = self._sx * d + x, self._sy * d + seconds
+        self._sxx, self._sxy = self._sxx * d + x * x, self._sxy * d + x * seconds
+        self.seen += 1
+
+    def seconds(self, rows: int) -> float:
+        if rows <= 0 or not self.seen:
+            return 0.0
+        mx, my = self._sx / self._w, self._sy / self._w
+        var = self._sxx / self._w - mx * mx
+        b = max(0.0, (self._sxy / self._w - mx * my) / var) if var > 1e-9 else 0.0
+        return max(0.0, my + b * (rows - mx))

@@ -35,10 +35,14 @@ come out as (0.85, 0.15). tests/test_dspark_policy.py has both in exact fraction
 Before drafting, `plan` is goodput's core (`Planner.plan`): the same objective over the expected
 survivals by position, with the drafter's steps and catch-up in the step's seconds (no token is
 drawn yet, so the best prefix of the whole greedy path may be kept), plus its probes (a row left
-out drafts and verifies one proposal now and then, so its estimate can recover). A drafter without
-a model (n-gram, suffix) drafts for free in the cost model: every row drafts its maximum and the
-admission, reading the proposals' own confidences, decides. There are no measured arms: what the
-profile and the calibration predict is what runs.
+out drafts and verifies one proposal now and then, so its estimate can recover). A drafter on the
+target's features (DSpark, EAGLE-3: `block_drafter`) has no model the profile times; one call
+drafts every row's block, and its seconds a call, learned from the engine's measured drafting
+(cost.py's `BlockCost`), are what a step that drafts pays: the plan drafts a row's whole block or
+none (plain steps where the drafting does not pay for itself), and Theta counts that call. A
+drafter without a model or a measured cost (n-gram, suffix) drafts for free in the cost model:
+every row drafts its maximum and the admission, reading the proposals' own confidences, decides.
+There are no measured arms: what the profile and the calibration predict is what runs.
 """
 from __future__ import annotations
 
@@ -105,11 +109,11 @@ class DSparkPolicy:
     needs_confidence = True
 
     def __init__(self, k: int = 4, cost: CostModel | None = None, has_draft_model: bool = False,
-                 config: GoodputConfig | None = None, **_):
+                 config: GoodputConfig | None = None, block_drafter: bool = False, **_):
         if cost is None:
             raise ValueError("the dspark policy needs a cost model (a hardware profile)")
         self.k = k
-        self.core = Planner(config or GoodputConfig(), cost, has_draft_model)
+        self.core = Planner(config or GoodputConfig(), cost, has_draft_model, block_drafter=block_drafter)
         self.draft_seconds = 0.0  # the planned step's predicted drafting seconds (a constant of admission)
         self.coast: list[int] | None = None  # [batch size, held steps left] after a plan that drafted nothing
         self.held = 0  # held steps so far (one in coast_observe_every teaches the cost model)
@@ -124,6 +128,11 @@ class DSparkPolicy:
         plan = core.plan(seqs, max_draft)
         # no measured check here: an engine-wide probe is always allowed
         probes = core.probe_rows(seqs, plan, max_draft, lambda: True)
+        if core.block is not None:  # one call drafts a row's whole block: a row drafts it all or nothing
+            lengths = [m if n or p else 0 for n, p, m in zip(plan.lengths, probes, max_draft)]
+            self.draft_seconds = core.block.seconds(sum(1 for n in lengths if n))
+            self.coast = None if any(lengths) else [len(seqs), core.config.coast_steps]
+            return lengths
         if not core.has_draft_model:  # drafting is free in the cost model: admission reads every proposal
             self.draft_seconds = 0.0
             return list(max_draft)

@@ -42,7 +42,7 @@ from ...proposers.base import DraftBlock, History
 from ...proposers.draft_model import DraftModelProposer
 from ..base import StepPrediction, StepTiming, causal_lengths
 from ..calibration import Calibration, RequestEstimate
-from ..cost import CostModel, OnlineCost
+from ..cost import BlockCost, CostModel, OnlineCost
 from .config import GoodputConfig
 
 LONG_CATCH_UP = DraftModelProposer.LONG_CATCH_UP  # lags the proposer feeds in forwards of their own (timed apart)
@@ -54,10 +54,12 @@ def choose_lengths(
     draft_step_seconds: Callable[[int], float] | None = None,  # rows in a drafter step -> seconds
     minimum: Sequence[int] | None = None,  # [B] lengths that must be kept (probes)
     first_cost: Sequence[float] | None = None,  # [B] seconds a row's first proposal adds (its drafter catch-up)
+    block: bool = False,  # the drafter drafts a row's whole block in one call: only its first position costs a step
 ) -> tuple[list[int], float]:  # lengths [B], the objective's value (expected tokens per second)
     """Candidate positions added in decreasing order of their gain (a row's gains decrease along
     it, so every row keeps a prefix), the best prefix of that order kept: exact for a cost linear
-    in tokens, and it accounts for the jump of a new drafter step."""
+    in tokens, and it accounts for the jump of a new drafter step (`block`: of the one drafter call,
+    `draft_step_seconds` of the rows that draft at all)."""
     b = len(gains)
     fc = first_cost if first_cost is not None else [0.0] * b
     # by gain; among equal gains the rows with less catch-up first (a row's own positions keep their order)
@@ -78,7 +80,7 @@ def choose_lengths(
         lengths[i] += 1
         if first_cost is not None and j == 0:
             draft_s += first_cost[i]
-        if draft_step_seconds is not None:
+        if draft_step_seconds is not None and (j == 0 or not block):
             c = count_ge.get(j, 0) + 1
             count_ge[j] = c
             draft_s += draft_step_seconds(c) - (draft_step_seconds(c - 1) if c > 1 else 0.0)
@@ -126,10 +128,13 @@ class Planner:
     """The plan, the probes and admission, with the estimates they read: the calibration (per
     request and engine-wide) and the cost model."""
 
-    def __init__(self, config: GoodputConfig, cost: CostModel, has_draft_model: bool):
+    def __init__(self, config: GoodputConfig, cost: CostModel, has_draft_model: bool, block_drafter: bool = False):
         self.config = config
         self.model = OnlineCost(cost)  # the profile + what it misses of a whole step, learned online
         self.has_draft_model = has_draft_model
+        # a drafter without a profiled model that drafts every row's block in one call (DSpark,
+        # EAGLE-3): its seconds a call learned from the engine's measured drafting (`count_step`)
+        self.block = BlockCost() if block_drafter and not has_draft_model else None
         self.calibration = Calibration()
         self.step = 0  # decode steps observed (a row's probe is due its interval after its last verification)
         self.idle_steps = 0  # steps since any row verified a proposal
@@ -170,12 +175,15 @@ class Planner:
         if self.has_draft_model:
             per_rows = [self.model.draft_step_seconds(n, ctx) for n in range(b + 1)]  # rows in a drafter step
             draft = per_rows.__getitem__
+        elif self.block is not None:
+            draft = self.block.seconds
         # the drafter's catch-up before a row's first proposal (a new prompt, steps without
         # drafting), spread over the steps it serves: what starting costs
         lag = self.lags(seqs)
         catch = [(n - 1) * self.catch_up_per_token / self.horizon(s, row) if n > 1 else 0.0
                  for n, s, row in zip(lag, seqs, gains)]
-        lengths, self.rate = choose_lengths(gains, self.model.tokens_seconds(b, ctx), draft, first_cost=catch)
+        lengths, self.rate = choose_lengths(gains, self.model.tokens_seconds(b, ctx), draft, first_cost=catch,
+                                            block=self.block is not None)
         return StepPlan(lengths, gains, due, catch, lag, ctx)
 
     def _gains(self, seqs: Sequence[History], max_draft: Sequence[int]) -> tuple[list[list[float]], list[int]]:
@@ -288,6 +296,9 @@ class Planner:
     def count_step(self, timing: StepTiming) -> None:
         self.step += 1
         self.idle_steps = 0 if timing.num_tokens > timing.num_seqs else self.idle_steps + 1
+        rows = sum(1 for n in timing.draft_lengths if n)
+        if self.block is not None and rows and timing.draft_seconds is not None and not timing.cold:
+            self.block.observe(rows, timing.draft_seconds)
 
     def learn_catch_up(self, catch_up_seconds: float) -> None:
         """The seconds per token of the drafter's long catch-ups, from the proposer's timing of them."""
