@@ -247,6 +247,24 @@ def test_prefix_cache_hits_bring_the_drafters_rows(target_dir, dspark_dir, block
         assert eng.stats.preemptions > 0
 
 
+def test_a_steps_feature_rows_are_projected_in_one_product(target_dir, dspark_dir, plain, monkeypatch):
+    """The target's feature rows of a step's sequences are fused and projected together
+    (`stage_features`), one call a step however many rows commit; the committed rows are what a
+    fresh forward gives (test_drafter_cache_equals_fresh_after_rollbacks checks the values)."""
+    llm0, ps, sp, want = plain
+    llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="dspark", k=4), max_num_seqs=8)
+    prop = llm.engine.proposer
+    calls, fresh = [], []
+    fuse, projected = prop.drafter.fuse, prop._projected
+    monkeypatch.setattr(prop.drafter, "fuse", lambda x: calls.append(x.shape[1]) or fuse(x))
+    monkeypatch.setattr(prop, "_projected", lambda seq, start, f: fresh.append(seq.seq_id not in prop.staged)
+                        or projected(seq, start, f))
+    outs = llm.generate(ps[:8], sp)
+    assert_equal_but_near_ties(llm0.engine.target.model, ps[:8], [o.token_ids for o in outs], want[:8])
+    assert fresh and not any(fresh)  # every commit read the step's staged rows
+    assert len(calls) <= llm.engine.stats.steps and max(calls) > 8  # one product a step, for several rows
+
+
 def test_batched_blocks_equal_the_uncached_reference(target_dir, dspark_dir, plain):
     """One packed drafter forward for rows of different context lengths gives each row what
     `DSparkDrafter.propose` gives over a fresh forward of its whole committed context."""

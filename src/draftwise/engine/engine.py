@@ -111,11 +111,10 @@ class LLMEngine:
         if slotted:
             self.proposer.use_target_slots(self.runner.kv)
         draft_kv = self.proposer.kv if self.proposer is not None else None
-        # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs
-        # ragged batches packed (the fused CPU kernels), so the decode rows ride along with a
-        # prefill chunk instead of a forward of their own; not for a hybrid target (its recurrent
-        # state). A policy with a cost model learns from the other steps only (a mixed step's
-        # decode part is not timed apart: `observe_step(seconds=None)`)
+        # decode rows and prefill chunks in one forward (vLLM's mixed batches): where the model runs ragged
+        # batches packed (the fused CPU kernels), so the decode rows ride along with a prefill chunk instead
+        # of a forward of their own; not for a hybrid target (its recurrent state). A policy with a cost
+        # model learns from the other steps only (a mixed step's decode part is not timed apart)
         packs = getattr(target.model, "packs", None)
         self.mixed = (packs is not None and self.runner.state is None and self.runner.device.type == "cpu"
                       and packs(1, self.runner.cache))
@@ -269,6 +268,8 @@ class LLMEngine:
             return multi
         fwd = forward_target(self.runner, scheduled, blocks, self.mixed, self.feature_layers)
         self._mixed_step, self._prefill_seconds, self._features = fwd.mixed, fwd.prefill_seconds, fwd.features
+        if self._features and hasattr(self.proposer, "stage_features"):  # all rows' projections in one product
+            self.proposer.stage_features(self._features)
         sampling, logits = fwd.sampling, fwd.logits
         if not sampling:
             return Verification({}, [], [], [], [], None)
@@ -389,8 +390,7 @@ class LLMEngine:
         (a prefill chunk's rows; a verification's last committed token and accepted proposals)."""
         got = self._features.pop(seq.seq_id, None)
         if got is not None:
-            start, rows = got
-            self.proposer.commit_features(seq, start, rows[: seq.num_computed - start])
+            self.proposer.commit_features(seq, got[0], got[1][: seq.num_computed - got[0]])
 
     def _commit(self, seq: Sequence, committed: Committed) -> tuple[list[int], str | None, bool]:
         """Append committed tokens one at a time, stopping at the first stop condition.

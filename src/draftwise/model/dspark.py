@@ -84,10 +84,14 @@ class BlockLayer(nn.Module):
 
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, h] -> k (rotated), v: [B, L, Hkv, D]."""
-        B, L, _ = x.shape
-        k, v = self._qkv(x, with_q=False)
-        k = apply_rope(k.reshape(B, L, self.Hkv, self.D), cos, sin).to(x.dtype)
-        return k, v.reshape(B, L, self.Hkv, self.D)
+        return self.rotate_kv(*self._qkv(x, with_q=False), cos, sin)
+
+    def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv`'s second half: the projections k, v [B, L, Hkv * D] (`_qkv`, a function of each row
+        alone: rows of many sequences project in one product) -> k rotated at their positions, v."""
+        B, L, _ = k.shape
+        return (apply_rope(k.reshape(B, L, self.Hkv, self.D), cos, sin).to(k.dtype),
+                v.reshape(B, L, self.Hkv, self.D))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
         """x [B, Q, h]; k_ctx, v_ctx [B, S, Hkv, D]; mask [B, 1, Q, S + Q] (True: attend) -> [B, Q, h]."""
