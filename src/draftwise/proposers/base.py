@@ -131,7 +131,9 @@ class Proposer(Protocol):
     def commit_features(self, seq: History, start: int, features: torch.Tensor) -> None:
         """Only for a proposer with `feature_layers`: the target's features of seq's committed
         positions start .. start + n - 1 (`features [n, len(feature_layers) * hidden]`), in order:
-        a prefill chunk's rows, a verification's [last committed, accepted proposals]."""
+        a prefill chunk's rows, a verification's [last committed, accepted proposals]. (Such a
+        proposer may also have `stage_features(features)`: the step's fed rows of every sequence,
+        seq_id -> (first position, rows), handed right after the forward, before the commits.)"""
 
     def finish(self, seq: History) -> None:
         """The sequence ended (finished, aborted or failed): drop what the drafter keeps for it (a

@@ -15,6 +15,9 @@ The sharing arrangement:
   lives in the slot where the target keeps its K/V. Only committed rows are ever written, so its
   length is the target's `num_computed` after every step (`seq.draft_computed`), and rollback is the
   target's bookkeeping. A preempted sequence's prefill is recomputed with features and refills it.
+  After the target's forward the engine hands all the step's fed rows to `stage_features` (fused
+  and projected in one product each, whatever the rows); each sequence's `commit_features` then
+  rotates and writes its committed rows.
   **Prefix caching**: a row here is a function of the tokens up to its position only (the target's
   features there), and every position in a block the target's prefix cache registers has been
   committed, its row written in the same step; so a prefix-cache hit, which skips the target's
