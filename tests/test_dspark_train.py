@@ -98,6 +98,10 @@ def test_cli_train_dspark_needs_a_target_and_a_budget(tmp_path, target_dir, caps
     assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
                  "--feature-layers", "1,0", "--ckpt-dir", str(tmp_path / "ck")]) == 2
     assert "--feature-layers 1,0: strictly increasing" in capsys.readouterr().err
+    for bad in ("-1", "nan"):  # train all's budgets (before anything is trained)
+        assert main(["train", "all", "--out", str(tmp_path / "m"), "--dspark-minutes", bad]) == 2
+        assert "--dspark-minutes must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("layers", [[0], [0, 1]])

@@ -151,6 +151,9 @@ def run(args) -> int:
         raise UserError("--draft-vocab and --target-dtype are for `train eagle3`")
     if args.gen_tokens < 0:
         raise UserError(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
+    for flag in ("target_minutes", "draft_minutes", "draft_continue_minutes", "dspark_minutes"):
+        if not getattr(args, flag) >= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.gen_minutes is not None and not args.gen_minutes > 0:
         raise UserError(f"--gen-minutes must be > 0, got {args.gen_minutes}")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
