@@ -82,8 +82,9 @@ class StepPrediction:
 @runtime_checkable
 class Policy(Protocol):
     """Constructed with keyword context: k (the configured maximum), cost (a CostModel or None),
-    has_draft_model (drafting costs a forward the profile times), block_drafter (one call drafts
-    every row's block, its seconds not profiled: a drafter on the target's features)."""
+    has_draft_model (drafting costs a forward the profile times), block_drafter (a drafter on the
+    target's features: its drafting, not profiled, is priced a round as measured; passed only when
+    true, so a policy written for the first three keywords still loads)."""
 
     name: str
     needs_cost_model: bool

@@ -36,10 +36,10 @@ Before drafting, `plan` is goodput's core (`Planner.plan`): the same objective o
 survivals by position, with the drafter's steps and catch-up in the step's seconds (no token is
 drawn yet, so the best prefix of the whole greedy path may be kept), plus its probes (a row left
 out drafts and verifies one proposal now and then, so its estimate can recover). A drafter on the
-target's features (DSpark, EAGLE-3: `block_drafter`) has no model the profile times; one call
-drafts every row's block, and its seconds a call, learned from the engine's measured drafting
-(cost.py's `BlockCost`), are what a step that drafts pays: the plan drafts a row's whole block or
-none (plain steps where the drafting does not pay for itself), and Theta counts that call. A
+target's features (`block_drafter`: DSpark's one block forward a round, EAGLE-3's k steps) has no
+model the profile times: its seconds a round, learned from the engine's measured drafting (cost.py's
+`BlockCost`), are what a step that drafts pays; the plan drafts a row's whole block (its maximum) or
+none (plain steps where the drafting does not pay for itself), and Theta counts that drafting. A
 drafter without a model or a measured cost (n-gram, suffix) drafts for free in the cost model:
 every row drafts its maximum and the admission, reading the proposals' own confidences, decides.
 There are no measured arms: what the profile and the calibration predict is what runs.

@@ -132,8 +132,8 @@ class Planner:
         self.config = config
         self.model = OnlineCost(cost)  # the profile + what it misses of a whole step, learned online
         self.has_draft_model = has_draft_model
-        # a drafter without a profiled model that drafts every row's block in one call (DSpark,
-        # EAGLE-3): its seconds a call learned from the engine's measured drafting (`count_step`)
+        # a drafter on the target's features (no profiled model: DSpark's block forward, EAGLE-3's
+        # steps): its seconds a drafting round learned from the engine's measured drafting (`count_step`)
         self.block = BlockCost() if block_drafter and not has_draft_model else None
         self.calibration = Calibration()
         self.step = 0  # decode steps observed (a row's probe is due its interval after its last verification)
