@@ -107,6 +107,25 @@ def fresh_rows(proposer, target, ids):
         return rows, d.kv(rows, torch.arange(len(ids) - 1)[None])
 
 
+@pytest.mark.parametrize("policy", ["dspark", "goodput"])
+def test_load_aware_policies_with_eagle3(target_dir, eagle3_dir, plain, policy):
+    """Under a load-aware policy EAGLE-3's drafting, which no profile times, is priced as the
+    engine measures it (the dspark policy's `block_drafter`: `BlockCost` sees its rounds); greedy
+    output equals plain decoding's, one request at a time."""
+    from draftwise.policies import CostModel
+    from policy_helpers import COST
+
+    llm0, ps, sp, want = plain
+    cost = CostModel((0.05,) + tuple(COST.target[1:]), COST.draft)  # (learned online towards the real steps)
+    llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method="test-eagle3-oracle", k=4,
+                                                                      policy=policy, cost_model=cost))
+    outs = [llm.generate([p], sp)[0] for p in ps[:6]]
+    assert_equal_but_near_ties(llm0.engine.target.model, ps[:6], [o.token_ids for o in outs], want[:6])
+    assert llm.engine.stats.proposed_tokens > 0
+    if policy == "dspark":
+        assert llm.engine.policy.core.block is not None and llm.engine.policy.core.block.seen > 0
+
+
 @pytest.mark.parametrize("blocks", [None, 14])
 def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, eagle3_dir, plain, blocks):
     """After rounds with rejections (and recomputes after preemption), the drafter's cache holds
