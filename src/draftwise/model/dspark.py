@@ -186,7 +186,14 @@ class DSparkDrafter(nn.Module):
         """Each layer's K/V [B, S, Hkv, D] of the fused context features at `positions` [B, S]:
         a function of one position's features, so a cache of them grows with the committed tokens."""
         cos, sin = self.rope(positions)
-        return [layer.kv(fused, cos, sin) for layer in self.layers]
+        projected = self.context_projections(fused)
+        return [layer.rotate_kv(k, v, cos, sin) for layer, (k, v) in zip(self.layers, projected)]
+
+    def context_projections(self, fused: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`context_kv` before RoPE: each layer's k, v [B, S, Hkv * D] of fused [B, S, H], a function of
+        each row alone (rows of many sequences project in one product; `BlockLayer.rotate_kv` then
+        places them)."""
+        return [layer._qkv(fused, with_q=False) for layer in self.layers]
 
     def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv, ctx_pos: torch.Tensor,
                      last: torch.Tensor | None = None, rows: int | None = None):

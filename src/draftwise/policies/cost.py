@@ -62,13 +62,8 @@ class OnlineCost:
 
     def __init__(self, cost: CostModel):
         self.cost = cost
-        self._w = 0.0  # decayed weight
-        self._sx = [0.0] * 3  # sums of (B, T, D)
-        self._sy = 0.0  # sum of r
-        self._sxx = [[0.0] * 3 for _ in range(3)]
-        self._sxy = [0.0] * 3
+        self._fit = DecayedFit(3, self.DECAY, self.RIDGE)  # r against (B, T, D)
         self._coef = (0.0, 0.0, 0.0, 0.0)  # e0, e1 (per row), e2 (per token), e3 (per drafter step)
-        self._seen = 0  # steps observed
 
     @staticmethod
     def draft_lengths_seconds(cost: CostModel, lengths, context: float) -> float:
@@ -116,49 +111,71 @@ class OnlineCost:
         lengths = list(draft_lengths)
         if profile is None:
             profile = self.profile_seconds(num_seqs, num_tokens, context, lengths)
-        r = measured - profile
-        x = (float(num_seqs), float(num_tokens), float(max(lengths, default=0)))
-        d = self.DECAY
-        # the decayed sums in plain floats (a step's update; numpy's per-call cost was most of it)
-        self._w = self._w * d + 1.0
-        self._sy = self._sy * d + r
-        sx, sxy, sxx = self._sx, self._sxy, self._sxx
-        for i in range(3):
-            sx[i] = sx[i] * d + x[i]
-            sxy[i] = sxy[i] * d + x[i] * r
-            row = sxx[i]
-            for j in range(3):
-                row[j] = row[j] * d + x[i] * x[j]
-        self._seen += 1
-        if self._seen > 8 and self._seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
+        fit = self._fit
+        fit.observe((float(num_seqs), float(num_tokens), float(max(lengths, default=0))), measured - profile)
+        if fit.seen > 8 and fit.seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
             return
-        w = self._w
-        mx, my = [v / w for v in sx], self._sy / w
-        cxx = [[sxx[i][j] / w - mx[i] * mx[j] + (self.RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)]
-        cxy = [sxy[i] / w - mx[i] * my for i in range(3)]
-        slopes = self._nonnegative_solve(cxx, cxy)
-        self._coef = (my - sum(a * b for a, b in zip(slopes, mx)), *slopes)
+        e0, slopes = fit.solve()
+        self._coef = (e0, *slopes)
 
-    @staticmethod
-    def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
-        """a x = b with x >= 0 (active set): more rows, tokens or drafter steps never cost less.
-        Unconstrained, collinear features (at batch 1, tokens = 1 + drafter steps) split the
-        residual into a large negative and a large positive slope, e.g. verification looking
-        cheaper than free and each drafter step three times its cost. (Plain floats: numpy's
-        per-call cost made a 3 x 3 solve ~0.4 ms.)"""
-        n = len(b)
-        free = [True] * n
-        while True:
-            idx = [i for i in range(n) if free[i]]
-            x = [0.0] * n
-            if not idx:
-                return x
-            sol = _solve([[a[i][j] for j in idx] for i in idx], [b[i] for i in idx])
-            for i, v in zip(idx, sol):
-                x[i] = v
-            if all(v >= 0 for v in sol):
-                return x
-            free = [f and x[i] >= 0 for i, f in enumerate(free)]  # drop the negative slopes, solve the rest
+
+class DecayedFit:
+    """y ~ c0 + slopes . x by exponentially weighted least squares on centred features (`decay` per
+    observation, `ridge` added to each feature's variance), slopes constrained to be >= 0: a slope
+    the data cannot tell (a feature that did not vary) is 0 and the intercept takes the mean. The
+    decayed sums in plain floats (an observation's update; numpy's per-call cost was most of it)."""
+
+    def __init__(self, n: int, decay: float, ridge: float):
+        self.n, self.decay, self.ridge = n, decay, ridge
+        self.w = self.sy = 0.0  # decayed weight, sum of y
+        self.sx, self.sxy = [0.0] * n, [0.0] * n
+        self.sxx = [[0.0] * n for _ in range(n)]
+        self.seen = 0  # observations
+
+    def observe(self, x, y: float) -> None:
+        d, n = self.decay, self.n
+        self.w = self.w * d + 1.0
+        self.sy = self.sy * d + y
+        sx, sxy, sxx = self.sx, self.sxy, self.sxx
+        for i in range(n):
+            sx[i] = sx[i] * d + x[i]
+            sxy[i] = sxy[i] * d + x[i] * y
+            row = sxx[i]
+            for j in range(n):
+                row[j] = row[j] * d + x[i] * x[j]
+        self.seen += 1
+
+    def solve(self) -> tuple[float, list[float]]:
+        """(intercept, slopes) of the observations so far (0 and zeros before any)."""
+        if not self.seen:
+            return 0.0, [0.0] * self.n
+        w, n, sxx = self.w, self.n, self.sxx
+        mx, my = [v / w for v in self.sx], self.sy / w
+        cxx = [[sxx[i][j] / w - mx[i] * mx[j] + (self.ridge if i == j else 0.0) for j in range(n)] for i in range(n)]
+        cxy = [self.sxy[i] / w - mx[i] * my for i in range(n)]
+        slopes = _nonnegative_solve(cxx, cxy)
+        return my - sum(a * b for a, b in zip(slopes, mx)), slopes
+
+
+def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """a x = b with x >= 0 (active set): more rows, tokens or drafter steps never cost less.
+    Unconstrained, collinear features (at batch 1, tokens = 1 + drafter steps) split the
+    residual into a large negative and a large positive slope, e.g. verification looking
+    cheaper than free and each drafter step three times its cost. (Plain floats: numpy's
+    per-call cost made a 3 x 3 solve ~0.4 ms.)"""
+    n = len(b)
+    free = [True] * n
+    while True:
+        idx = [i for i in range(n) if free[i]]
+        x = [0.0] * n
+        if not idx:
+            return x
+        sol = _solve([[a[i][j] for j in idx] for i in idx], [b[i] for i in idx])
+        for i, v in zip(idx, sol):
+            x[i] = v
+        if all(v >= 0 for v in sol):
+            return x
+        free = [f and x[i] >= 0 for i, f in enumerate(free)]  # drop the negative slopes, solve the rest
 
 
 def _by_steps(step_seconds, lengths) -> float:
@@ -254,29 +271,26 @@ def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 class BlockCost:
-    """Seconds of one call of a drafter that drafts every row's block at once (a drafter on the
-    target's features: one forward a round, whatever the lengths), which a profile does not time:
-    a + b * rows fitted to the engine's measured drafting seconds by exponentially weighted least
-    squares (b >= 0; one batch size seen: its mean). 0 before anything is measured, so the first
-    steps draft and measure it."""
+    """Seconds of one drafting round of a drafter on the target's features (DSpark's block forward,
+    EAGLE-3's steps), which a profile does not time: a + b * rows (`DecayedFit`, b >= 0; one batch
+    size seen: its mean) of the engine's measured drafting seconds. 0 before anything is
+    measured, so the first steps draft and measure it."""
 
     DECAY = 0.98  # per observed step: the fit follows the last ~50 drafting steps
+    RIDGE = 1e-9  # rows^2: a batch size that never varied gives no slope
 
     def __init__(self):
-        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self.seen = 0
+        self._fit = DecayedFit(1, self.DECAY, self.RIDGE)
+
+    @property
+    def seen(self) -> int:
+        return self._fit.seen
 
     def observe(self, rows: int, seconds: float) -> None:
-        d, x = self.DECAY, float(rows)
-        self._w = self._w * d + 1.0
-        self._sx, self._sy = self._sx * d + x, self._sy * d + seconds
-        self._sxx, self._sxy = self._sxx * d + x * x, self._sxy * d + x * seconds
-        self.seen += 1
+        self._fit.observe((float(rows),), seconds)
 
     def seconds(self, rows: int) -> float:
         if rows <= 0 or not self.seen:
             return 0.0
-        mx, my = self._sx / self._w, self._sy / self._w
-        var = self._sxx / self._w - mx * mx
-        b = max(0.0, (self._sxy / self._w - mx * my) / var) if var > 1e-9 else 0.0
-        return max(0.0, my + b * (rows - mx))
+        a, (b,) = self._fit.solve()
+        return max(0.0, a + b * rows)

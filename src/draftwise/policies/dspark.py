@@ -128,17 +128,16 @@ class DSparkPolicy:
         plan = core.plan(seqs, max_draft)
         # no measured check here: an engine-wide probe is always allowed
         probes = core.probe_rows(seqs, plan, max_draft, lambda: True)
-        if core.block is not None:  # one call drafts a row's whole block: a row drafts it all or nothing
+        if core.block is not None:  # one drafting round per row, whatever its length: all or nothing
             lengths = [m if n or p else 0 for n, p, m in zip(plan.lengths, probes, max_draft)]
             self.draft_seconds = core.block.seconds(sum(1 for n in lengths if n))
-            self.coast = None if any(lengths) else [len(seqs), core.config.coast_steps]
-            return lengths
-        if not core.has_draft_model:  # drafting is free in the cost model: admission reads every proposal
+        elif not core.has_draft_model:  # drafting is free in the cost model: admission reads every proposal
             self.draft_seconds = 0.0
             return list(max_draft)
-        lengths = [max(n, p) for n, p in zip(plan.lengths, probes)]
-        core.count_catch_ups(plan.lags, lengths)
-        self.draft_seconds = self.planned_draft_seconds(plan.context, lengths, plan.catch)
+        else:
+            lengths = [max(n, p) for n, p in zip(plan.lengths, probes)]
+            core.count_catch_ups(plan.lags, lengths)
+            self.draft_seconds = self.planned_draft_seconds(plan.context, lengths, plan.catch)
         self.coast = None if any(lengths) else [len(seqs), core.config.coast_steps]
         return lengths
 

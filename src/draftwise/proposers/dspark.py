@@ -91,8 +91,7 @@ class DSparkProposer:
         self.staged = {}
         if not ids:
             return
-        fused = self.drafter.fuse(torch.cat([features[i][1] for i in ids])[None].to(self.device))  # [1, N, H]
-        kv = [layer._qkv(fused, with_q=False) for layer in self.drafter.layers]  # per layer: k, v [1, N, Hkv*D]
+        fused, kv = self._project(torch.cat([features[i][1] for i in ids]))  # [1, N, H]; per layer k, v
         off = 0
         for i in ids:
             start, rows = features[i]
@@ -108,8 +107,12 @@ class DSparkProposer:
         if staged is not None and staged[0] == start and staged[1].shape[0] >= n \
                 and staged[1].data_ptr() == features.data_ptr():
             return staged[2][:, :n], [(k[:, :n], v[:, :n]) for k, v in staged[3]]
-        fused = self.drafter.fuse(features[None].to(self.device))  # [1, n, H]
-        return fused, [layer._qkv(fused, with_q=False) for layer in self.drafter.layers]
+        return self._project(features)
+
+    def _project(self, rows: torch.Tensor):
+        """Feature rows [n, F*H] -> fused [1, n, H] and each layer's unrotated k, v [1, n, Hkv*D]."""
+        fused = self.drafter.fuse(rows[None].to(self.device))
+        return fused, self.drafter.context_projections(fused)
 
     @torch.inference_mode()
     def commit_features(self, seq, start, features):

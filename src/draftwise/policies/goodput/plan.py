@@ -296,9 +296,10 @@ class Planner:
     def count_step(self, timing: StepTiming) -> None:
         self.step += 1
         self.idle_steps = 0 if timing.num_tokens > timing.num_seqs else self.idle_steps + 1
-        rows = sum(1 for n in timing.draft_lengths if n)
-        if self.block is not None and rows and timing.draft_seconds is not None and not timing.cold:
-            self.block.observe(rows, timing.draft_seconds)
+        if self.block is not None and timing.draft_seconds is not None and not timing.cold:
+            rows = sum(1 for n in timing.draft_lengths if n)
+            if rows:
+                self.block.observe(rows, timing.draft_seconds)
 
     def learn_catch_up(self, catch_up_seconds: float) -> None:
         """The seconds per token of the drafter's long catch-ups, from the proposer's timing of them."""
