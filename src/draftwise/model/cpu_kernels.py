@@ -10,7 +10,8 @@ PyTorch path (same results up to float rounding: tests compare the two).
 `LlamaModel` calls them on its fused CPU path (native_forward.py) and from its prepared weights
 (packed_weights.py). `DecoderArgs` and `NativeIO` mirror the C structs that the whole-model calls
 (`dw_decoder`, `dw_forward`, the drafters' greedy steps) take by pointer; `Eagle3IO` the EAGLE-3
-drafter's own part of its steps (`dw_eagle3_greedy`).
+drafter's own part of its steps (`dw_eagle3_greedy`), `DSparkIO` a DSpark drafter's
+(`dw_dspark_block`).
 """
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class DecoderArgs(ctypes.Structure):
         ("feat", ctypes.c_void_p),  # [rows, nfeat * hid] in the dtype: the listed layers' outputs, or NULL
         ("feat_layers", ctypes.c_void_p),  # int64 [nfeat], ascending
         ("nfeat", ctypes.c_long),
+        ("block", ctypes.c_long),  # 1: each sequence's T rows see each other (DSpark's block); 0: causal
     ]
 
 
@@ -154,9 +156,22 @@ class Eagle3IO(ctypes.Structure):
                 ("fc_kind", ctypes.c_int), ("nfeat", ctypes.c_long)]
 
 
+class DSparkIO(ctypes.Structure):
+    """`struct dw_dspark` (kernels/kernels.h): a DSpark drafter's pieces besides its layers, for its
+    block drafting (`dw_dspark_block`) and cache writes (`dw_dspark_commit`)."""
+
+    _fields_ = [("fc", ctypes.c_void_p), ("fc_bias", ctypes.c_void_p), ("fc_scale", ctypes.c_void_p),
+                ("fc_kind", ctypes.c_int), ("hidden_norm", ctypes.c_void_p), ("fc_in", ctypes.c_void_p),
+                ("fc_in_bias", ctypes.c_void_p), ("fc_in_scale", ctypes.c_void_p), ("fc_in_kind", ctypes.c_int),
+                ("mask_emb", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("kv_kinds", ctypes.c_void_p),
+                ("w1", ctypes.c_void_p), ("rank", ctypes.c_long), ("w2", ctypes.c_void_p), ("w2_bias", ctypes.c_void_p),
+                ("w2_scale", ctypes.c_void_p), ("w2_kind", ctypes.c_int), ("conf_w", ctypes.c_void_p),
+                ("conf_b", ctypes.c_float), ("temps", ctypes.c_void_p), ("nfeat", ctypes.c_long)]
+
+
 # 0, or -1: no scratch memory
 INT_RESULT = ("dw_vnni", "dw_amx_enable", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
-              "dw_eagle3_greedy", "dw_eagle3_step", "dw_eagle3_commit")
+              "dw_eagle3_greedy", "dw_eagle3_step", "dw_eagle3_commit", "dw_dspark_block", "dw_dspark_commit")
 
 
 class Kernels:
@@ -194,6 +209,8 @@ class Kernels:
             "dw_eagle3_greedy": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p, p],
             "dw_eagle3_step": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p],
             "dw_eagle3_commit": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, p, i, p],
+            "dw_dspark_block": [io, args, ctypes.POINTER(DSparkIO), p, p, p, p, p, i, p, p, p, p, p],
+            "dw_dspark_commit": [args, ctypes.POINTER(DSparkIO), p, p, p, i, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

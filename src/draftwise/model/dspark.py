@@ -69,12 +69,13 @@ class BlockLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
 
-    def prepare(self) -> None:
+    def prepare(self, native: bool = False) -> None:
         """Inference: q/k/v, k/v and gate/up one product each, every projection a `PackedLinear`
-        (the CPU kernels' small-row products: a block is a few rows)."""
-        self.packed = {"qkv": PackedLinear.of(self.q_proj, self.k_proj, self.v_proj),
-                       "kv": PackedLinear.of(self.k_proj, self.v_proj), "o": PackedLinear.of(self.o_proj),
-                       "gate_up": PackedLinear.of(self.gate_proj, self.up_proj), "down": PackedLinear.of(self.down_proj)}
+        (the CPU kernels' small-row products: a block is a few rows; `native`: every one packed for
+        dw_gemm, which takes any rows, where the kernels run)."""
+        of = lambda *linears: PackedLinear.of(*linears, native=native)  # noqa: E731
+        self.packed = {"qkv": of(self.q_proj, self.k_proj, self.v_proj), "kv": of(self.k_proj, self.v_proj),
+                       "o": of(self.o_proj), "gate_up": of(self.gate_proj, self.up_proj), "down": of(self.down_proj)}
 
     def _qkv(self, h: torch.Tensor, with_q: bool):  # h [B, L, h] -> ([q], k, v) unrotated, flat heads
         if self.packed:
@@ -154,12 +155,12 @@ class DSparkDrafter(nn.Module):
         """Inference on a CPU: the projections packed for the kernels (`BlockLayer.prepare`); the
         parameters stay (saving and training read them), so change none afterwards."""
         for layer in self.layers:
-            layer.prepare()
+            layer.prepare(native=True)
         if self.markov is not None:
             self.markov.prepare()
-        self.packed = {"fc": PackedLinear.of(self.fc)}
+        self.packed = {"fc": PackedLinear.of(self.fc, native=True)}
         if self.fc_in is not None:
-            self.packed["fc_in"] = PackedLinear.of(self.fc_in)
+            self.packed["fc_in"] = PackedLinear.of(self.fc_in, native=True)
         return self
 
     def share(self, target) -> "DSparkDrafter":
@@ -248,11 +249,14 @@ class DSparkDrafter(nn.Module):
         return logits, self.confidence_logit(hidden, prev_ids)
 
     def draw(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-             choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> DraftedBlock:
+             choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+             base: torch.Tensor | None = None) -> DraftedBlock:
         """Draft left to right: hidden [B, gamma, H], anchor_ids [B]. `choose(k, logits [B, V])` picks
-        x_k (default: the argmax); position k+1's head bias and confidence read that choice."""
+        x_k (default: the argmax); position k+1's head bias and confidence read that choice. `base`:
+        the block's base logits U_k [B, gamma, V] where the caller has them (the block kernel)."""
         per_step = self.markov is not None and self.markov.adjusts_hidden  # the head reads h'_k, one call a position
-        base = None if per_step else self.head(hidden)  # [B, gamma, V]: one head call for the block
+        if not per_step and base is None:
+            base = self.head(hidden)  # [B, gamma, V]: one head call for the block
         choose = choose or (lambda k, logits: logits.argmax(-1))
         prev, tokens, logits, conf = anchor_ids, [], [], []
         state = self.markov.init_state(anchor_ids) if self.markov is not None else None

@@ -48,7 +48,7 @@ class MarkovHead(nn.Module):
         self.packed: dict[str, PackedLinear] = {}  # `prepare`: for the CPU kernels (not in the state dict)
 
     def prepare(self) -> None:
-        self.packed = {"w2": PackedLinear.of(self.w2)}
+        self.packed = {"w2": PackedLinear.of(self.w2, native=True)}
 
     def prev(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., r]: W1[x], the confidence head's input
         return self.w1(ids)

@@ -35,22 +35,10 @@ import torch
 from . import cpu_kernels
 from .cpu_kernels import DecoderArgs, Eagle3IO, NativeIO
 from .draft_vocab import FLOOR
-from .packed_weights import PackedLinear
+from .packed_weights import PackedLinear, kernel_product
 from .quantize import Int8Linear
 
 SMALL_MAX_ROWS = 16  # dw_linear (a small weight's loop) takes up to this many rows
-
-
-def _product(p: PackedLinear, dtype: torch.dtype):
-    """(kind, weight, bias, scale) as dw_product takes them, or None (see kernels/decoder.c)."""
-    if not isinstance(p, PackedLinear):
-        return None
-    bias = 0 if p.bias is None else p.bias.data_ptr()
-    if p.native is not None and p.native.dtype == dtype:
-        return (1 if dtype == torch.float32 else 2), p.native.data_ptr(), bias, 0
-    if p.small and p.weight.dtype == dtype:
-        return 0, p.weight_t.data_ptr(), bias, 0
-    return None
 
 
 class Eagle3Kernel:
@@ -107,7 +95,7 @@ class Eagle3Kernel:
         if drafter.head is not None and not (drafter.head.kept.dtype == torch.int64 and drafter.head.kept.is_contiguous()):
             return None
         layer, packed = drafter.layer, drafter.layer.packed
-        prods = [_product(packed[n], dtype) for n in ("qkv", "o", "gate_up", "down")] + [_product(drafter.packed["fc_in"], dtype)]
+        prods = [kernel_product(packed[n], dtype) for n in ("qkv", "o", "gate_up", "down")] + [kernel_product(drafter.packed["fc_in"], dtype)]
         norms = (layer.input_layernorm, layer.post_attention_layernorm, drafter.hidden_norm, drafter.embed_norm)
         if any(p is None for p in prods) or any(n.weight.dtype != dtype or n.eps != drafter.cfg.rms_norm_eps for n in norms):
             return None
@@ -117,7 +105,7 @@ class Eagle3Kernel:
             if n == 1:
                 ptrs.append(layer.post_attention_layernorm.weight.data_ptr())
         kind, w, b, s = prods[4]
-        fc = _product(drafter.packed["fc"], dtype)  # for `commit` (with the layer's qkv)
+        fc = kernel_product(drafter.packed["fc"], dtype)  # for `commit` (with the layer's qkv)
         commits = fc is not None
         fc = fc or (0, 0, 0, 0)
         e3 = Eagle3IO(drafter.hidden_norm.weight.data_ptr(), drafter.embed_norm.weight.data_ptr(), w, b, s, kind,

@@ -176,10 +176,10 @@ class PackedLinear(nn.Module):
         return self.packed is not None or self.native is not None
 
     @staticmethod
-    def of(*linears: nn.Linear) -> "PackedLinear":
+    def of(*linears: nn.Linear, native: bool = False) -> "PackedLinear":
         has_bias = linears[0].bias is not None
         return PackedLinear([l.weight.detach() for l in linears],
-                            [l.bias.detach() for l in linears] if has_bias else None)
+                            [l.bias.detach() for l in linears] if has_bias else None, native=native)
 
     def forward(self, x):
         if self.native is not None:
@@ -223,6 +223,20 @@ class PackedLinear(nn.Module):
         xp = x.new_zeros(padded, self.in_features)  # [padded, in]
         xp[:rows] = x.reshape(rows, self.in_features)
         return product(xp)[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def kernel_product(p, dtype: torch.dtype):
+    """(kind, weight, bias, scale) of `p` as the fused kernels' dw_product takes them (kernels/decoder.c:
+    1 dw_gemm_f32, 2 dw_gemm_bf16, 0 the small-weight loop, up to 16 rows), or None where `p` is not
+    a `PackedLinear` in one of those forms in `dtype`."""
+    if not isinstance(p, PackedLinear):
+        return None
+    bias = 0 if p.bias is None else p.bias.data_ptr()
+    if p.native is not None and p.native.dtype == dtype:
+        return (1 if dtype == torch.float32 else 2), p.native.data_ptr(), bias, 0
+    if p.small and p.weight.dtype == dtype:
+        return 0, p.weight_t.data_ptr(), bias, 0
+    return None
 
 
 class PackedEmbedding(nn.Module):

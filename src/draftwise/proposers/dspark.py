@@ -43,9 +43,10 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVManager, pool_tensor
+from ..model.dspark_native import DSparkKernel
 from .base import DraftBlock, register_proposer
-from .feature_cache import checked_drafter, commit_slots, padded_context
-from .step_chooser import StepChooser
+from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_slots
+from .step_chooser import StepChooser, raw_greedy, temperature_only
 
 
 @register_proposer("dspark")
@@ -65,19 +66,21 @@ class DSparkProposer:
         self.kv = self.slots  # what the scheduler reserves besides the target's (None once the target's are used)
         dtype = next(self.drafter.parameters()).dtype
         self.device = next(self.drafter.parameters()).device
-        self.cache = pool_tensor((cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
+        self.num_slots = num_blocks * block_size  # the paged slots; the cache's further ones are the kernel's scratch
+        self.cache = pool_tensor((cfg.num_hidden_layers, 2, self.num_slots, cfg.num_key_value_heads,
                                   cfg.head_dim), dtype, self.device)  # [layers, 2, slots, Hkv, D]
         # each committed position's fused feature, which the block after it reads (cfg.anchor_feature)
         self.fused = (torch.zeros(num_blocks * block_size, cfg.hidden_size, dtype=dtype, device=self.device)
                       if cfg.anchor_feature else None)  # [slots, H]
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
         self.staged: dict = {}  # this step's projected feature rows by seq_id (`stage_features`)
+        self.kernel = DSparkKernel.of(self.drafter) if self.device.type == "cpu" else None
 
     def use_target_slots(self, kv: KVManager) -> None:
         """Keep the rows at the target's slots (`kv`: the target's KVManager, `cache` sized to its pool)."""
-        if kv.pool.num_blocks * kv.block_size != self.cache.shape[2]:
+        if kv.pool.num_blocks * kv.block_size != self.num_slots:
             raise ValueError(f"dspark drafter: the target's pool has {kv.pool.num_blocks * kv.block_size} slots, "
-                             f"its cache {self.cache.shape[2]}")
+                             f"its cache {self.num_slots}")
         self.slots, self.kv = kv, None
 
     @torch.inference_mode()
@@ -89,7 +92,7 @@ class DSparkProposer:
         otherwise: 16 a step at c=16, most of what a step with this drafter costs beyond plain)."""
         ids = [i for i, (_, rows) in features.items() if rows.shape[0]]
         self.staged = {}
-        if not ids:
+        if not ids or self.kernel is not None:  # the kernel projects a sequence's committed rows in one call
             return
         fused, kv = self._project(torch.cat([features[i][1] for i in ids]))  # [1, N, H]; per layer k, v
         off = 0
@@ -126,6 +129,10 @@ class DSparkProposer:
             return
         end = start + n
         slots = commit_slots(self.slots, seq, start, n, "dspark", self.device, own=self.kv is not None)  # [n]
+        if self.kernel is not None:
+            self.kernel.commit(features, start, slots, self.cache, self.fused)
+            seq.draft_computed = end
+            return
         fused, projected = self._projected(seq, start, features)
         cos, sin = self.drafter.rope(torch.arange(start, end, device=self.device)[None])
         for i, (layer, (k, v)) in enumerate(zip(self.drafter.layers, projected)):
@@ -158,20 +165,68 @@ class DSparkProposer:
                 raise ValueError(f"dspark drafter: its cache holds {s.draft_computed} positions, the committed "
                                  f"context {s.num_tokens - 1}")
             lengths.append(s.draft_computed)
+        anchors = [seqs[i].all_ids[-1] for i in rows]
+        cut = [min(num_draft[i], self.gamma) for i in rows]
+        if self.kernel is not None:
+            hidden, base, done = self._kernel_block(seqs, rows, lengths, anchors, cut)
+        else:
+            hidden, base, done = self._block_hidden(seqs, rows, lengths, anchors), None, {}
+        for r, (toks, probs, conf) in done.items():
+            blocks[rows[r]] = DraftBlock(toks, probs, conf)
+        slow = [r for r in range(len(rows)) if r not in done]
+        if not slow:
+            return blocks
+        choose = StepChooser([seqs[rows[r]] for r in slow], [cut[r] for r in slow], self.eos_ids)
+        k = max(cut[r] for r in slow)
+        sel = torch.tensor(slow)
+        drafted = self.drafter.draw(hidden[sel, :k], torch.tensor([anchors[r] for r in slow], device=self.device),
+                                    choose, base=None if base is None else base[sel, :k])  # confidence [S, k]
+        conf = drafted.confidence.tolist()
+        for n, r in enumerate(slow):
+            toks = choose.tokens[n]
+            probs = torch.stack(choose.probs[n]) if choose.probs[n] else None  # [n, V]: q_k of a sampled row
+            blocks[rows[r]] = DraftBlock(toks, probs, conf[n][: len(toks)])
+        return blocks
+
+    def _block_hidden(self, seqs, rows: list[int], lengths: list[int], anchors: list[int]) -> torch.Tensor:
+        """The parallel stage in PyTorch: the rows' hidden states [B, gamma, H]."""
         kv, ctx_pos, last = self.context([seqs[i].seq_id for i in rows], lengths)
-        anchors = torch.tensor([seqs[i].all_ids[-1] for i in rows], device=self.device)  # [B]
         anchor_pos = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]
         last = last[:, None] if last is not None else None  # [B, 1, H]: the fused feature of position L-1
-        hidden = self.drafter.block_hidden(anchors[:, None], anchor_pos, kv, ctx_pos, last)[:, 0]  # [B, gamma, H]
-        cut = [min(num_draft[i], self.gamma) for i in rows]
-        choose = StepChooser([seqs[i] for i in rows], cut, self.eos_ids)
-        drafted = self.drafter.draw(hidden[:, : max(cut)], anchors, choose)  # confidence [B, k]
-        conf = drafted.confidence.tolist()
-        for r, i in enumerate(rows):
-            toks = choose.tokens[r]
-            probs = torch.stack(choose.probs[r]) if choose.probs[r] else None  # [n, V]: q_k of a sampled row
-            blocks[i] = DraftBlock(toks, probs, conf[r][: len(toks)])
-        return blocks
+        ids = torch.tensor(anchors, device=self.device)[:, None]
+        return self.drafter.block_hidden(ids, anchor_pos, kv, ctx_pos, last)[:, 0]
+
+    def _kernel_block(self, seqs, rows: list[int], lengths: list[int], anchors: list[int], cut: list[int]):
+        """The parallel stage in one kernel call (`DSparkKernel.block`), and the sequential stage of the
+        greedy rows whose q is their raw logits and of the rows sampled with a temperature alone (each
+        row's uniforms from its generator): (hidden [B, gamma, H], base logits [B, gamma, V] (None when
+        every row was drafted here), {row: (tokens, q [n, V] or None, confidences)} of the rows drafted
+        here). The block's own K/V go to scratch slots past the paged ones."""
+        g, B = self.gamma, len(rows)
+        temps, ks, u = [0.0] * B, [0] * B, None
+        for r, (i, c) in enumerate(zip(rows, cut)):
+            s = seqs[i]
+            if self.kernel.sequential and (raw_greedy(s) or temperature_only(s)):
+                ks[r] = c
+                if not s.params.is_greedy:
+                    temps[r] = float(s.params.temperature)
+                    if u is None:
+                        u = torch.zeros(B, g, dtype=torch.float64)
+                    u[r, :c] = torch.rand(c, dtype=torch.float64, generator=s.generator)
+        ctx = self.slots.slots([seqs[i].seq_id for i in rows], lengths)  # [B, max L]
+        table = torch.zeros(B, max(lengths) + g, dtype=torch.long)
+        table[:, : ctx.shape[1]] = ctx
+        slots = table.numpy()  # (row by row in numpy: each torch op costs tens of us between the kernels' calls)
+        self.cache, base = scratch_slots(self.cache, self.num_slots, B * g)
+        last = []
+        for b, n in enumerate(lengths):
+            last.append(int(slots[b, max(n - 1, 0)]))
+            slots[b, n: n + g] = range(base + b * g, base + (b + 1) * g)
+        last = self.fused.index_select(0, torch.tensor(last)) if self.fused is not None else None  # [B, H]
+        toks, conf, probs, logits, hidden = self.kernel.block(anchors, last, lengths, ks, self.cache, table,
+                                                              not all(ks), temps if u is not None else None, u)
+        return hidden, logits, {r: (toks[r], probs[r, :k] if temps[r] > 0 else None, conf[r])
+                                for r, k in enumerate(ks) if k}
 
     @torch.inference_mode()
     def cache_error(self, seq, target) -> float:

@@ -40,7 +40,7 @@ import torch
 from ..kv import KVManager, pool_tensor
 from ..model.eagle3_native import Eagle3Kernel
 from .base import DraftBlock, register_proposer
-from .feature_cache import checked_drafter, commit_slots, padded_context
+from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_slots
 from .step_chooser import StepChooser, raw_greedy
 
 
@@ -136,7 +136,7 @@ class Eagle3Proposer:
 
     def step_slots(self, seq_ids: list[int], lengths: list[int], ks: list[int]):
         """For rows of `lengths` committed positions drafting ks steps: (step 1's rows [B, H], the
-        slot of every position [B, Lmax]: the cache's below L - 1, scratch slots (`_scratch`) from
+        slot of every position [B, Lmax]: the cache's below L - 1, scratch slots (`scratch_slots`) from
         position L - 1, step 1's, to L + k - 2)."""
         B, kmax = len(ks), max(ks)
         ctx = self.kv.slots(seq_ids, lengths)  # [B, max L]
@@ -145,20 +145,12 @@ class Eagle3Proposer:
         w = min(ctx.shape[1], Lmax)
         table[:, :w] = ctx[:, :w]
         rows = table.numpy()  # (row by row in numpy: each torch op costs tens of us between the kernels' calls)
-        base, last = self._scratch(B * kmax), []
+        self.cache, base = scratch_slots(self.cache, self.num_slots, B * kmax)
+        last = []
         for b, (n, k) in enumerate(zip(lengths, ks)):
             last.append(int(rows[b, n - 1]))
             rows[b, n - 1: n - 1 + k] = range(base + b * kmax, base + b * kmax + k)
         return self.rows.index_select(0, torch.tensor(last, device=self.device)), table
-
-    def _scratch(self, n: int) -> int:
-        """The first of n scratch slots past the paged ones (the cache grown to hold them)."""
-        have = self.cache.shape[2] - self.num_slots
-        if have < n:
-            grown = self.cache.new_zeros(1, 2, self.num_slots + max(n, 2 * have), *self.cache.shape[3:])
-            grown[:, :, : self.num_slots] = self.cache[:, :, : self.num_slots]
-            self.cache = grown
-        return self.num_slots
 
     def _draft_chosen(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock]) -> None:
         """The other rows step by step, each token chosen from q (`StepChooser`): one kernel call a step

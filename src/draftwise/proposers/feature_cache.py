@@ -2,7 +2,8 @@
 check of the directory they were given, and the bookkeeping of their paged caches of committed
 positions (a slot per position, written once the position is committed, rolled back by
 truncation; rows gathered from their slots and padded to the longest, the padding at
-`HIDDEN_POSITION`, which no query sees)."""
+`HIDDEN_POSITION`, which no query sees; scratch slots past the paged ones for their kernels' own
+drafting rows)."""
 from __future__ import annotations
 
 import torch
@@ -60,4 +61,16 @@ def padded_context(kv: KVManager, seq_ids: list[int], lengths: list[int], device
     return slots, pos, slots.gather(1, (lens - 1).clamp(min=0))[:, 0]
 
 
-__all__ = ["checked_drafter", "commit_slots", "padded_context"]
+def scratch_slots(cache: torch.Tensor, num_slots: int, n: int) -> tuple[torch.Tensor, int]:
+    """(the cache, the first of n scratch slots past its `num_slots` paged ones) for a kernel's drafting
+    rows' own K/V (cache [..., 2, slots, Hkv, D], slots along dim 2): grown, a new tensor holding the
+    paged slots' contents, where it has fewer."""
+    have = cache.shape[2] - num_slots
+    if have < n:
+        grown = cache.new_zeros(*cache.shape[:2], num_slots + max(n, 2 * have), *cache.shape[3:])
+        grown[:, :, :num_slots] = cache[:, :, :num_slots]
+        cache = grown
+    return cache, num_slots
+
+
+__all__ = ["checked_drafter", "commit_slots", "padded_context", "scratch_slots"]

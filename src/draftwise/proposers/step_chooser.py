@@ -25,6 +25,16 @@ def raw_greedy(seq) -> bool:
     return seq.params.is_greedy and seq.grammar is None and not changes_logits(seq.params, len(seq.output_ids))
 
 
+def temperature_only(seq) -> bool:
+    """Whether a sampled row's q is softmax(logits / temperature) for the whole round: no grammar, no
+    bias, penalties, min_tokens mask, top-k, top-p or min-p (a drafter may draw such rows on a
+    faster path, with the row's generator)."""
+    sp = seq.params
+    return (not sp.is_greedy and seq.grammar is None and not sp.logit_bias and sp.repetition_penalty == 1.0
+            and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and len(seq.output_ids) >= sp.min_tokens
+            and sp.top_k <= 0 and sp.top_p >= 1.0 and sp.min_p <= 0.0)
+
+
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:  # [N, V] -> [len(rows), V]
     """x's rows, a copy: `index_select`, the same values as x[rows] at a small fraction of advanced
     indexing's cost on a CPU (a step's whole budget is a few of these)."""

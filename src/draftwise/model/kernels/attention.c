@@ -360,3 +360,40 @@ int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, v
         rc |= attend_item(qkv, it, H, Hkv, D, T, kc, vc, slots, Lmax, lens, news, offs, window, scale, out, bf, tree);
     return rc;
 }
+
+/* dw_attend_blocks' work item `it`: row it / Hkv (of sequence it / Hkv / T), K/V head it % Hkv,
+ * as a lone query at the sequence's last key: it sees all of them. */
+static int block_item(const void *qkv, long it, long T, long H, long Hkv, long D, void *kc, void *vc,
+                      const int64_t *slots, long Lmax, const int64_t *lens, float scale, void *out, int bf) {
+    long r = it / Hkv, b = r / T, es = bf ? 2 : 4;
+    return attend_group((const char *)qkv + r * (H + 2 * Hkv) * D * es, 1, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                        lens[b], 0, scale, (char *)out + r * H * D * es, bf, it % Hkv, NULL);
+}
+
+/* Blocks of rows that see each other (DSpark's parallel stage): sequence b's T rows (rows b*T..) are
+ * its keys lens[b] - T .. lens[b] - 1, written into their slots first as dw_attend_batch writes new
+ * tokens', and each row attends all lens[b] keys: its context and every row of its block. qkv, out,
+ * slots as dw_attend_batch takes them (padded rows, no padding). Returns 0, or -1 when scratch
+ * memory was not available. */
+int dw_attend_blocks(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
+                     const int64_t *slots, long Lmax, const int64_t *lens, float scale, void *out, int bf,
+                     int threads) {
+    long es = bf ? 2 : 4, work = 0, items = B * T * Hkv;
+    for (long b = 0; b < B && dw_team_tid == 0; b++) { /* (inside dw_decoder's team: thread 0) */
+        attend_write((const char *)qkv + b * T * (H + 2 * Hkv) * D * es, T, H, Hkv, D, kc, vc, 0, slots + b * Lmax,
+                     lens[b], bf);
+        work += T * H * lens[b] * D;
+    }
+    int rc = 0;
+    if (dw_team_nt) {
+        dw_team_barrier();
+        for (long it = dw_team_tid; it < items; it += dw_team_nt)
+            rc |= block_item(qkv, it, T, H, Hkv, D, kc, vc, slots, Lmax, lens, scale, out, bf);
+        return rc;
+    }
+    long nt = (threads > 1 && work >= ATT_MIN_PARALLEL) ? (threads < items ? threads : items) : 1;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : rc)
+    for (long it = 0; it < items; it++)
+        rc |= block_item(qkv, it, T, H, Hkv, D, kc, vc, slots, Lmax, lens, scale, out, bf);
+    return rc;
+}

@@ -67,7 +67,10 @@ int dw_decoder_layers(char *x, char *h, char *buf, long R, const struct dw_decod
         dw_product(K[0], h, W[1], W[2], W[3], qkv, R, qkvw, hid, bf, threads);
         dw_team_barrier();
         if (one) dw_rope(qkv, R, qkvw, H + Hkv, D, args->pos, args->cos, args->sin, bf);
-        if (args->slots)
+        if (args->block)
+            rc |= dw_attend_blocks(qkv, B, T, H, Hkv, D, kc, vc, args->slots, args->Lmax, args->lens, scale, y, bf,
+                                   threads);
+        else if (args->slots)
             rc |= dw_attend_batch(qkv, B, T, H, Hkv, D, kc, vc, args->slots, args->Lmax, args->lens, args->news, offs,
                                   window, scale, y, bf, threads, args->tree);
         else

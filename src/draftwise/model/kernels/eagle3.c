@@ -7,9 +7,6 @@
  * dw_eagle3_commit: committed positions' context rows and K/V into the drafter's cache (after each
  * verification), the pieces of `row_input(fuse(.))` and `kv` in one call. */
 #include "kernels.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* What one call works on, and the step's rows that thread 0 sets between barriers for the team. */
 struct e3_call {
@@ -126,27 +123,9 @@ static int e3_alloc(struct e3_call *c) {
     return 0;
 }
 
-/* fn(c) on one OpenMP team of `threads` (or on the calling thread alone): fn's result. */
-static int e3_team(int threads, int (*fn)(void *), void *c) {
-    int rc = 0;
-#ifdef _OPENMP
-    if (threads > 1 && !dw_team_nt) {
-        struct dw_team_bar bar = {0, 0};
-#pragma omp parallel num_threads(threads) reduction(| : rc)
-        {
-            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
-            rc |= fn(c);
-            dw_team_leave();
-        }
-    } else
-#endif
-        rc = fn(c);
-    return rc;
-}
-
 /* fn(c) on one team, then c's memory freed: 0, or -1 when fn failed. */
 static int e3_run(struct e3_call *c, int (*fn)(void *)) {
-    int rc = e3_team(c->args->threads, fn, c);
+    int rc = dw_team_run(c->args->threads, fn, c);
     free(c->x);
     free(c->buf);
     return rc ? -1 : 0;
@@ -296,7 +275,7 @@ int dw_eagle3_commit(const struct dw_io *io, const struct dw_decoder_args *args,
     struct e3_commit c = {io, args, e, feat, ids, pos, slots, n, rows};
     c.g = mem, c.in = c.g + es * n * hid, c.x = c.in + es * n * 2 * hid, c.h = c.x + es * n * hid;
     c.qkv = c.h + es * n * hid;
-    int rc = e3_team(args->threads, eagle3_commit_rows, &c);
+    int rc = dw_team_run(args->threads, eagle3_commit_rows, &c);
     free(mem);
     return rc ? -1 : 0;
 }

@@ -143,6 +143,7 @@ extern __thread int dw_team_tid, dw_team_nt;
 __attribute__((visibility("hidden"))) void dw_team_enter(struct dw_team_bar *bar, int tid, int nt);
 __attribute__((visibility("hidden"))) void dw_team_leave(void);
 __attribute__((visibility("hidden"))) void dw_team_barrier(void);
+__attribute__((visibility("hidden"))) int dw_team_run(int threads, int (*fn)(void *), void *arg);
 
 /* The threads for `work` multiply-adds: inside a team all of it; else `threads` when the work
  * reaches `min_work` (a fork of the OpenMP team costs more than a smaller product), else 1. */
@@ -207,6 +208,9 @@ int dw_attend_batch(const void *qkv, long B, long T, long H, long Hkv, long D, v
                     const int64_t *slots, long Lmax, const int64_t *lens, const int64_t *news,
                     const int64_t *offs, long window, float scale, void *out, int bf, int threads,
                     const int64_t *tree);
+int dw_attend_blocks(const void *qkv, long B, long T, long H, long Hkv, long D, void *kc, void *vc,
+                     const int64_t *slots, long Lmax, const int64_t *lens, float scale, void *out, int bf,
+                     int threads);
 
 /* linear.c: small float weights and int4 groups */
 void dw_linear(const void *x, const void *wt, const void *bias, void *out, long rows, long O, long N, int bf);
@@ -267,6 +271,7 @@ struct dw_decoder_args {
     void *feat;
     const int64_t *feat_layers;
     long nfeat;
+    long block; /* each sequence's T rows a block whose rows see each other (dw_attend_blocks); 0: causal rows */
 };
 
 /* The input embedding and the LM head run inside dw_forward and the drafter's greedy steps (`NativeIO`
@@ -342,5 +347,37 @@ int dw_eagle3_step(const struct dw_io *io, const struct dw_decoder_args *a, cons
 int dw_eagle3_commit(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_eagle3 *e,
                      const void *feat, const int64_t *ids, const int64_t *pos, const int64_t *slots, long n,
                      void *rows);
+
+
+/* dspark.c: DSpark's block drafting and cache writes. dw_dspark holds the drafter's pieces besides
+ * its layers: fc [nfeat hid -> hid] and hidden_norm (the features' fusion), fc_in [2 hid -> hid]
+ * (NULL: rows without the anchor feature), mask_emb [hid], each layer's k/v product (kv: weight,
+ * bias, scale per layer; kv_kinds), the vanilla Markov head (w1 [V, rank] in the dtype, w2 [rank ->
+ * V] as dw_product takes it; rank 0: none), the confidence head (conf_w [hid + rank] in the dtype,
+ * conf_b) and its temperatures per position (temps [g] or NULL). */
+struct dw_dspark {
+    const void *fc, *fc_bias, *fc_scale;
+    int fc_kind;
+    const void *hidden_norm;
+    const void *fc_in, *fc_in_bias, *fc_in_scale;
+    int fc_in_kind;
+    const void *mask_emb;
+    void *const *kv;
+    const int *kv_kinds;
+    const void *w1;
+    long rank;
+    const void *w2, *w2_bias, *w2_scale;
+    int w2_kind;
+    const void *conf_w;
+    float conf_b;
+    const float *temps;
+    long nfeat;
+};
+int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_dspark *ds,
+                    const int64_t *anchors, const void *last, const int64_t *ks, const float *temp,
+                    const double *u, long B, int64_t *out_tok, float *out_conf, float *out_probs,
+                    float *out_logits, void *out_hidden);
+int dw_dspark_commit(const struct dw_decoder_args *a, const struct dw_dspark *ds, const void *feat,
+                     const int64_t *pos, const int64_t *slots, long n, void *fused_rows);
 
 #endif

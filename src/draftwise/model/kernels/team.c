@@ -7,6 +7,9 @@
  * on thread 0; the shares are the ones the forked loops take, so the bits are the same. */
 #include "kernels.h"
 #include <sched.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 __thread int dw_team_tid, dw_team_nt;
 static __thread struct dw_team_bar *team_bar;
@@ -41,4 +44,23 @@ void dw_team_barrier(void) {
 #endif
         if (i > TEAM_SPINS) sched_yield();
     }
+}
+
+/* fn(arg) on one OpenMP team of `threads` threads (or on the calling thread alone: one thread, no
+ * OpenMP, or already inside a team): fn's results, or-ed. */
+int dw_team_run(int threads, int (*fn)(void *), void *arg) {
+    int rc = 0;
+#ifdef _OPENMP
+    if (threads > 1 && !dw_team_nt) {
+        struct dw_team_bar bar = {0, 0};
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+        {
+            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
+            rc |= fn(arg);
+            dw_team_leave();
+        }
+        return rc;
+    }
+#endif
+    return fn(arg);
 }
