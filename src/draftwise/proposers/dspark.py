@@ -16,8 +16,9 @@ The sharing arrangement:
   length is the target's `num_computed` after every step (`seq.draft_computed`), and rollback is the
   target's bookkeeping. A preempted sequence's prefill is recomputed with features and refills it.
   After the target's forward the engine hands all the step's fed rows to `stage_features` (fused
-  and projected in one product each, whatever the rows); each sequence's `commit_features` then
-  rotates and writes its committed rows.
+  and projected at once, whatever the rows: one kernel call where the kernels run,
+  model/dspark_native.py); each sequence's `commit_features` then rotates and writes its committed
+  rows (one small kernel call).
   **Prefix caching**: a row here is a function of the tokens up to its position only (the target's
   features there), and every position in a block the target's prefix cache registers has been
   committed, its row written in the same step; so a prefix-cache hit, which skips the target's
@@ -35,6 +36,10 @@ The sharing arrangement:
   exact. A row drafts min(num_draft, gamma) tokens (a block is cut, never extended), fewer where its
   grammar ends; its confidences are the confidence head's c_k (what the `dspark` policy admits by).
   Grammar-forced proposals are left to the engine (`forced_tail`).
+  Where the kernels run the forward is one call (`DSparkKernel.block`, its block's own K/V in
+  scratch slots past the paged ones), which also drafts the greedy rows whose q is their raw logits
+  and the rows sampled with a temperature alone (`raw_greedy`, `temperature_only`: the same q_k,
+  drawn with uniforms from the row's generator); the other rows take `draw` on its logits.
 
 p is the target, q the draft.
 """
@@ -86,34 +91,40 @@ class DSparkProposer:
     @torch.inference_mode()
     def stage_features(self, features: dict[int, tuple[int, torch.Tensor]]) -> None:
         """A step's fed rows of every sequence (seq_id -> (first position, features [n, F*H]), as the
-        target's forward returned them), fused and projected to each layer's k, v in one product
-        each: a row's projections are a function of that row alone. `commit_features` then rotates
-        and writes a sequence's committed rows from these (a call per sequence of its own
-        otherwise: 16 a step at c=16, most of what a step with this drafter costs beyond plain)."""
+        target's forward returned them), fused and projected to each layer's k, v at once (one kernel
+        call, else one product each): a row's projections are a function of that row alone, and each
+        weight is read once a step, not once a sequence. `commit_features` then rotates and writes a
+        sequence's committed rows from these."""
         ids = [i for i, (_, rows) in features.items() if rows.shape[0]]
         self.staged = {}
-        if not ids or self.kernel is not None:  # the kernel projects a sequence's committed rows in one call
+        if not ids:
             return
-        fused, kv = self._project(torch.cat([features[i][1] for i in ids]))  # [1, N, H]; per layer k, v
+        fused, kv = self._project(torch.cat([features[i][1] for i in ids]))
         off = 0
         for i in ids:
             start, rows = features[i]
-            n = rows.shape[0]
-            self.staged[i] = (start, rows, fused[:, off:off + n], [(k[:, off:off + n], v[:, off:off + n]) for k, v in kv])
-            off += n
+            self.staged[i] = (start, rows, off, fused, kv)
+            off += rows.shape[0]
 
     def _projected(self, seq, start: int, features: torch.Tensor):
-        """The committed rows' fused features [1, n, H] and unrotated k, v per layer: staged this step
+        """The committed rows' projections (`_project`'s, their first n rows): staged this step
         (`stage_features`) where these are a prefix of its rows, else projected now."""
         n = features.shape[0]
         staged = self.staged.pop(seq.seq_id, None)
         if staged is not None and staged[0] == start and staged[1].shape[0] >= n \
                 and staged[1].data_ptr() == features.data_ptr():
-            return staged[2][:, :n], [(k[:, :n], v[:, :n]) for k, v in staged[3]]
-        return self._project(features)
+            off, fused, kv = staged[2:]
+        else:
+            (fused, kv), off = self._project(features), 0
+        if self.kernel is not None:  # fused [N, H], kv [layers, N, 2 Hkv D]
+            return fused[off:off + n], kv[:, off:off + n]
+        return fused[:, off:off + n], [(k[:, off:off + n], v[:, off:off + n]) for k, v in kv]
 
     def _project(self, rows: torch.Tensor):
-        """Feature rows [n, F*H] -> fused [1, n, H] and each layer's unrotated k, v [1, n, Hkv*D]."""
+        """Feature rows [n, F*H] -> with the kernel (`DSparkKernel.project`) fused [n, H] and each
+        layer's unrotated k, v [layers, n, 2 Hkv D]; else fused [1, n, H] and per layer k, v [1, n, Hkv*D]."""
+        if self.kernel is not None:
+            return self.kernel.project(rows)
         fused = self.drafter.fuse(rows[None].to(self.device))
         return fused, self.drafter.context_projections(fused)
 
@@ -129,11 +140,11 @@ class DSparkProposer:
             return
         end = start + n
         slots = commit_slots(self.slots, seq, start, n, "dspark", self.device, own=self.kv is not None)  # [n]
+        fused, projected = self._projected(seq, start, features)
         if self.kernel is not None:
-            self.kernel.commit(features, start, slots, self.cache, self.fused)
+            self.kernel.place(fused, projected, start, slots, self.cache, self.fused)
             seq.draft_computed = end
             return
-        fused, projected = self._projected(seq, start, features)
         cos, sin = self.drafter.rope(torch.arange(start, end, device=self.device)[None])
         for i, (layer, (k, v)) in enumerate(zip(self.drafter.layers, projected)):
             k, v = layer.rotate_kv(k, v, cos, sin)  # [1, n, Hkv, D] each

@@ -1,8 +1,9 @@
-/* DSpark's drafting in one call (dw_dspark_block) and its cache writes in another
- * (dw_dspark_commit), each on one OpenMP team (team.c): the calls of model/dspark.py's
- * `block_hidden`, `draw` (greedy rows, the vanilla Markov head) and of the proposer's projections
- * of committed rows, without a fork of the team and the Python around every product (about 11
- * products and 60 PyTorch operations a round).
+/* DSpark's drafting in one call (dw_dspark_block) and its cache writes in two (dw_dspark_project
+ * for a step's feature rows, dw_dspark_place for a sequence's committed ones): the calls of
+ * model/dspark.py's `block_hidden`, `draw` (greedy and temperature-only rows, the vanilla Markov
+ * head) and of the proposer's projections and cache writes, the products on one OpenMP team
+ * (team.c) for the whole call, without a fork of the team and the Python around every product
+ * (about 11 products and 60 PyTorch operations a round).
  *
  * dw_dspark_block, for B rows each drafting a block of g positions after its committed context:
  * - the block's rows: the anchor's embedding (the target's), then g - 1 mask embeddings; with an
@@ -15,8 +16,9 @@
  *   x_k: the argmax (greedy rows) or a draw from q_k = softmax((U_k + W2 z_k) / t) (rows sampled at
  *   temperature t, nothing else processing their logits); the other rows' logits and hidden
  *   states go back to the caller, which draws from them itself (processed or constrained rows).
- * dw_dspark_commit: committed positions' fused features fc(features) -> hidden_norm, each layer's
- * k (rotated) and v of them into the drafter's cache, the fused rows into theirs. */
+ * dw_dspark_project: feature rows' fused features fc(features) -> hidden_norm and each layer's k, v
+ * of them, a step's rows of every sequence in one call; dw_dspark_place: committed positions' rows
+ * of those, k rotated, into the drafter's cache and the fused rows into theirs. */
 #include "kernels.h"
 
 /* One call of dw_dspark_block and its scratch. */
@@ -178,65 +180,76 @@ int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *args, 
     return rc ? -1 : 0;
 }
 
-/* What dw_dspark_commit works on. */
-struct ds_commit {
+/* What dw_dspark_project works on. */
+struct ds_project {
     const struct dw_decoder_args *args;
     const struct dw_dspark *ds;
     const void *feat;
-    const int64_t *pos, *slots;
     long n;
-    void *fused_rows;
-    char *gbuf, *f, *kv; /* [n, hid] fc's output, [n, hid] fused, [n, 2 Hkv D] a layer's k, v */
+    char *gbuf, *fused, *kv; /* [n, hid] fc's output; out: [n, hid] fused, [layers, n, 2 Hkv D] k, v */
 };
 
-/* The team's part of dw_dspark_commit: the products shared, thread 0 the norm, RoPE and writes. */
-static int dspark_commit_rows(void *p) {
-    struct ds_commit *c = (struct ds_commit *)p;
+/* The team's part of dw_dspark_project: the products shared, thread 0 the norm. */
+static int dspark_project_rows(void *p) {
+    struct ds_project *c = (struct ds_project *)p;
     const struct dw_decoder_args *args = c->args;
     const struct dw_dspark *ds = c->ds;
     long hid = args->hid, n = c->n, es = args->bf ? 2 : 4, row = args->Hkv * args->D;
-    int one = dw_team_tid == 0, bf = args->bf, nt = args->threads;
+    int bf = args->bf, nt = args->threads;
     dw_product(ds->fc_kind, c->feat, ds->fc, ds->fc_bias, ds->fc_scale, c->gbuf, n, hid, ds->nfeat * hid, bf, nt);
     dw_team_barrier();
-    if (one) {
-        dw_rms_norm(c->gbuf, ds->hidden_norm, c->f, n, hid, args->eps, bf);
-        if (c->fused_rows)
-            for (long t = 0; t < n; t++)
-                memcpy((char *)c->fused_rows + es * c->slots[t] * hid, c->f + es * t * hid, es * hid);
-    }
+    if (dw_team_tid == 0) dw_rms_norm(c->gbuf, ds->hidden_norm, c->fused, n, hid, args->eps, bf);
     dw_team_barrier();
     for (long l = 0; l < args->layers; l++) {
         void *const *w = ds->kv + 3 * l;
-        dw_product(ds->kv_kinds[l], c->f, w[0], w[1], w[2], c->kv, n, 2 * row, hid, bf, nt);
-        dw_team_barrier();
-        if (one) {
-            dw_rope(c->kv, n, 2 * row, args->Hkv, args->D, c->pos, args->cos, args->sin, bf); /* k's heads */
-            char *kc = (char *)args->cache + es * l * args->layer_stride, *vc = kc + es * args->kv_stride;
-            for (long t = 0; t < n; t++) {
-                memcpy(kc + es * c->slots[t] * row, c->kv + es * t * 2 * row, es * row);
-                memcpy(vc + es * c->slots[t] * row, c->kv + es * (t * 2 + 1) * row, es * row);
-            }
-        }
-        dw_team_barrier();
+        dw_product(ds->kv_kinds[l], c->fused, w[0], w[1], w[2], c->kv + es * l * n * 2 * row, n, 2 * row, hid, bf, nt);
     }
+    dw_team_barrier();
     return 0;
 }
 
-/* n committed positions into the drafter's cache. feat [n, nfeat * hid]: the target's features of
- * the positions; pos [n] their positions (rows of args->cos, args->sin); slots [n] their slots.
- * fused = hidden_norm(fc(feat)) goes to fused_rows [slots, hid] (may be NULL); each layer l's k
- * (rotated) and v of it (ds->kv's product, no norm before it) to args->cache [layers, 2, slots, Hkv,
- * D] (layer_stride, kv_stride elements apart). args: only layers, hid, Hkv, D, eps, cos, sin, cache,
- * layer_stride, kv_stride, bf, threads read. Returns 0, or -1 when scratch memory was not available. */
-int dw_dspark_commit(const struct dw_decoder_args *args, const struct dw_dspark *ds, const void *feat,
-                     const int64_t *pos, const int64_t *slots, long n, void *fused_rows) {
-    long hid = args->hid, es = args->bf ? 2 : 4, row = args->Hkv * args->D;
+/* n feature rows (feat [n, nfeat * hid], the target's) fused and projected: fused [n, hid] =
+ * hidden_norm(fc(feat)), kv [layers, n, 2 Hkv D] each layer's k (unrotated) and v of them (ds->kv's
+ * product, no norm before it): a function of each row alone, so a step's rows of every sequence
+ * project in one call (each weight read once), and `dw_dspark_place` writes the committed ones.
+ * args: only layers, hid, Hkv, D, eps, bf, threads read. Returns 0, or -1 when scratch memory was
+ * not available. */
+int dw_dspark_project(const struct dw_decoder_args *args, const struct dw_dspark *ds, const void *feat, long n,
+                      void *fused, void *kv) {
+    long es = args->bf ? 2 : 4;
     if (n <= 0) return 0;
-    char *mem = (char *)malloc(es * n * (2 * hid + 2 * row) + 64);
+    char *mem = (char *)malloc(es * n * args->hid + 64);
     if (!mem) return -1;
-    struct ds_commit c = {args, ds, feat, pos, slots, n, fused_rows};
-    c.gbuf = mem, c.f = c.gbuf + es * n * hid, c.kv = c.f + es * n * hid;
-    int rc = dw_team_run(args->threads, dspark_commit_rows, &c);
+    struct ds_project c = {args, ds, feat, n, mem, (char *)fused, (char *)kv};
+    int rc = dw_team_run(args->threads, dspark_project_rows, &c);
     free(mem);
     return rc ? -1 : 0;
+}
+
+/* n projected rows (`dw_dspark_project`'s: fused [n, hid]; kv, layer l's rows kv_stride elements
+ * after layer l - 1's, each row 2 Hkv D) of committed positions pos [n] (rows of args->cos,
+ * args->sin) into the drafter's cache at slots [n]: each layer's k rotated and v to args->cache
+ * [layers, 2, slots, Hkv, D] (layer_stride, kv_stride elements apart), the fused rows to fused_rows
+ * [slots, hid] (may be NULL). On the calling thread. Returns 0, or -1 when scratch memory was not
+ * available. */
+int dw_dspark_place(const struct dw_decoder_args *args, const void *fused, const void *kv, long kv_layer,
+                    const int64_t *pos, const int64_t *slots, long n, void *fused_rows) {
+    long hid = args->hid, es = args->bf ? 2 : 4, row = args->Hkv * args->D;
+    if (n <= 0) return 0;
+    char *tmp = (char *)malloc(es * n * 2 * row + 64);
+    if (!tmp) return -1;
+    if (fused_rows)
+        for (long t = 0; t < n; t++)
+            memcpy((char *)fused_rows + es * slots[t] * hid, (const char *)fused + es * t * hid, es * hid);
+    for (long l = 0; l < args->layers; l++) {
+        memcpy(tmp, (const char *)kv + es * l * kv_layer, es * n * 2 * row);
+        dw_rope(tmp, n, 2 * row, args->Hkv, args->D, pos, args->cos, args->sin, args->bf); /* k's heads */
+        char *kc = (char *)args->cache + es * l * args->layer_stride, *vc = kc + es * args->kv_stride;
+        for (long t = 0; t < n; t++) {
+            memcpy(kc + es * slots[t] * row, tmp + es * t * 2 * row, es * row);
+            memcpy(vc + es * slots[t] * row, tmp + es * (t * 2 + 1) * row, es * row);
+        }
+    }
+    free(tmp);
+    return 0;
 }
