@@ -254,14 +254,13 @@ def test_a_steps_feature_rows_are_projected_in_one_product(target_dir, dspark_di
     llm0, ps, sp, want = plain
     llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method="dspark", k=4), max_num_seqs=8)
     prop = llm.engine.proposer
-    calls, fresh = [], []
-    fuse, projected = prop.drafter.fuse, prop._projected
+    calls, staged = [], []
+    fuse, read = prop.drafter.fuse, prop._staged
     monkeypatch.setattr(prop.drafter, "fuse", lambda x: calls.append(x.shape[1]) or fuse(x))
-    monkeypatch.setattr(prop, "_projected", lambda seq, start, f: fresh.append(seq.seq_id not in prop.staged)
-                        or projected(seq, start, f))
+    monkeypatch.setattr(prop, "_staged", lambda seq, start, f: staged.append(read(seq, start, f)) or staged[-1])
     outs = llm.generate(ps[:8], sp)
     assert_equal_but_near_ties(llm0.engine.target.model, ps[:8], [o.token_ids for o in outs], want[:8])
-    assert fresh and not any(fresh)  # every commit read the step's staged rows
+    assert staged and all(s is not False for s in staged)  # every commit read the step's staged rows
     assert len(calls) <= llm.engine.stats.steps and max(calls) > 8  # one product a step, for several rows
 
 

@@ -175,17 +175,17 @@ def test_kernel_draws_follow_q(wide, plain):
 @pytest.mark.parametrize("blocks", [None, 14])
 def test_kernel_cache_writes_equal_a_fresh_forward(wide, plain, blocks):
     """After rounds with rejections (and recomputes after preemption), the cache written by the
-    kernel's calls (a step's feature rows projected in one, each sequence's committed ones placed)
-    holds the committed context's K/V and fused features as a fresh forward gives them."""
+    kernel's calls (a step's fed rows of every sequence in one, rejected proposals' rows too, past
+    the committed length) holds the committed context's K/V and fused features as a fresh forward
+    gives them."""
     target, dspark, _, _, _ = wide
     _, ps, _, _ = plain
     llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=4), num_kv_blocks=blocks,
               max_model_len=64)
     eng, prop = llm.engine, llm.engine.proposer
-    commits, projections = [], []
-    place, project = prop.kernel.place, prop.kernel.project
-    prop.kernel.place = lambda f, *a: commits.append(f.shape[0]) or place(f, *a)
-    prop.kernel.project = lambda f: projections.append(f.shape[0]) or project(f)
+    commits = []
+    commit = prop.kernel.commit
+    prop.kernel.commit = lambda f, *a: commits.append(f.shape[0]) or commit(f, *a)
     fresh_target = load_model(target, fuse=False, load_tokenizer=False).model.eval()
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=30, ignore_eos=True)
               for i in range(len(ps))]
@@ -204,8 +204,7 @@ def test_kernel_cache_writes_equal_a_fresh_forward(wide, plain, blocks):
             slots = prop.slots.slots([s.seq_id], [s.draft_computed])[0]
             assert (prop.fused[slots] - fused[0]).abs().max() <= 1e-4
             checked += 1
-    assert checked > 20 and commits and max(commits) > 5  # prefill chunks and verifications both
-    assert len(projections) <= eng.stats.steps and max(projections) > max(commits)  # a step's rows in one call
+    assert checked > 20 and len(commits) <= eng.stats.steps and max(commits) > 16  # a step's rows in one call
     assert eng.stats.proposed_tokens > eng.stats.accepted_tokens > 0
     if blocks:
         assert eng.stats.preemptions > 0

@@ -158,7 +158,7 @@ class Eagle3IO(ctypes.Structure):
 
 class DSparkIO(ctypes.Structure):
     """`struct dw_dspark` (kernels/kernels.h): a DSpark drafter's pieces besides its layers, for its
-    block drafting (`dw_dspark_block`) and cache writes (`dw_dspark_project`, `dw_dspark_place`)."""
+    block drafting (`dw_dspark_block`) and cache writes (`dw_dspark_commit`)."""
 
     _fields_ = [("fc", ctypes.c_void_p), ("fc_bias", ctypes.c_void_p), ("fc_scale", ctypes.c_void_p),
                 ("fc_kind", ctypes.c_int), ("hidden_norm", ctypes.c_void_p), ("fc_in", ctypes.c_void_p),
@@ -171,8 +171,7 @@ class DSparkIO(ctypes.Structure):
 
 # 0, or -1: no scratch memory
 INT_RESULT = ("dw_vnni", "dw_amx_enable", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
-              "dw_eagle3_greedy", "dw_eagle3_step", "dw_eagle3_commit", "dw_dspark_block", "dw_dspark_project",
-              "dw_dspark_place")
+              "dw_eagle3_greedy", "dw_eagle3_step", "dw_eagle3_commit", "dw_dspark_block", "dw_dspark_commit")
 
 
 class Kernels:
@@ -211,8 +210,7 @@ class Kernels:
             "dw_eagle3_step": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p],
             "dw_eagle3_commit": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, p, i, p],
             "dw_dspark_block": [io, args, ctypes.POINTER(DSparkIO), p, p, p, p, p, i, p, p, p, p, p],
-            "dw_dspark_project": [args, ctypes.POINTER(DSparkIO), p, i, p, p],
-            "dw_dspark_place": [args, p, p, i, p, p, i, p],
+            "dw_dspark_commit": [args, ctypes.POINTER(DSparkIO), p, p, p, i, p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)

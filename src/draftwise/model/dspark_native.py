@@ -16,10 +16,9 @@ base logits U_k and hidden states back, and `draw` makes their sequential stage 
 (`StepChooser`), so DraftBlock.probs is always the q drawn from. The block's own K/V go to scratch slots past
 the paged ones, so the committed cache stays as it is.
 
-`DSparkKernel.project` fuses and projects feature rows (fc and the hidden norm, each layer's k/v
-product), a step's rows of every sequence in one call (each weight read once a step, not once a
-sequence), and `DSparkKernel.place` writes a sequence's committed ones into the drafter's cache
-(RoPE on k, the writes at the positions' slots).
+`DSparkKernel.commit` writes feature rows into the drafter's cache: fc and the hidden norm (the
+fused feature), each layer's k/v product and RoPE, the writes at the positions' slots; a step's
+rows of every sequence in one call (each weight read once a step, not once a sequence).
 
 Both equal the PyTorch path up to float rounding (tests compare them). `DSparkKernel.of(drafter)`
 is None where the calls cannot run: the kernels unavailable, a projection outside them, the
@@ -160,42 +159,20 @@ class DSparkKernel:
         return ([tok_rows[b][:k] for b, k in enumerate(ks)], [conf_rows[b][:k] for b, k in enumerate(ks)],
                 probs, logits, hidden)
 
-    def project(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feature rows [n, F*H] (the target's) -> fused [n, H] (`fuse`) and each layer's k
-        (unrotated), v [layers, n, 2 Hkv D] of them (`context_projections`), in the drafter's dtype:
-        a function of each row alone, so a step's rows of every sequence take one call."""
-        cfg, n = self.cfg, features.shape[0]
+    def commit(self, features: torch.Tensor, positions: list[int], slots: torch.Tensor, cache: torch.Tensor,
+               fused_rows: torch.Tensor | None) -> None:
+        """Feature rows [n, F*H] (the target's) of `positions` [n] into the drafter's cache at slots [n]
+        (int64): `fuse` of them to fused_rows [slots, H] (if not None), each layer's `context_kv` to
+        cache [layers, 2, slots, Hkv, D], equal to those up to float rounding. A row's values are a
+        function of that row alone: a step's rows of every sequence take one call."""
+        n = features.shape[0]
         feat = features.to(self.dtype).contiguous()
-        fused = torch.empty(n, cfg.hidden_size, dtype=self.dtype)
-        kv = torch.empty(cfg.num_hidden_layers, n, 2 * cfg.num_key_value_heads * cfg.head_dim, dtype=self.dtype)
-        args = self._args(1, n, None, None)
-        rc = cpu_kernels.kernels().dspark_project(ctypes.byref(args), ctypes.byref(self.ds), feat.data_ptr(), n,
-                                                  fused.data_ptr(), kv.data_ptr())
-        if rc != 0:
-            raise MemoryError("dspark projections: no scratch memory")
-        return fused, kv
-
-    def place(self, fused: torch.Tensor, kv: torch.Tensor, start: int, slots: torch.Tensor, cache: torch.Tensor,
-              fused_rows: torch.Tensor | None) -> None:
-        """Committed positions start .. start + n - 1 from their projections (`project`'s rows: fused
-        [n, H], kv [layers, n, 2 Hkv D], rows contiguous, layers any stride) into the drafter's cache
-        [layers, 2, slots, Hkv, D] at slots [n] (int64), k rotated at their positions (`context_kv`),
-        and fused to fused_rows [slots, H] (if not None)."""
-        n = fused.shape[0]
-        slots = slots.contiguous()
+        slots = slots.to(torch.int64).contiguous()
         top = self.cfg.max_position_embeddings  # (positions past the RoPE table read its last row, as `rope`)
-        pos = torch.tensor([min(p, top) for p in range(start, start + n)], dtype=torch.int64)
+        pos = torch.tensor([min(p, top) for p in positions], dtype=torch.int64)
         args = self._args(1, n, cache, None)
-        rc = cpu_kernels.kernels().dspark_place(ctypes.byref(args), fused.data_ptr(), kv.data_ptr(), kv.stride(0),
-                                                pos.data_ptr(), slots.data_ptr(), n,
-                                                0 if fused_rows is None else fused_rows.data_ptr())
+        rc = cpu_kernels.kernels().dspark_commit(ctypes.byref(args), ctypes.byref(self.ds), feat.data_ptr(),
+                                                 pos.data_ptr(), slots.data_ptr(), n,
+                                                 0 if fused_rows is None else fused_rows.data_ptr())
         if rc != 0:
             raise MemoryError("dspark cache rows: no scratch memory")
-
-    def commit(self, features: torch.Tensor, start: int, slots: torch.Tensor, cache: torch.Tensor,
-               fused_rows: torch.Tensor | None) -> None:
-        """Committed positions start .. start + n - 1 into the drafter's cache from the target's
-        features [n, F*H]: `project`, then `place`; equal to `fuse` and `context_kv` up to float
-        rounding."""
-        fused, kv = self.project(features)
-        self.place(fused, kv, start, slots, cache, fused_rows)

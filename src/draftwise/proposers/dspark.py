@@ -15,10 +15,11 @@ The sharing arrangement:
   lives in the slot where the target keeps its K/V. Only committed rows are ever written, so its
   length is the target's `num_computed` after every step (`seq.draft_computed`), and rollback is the
   target's bookkeeping. A preempted sequence's prefill is recomputed with features and refills it.
-  After the target's forward the engine hands all the step's fed rows to `stage_features` (fused
-  and projected at once, whatever the rows: one kernel call where the kernels run,
-  model/dspark_native.py); each sequence's `commit_features` then rotates and writes its committed
-  rows (one small kernel call).
+  After the target's forward the engine hands all the step's fed rows to `stage_features`: where
+  the kernels run they are all written in one call (model/dspark_native.py; a rejected row's lands
+  past the committed length, as the target's K/V do, and is rewritten when its position commits),
+  and each sequence's `commit_features` moves its length; else they are fused and projected in one
+  product each and `commit_features` rotates and writes a sequence's committed rows.
   **Prefix caching**: a row here is a function of the tokens up to its position only (the target's
   features there), and every position in a block the target's prefix cache registers has been
   committed, its row written in the same step; so a prefix-cache hit, which skips the target's
@@ -45,6 +46,7 @@ p is the target, q the draft.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kv import KVManager, pool_tensor
@@ -91,40 +93,46 @@ class DSparkProposer:
     @torch.inference_mode()
     def stage_features(self, features: dict[int, tuple[int, torch.Tensor]]) -> None:
         """A step's fed rows of every sequence (seq_id -> (first position, features [n, F*H]), as the
-        target's forward returned them), fused and projected to each layer's k, v at once (one kernel
-        call, else one product each): a row's projections are a function of that row alone, and each
-        weight is read once a step, not once a sequence. `commit_features` then rotates and writes a
-        sequence's committed rows from these."""
+        target's forward returned them), at once: a row's values are a function of that row alone,
+        and each weight is read once a step, not once a sequence. Where the kernels run on the
+        target's slots every fed row is written now, in one call (`DSparkKernel.commit`): the rows of
+        rejected proposals land where the target wrote their K/V, past the committed length, and
+        are rewritten when those positions commit (rollback by bookkeeping, as the target's), so
+        `commit_features` only moves the length. Else they are fused and projected (one product
+        each) and `commit_features` rotates and writes a sequence's committed ones."""
         ids = [i for i, (_, rows) in features.items() if rows.shape[0]]
         self.staged = {}
         if not ids:
             return
-        fused, kv = self._project(torch.cat([features[i][1] for i in ids]))
+        rows = torch.cat([features[i][1] for i in ids])
+        if self.kernel is not None and self.kv is None:
+            starts = [features[i][0] for i in ids]
+            ends = [s + features[i][1].shape[0] for i, s in zip(ids, starts)]
+            table = self.slots.slots(ids, ends).numpy()  # [B, max end]
+            slots = torch.from_numpy(np.concatenate([table[b, s:e] for b, (s, e) in enumerate(zip(starts, ends))]))
+            self.kernel.commit(rows, [p for s, e in zip(starts, ends) for p in range(s, e)], slots, self.cache,
+                               self.fused)
+            self.staged = {i: (features[i][0], features[i][1], None) for i in ids}
+            return
+        fused, kv = self._project(rows)  # [1, N, H]; per layer k, v
         off = 0
         for i in ids:
             start, rows = features[i]
-            self.staged[i] = (start, rows, off, fused, kv)
-            off += rows.shape[0]
+            n = rows.shape[0]
+            self.staged[i] = (start, rows, (fused[:, off:off + n], [(k[:, off:off + n], v[:, off:off + n]) for k, v in kv]))
+            off += n
 
-    def _projected(self, seq, start: int, features: torch.Tensor):
-        """The committed rows' projections (`_project`'s, their first n rows): staged this step
-        (`stage_features`) where these are a prefix of its rows, else projected now."""
-        n = features.shape[0]
+    def _staged(self, seq, start: int, features: torch.Tensor):
+        """This step's staging of the committed rows (`stage_features`) where they are a prefix of the
+        step's rows: their projections, or None where they are written already; else False."""
         staged = self.staged.pop(seq.seq_id, None)
-        if staged is not None and staged[0] == start and staged[1].shape[0] >= n \
+        if staged is not None and staged[0] == start and staged[1].shape[0] >= features.shape[0] \
                 and staged[1].data_ptr() == features.data_ptr():
-            off, fused, kv = staged[2:]
-        else:
-            (fused, kv), off = self._project(features), 0
-        if self.kernel is not None:  # fused [N, H], kv [layers, N, 2 Hkv D]
-            return fused[off:off + n], kv[:, off:off + n]
-        return fused[:, off:off + n], [(k[:, off:off + n], v[:, off:off + n]) for k, v in kv]
+            return staged[2]
+        return False
 
     def _project(self, rows: torch.Tensor):
-        """Feature rows [n, F*H] -> with the kernel (`DSparkKernel.project`) fused [n, H] and each
-        layer's unrotated k, v [layers, n, 2 Hkv D]; else fused [1, n, H] and per layer k, v [1, n, Hkv*D]."""
-        if self.kernel is not None:
-            return self.kernel.project(rows)
+        """Feature rows [n, F*H] -> fused [1, n, H] and each layer's unrotated k, v [1, n, Hkv*D]."""
         fused = self.drafter.fuse(rows[None].to(self.device))
         return fused, self.drafter.context_projections(fused)
 
@@ -133,18 +141,21 @@ class DSparkProposer:
         """The context K/V of committed positions start .. start + n - 1, written into the drafter's
         cache; its length becomes start + n (blocks reserved past it are truncated)."""
         n = features.shape[0]
-        if n == 0:
+        if n == 0 or (self.kv is None and self.kernel is not None and self._staged(seq, start, features) is None):
             if start != seq.draft_computed:
                 raise ValueError(f"dspark drafter: features from position {start}, but its cache holds "
                                  f"{seq.draft_computed} positions")
+            seq.draft_computed = start + n  # (written in `stage_features`)
             return
         end = start + n
         slots = commit_slots(self.slots, seq, start, n, "dspark", self.device, own=self.kv is not None)  # [n]
-        fused, projected = self._projected(seq, start, features)
         if self.kernel is not None:
-            self.kernel.place(fused, projected, start, slots, self.cache, self.fused)
+            self.kernel.commit(features, range(start, end), slots, self.cache, self.fused)
             seq.draft_computed = end
             return
+        staged = self._staged(seq, start, features)
+        fused, projected = staged or self._project(features)
+        fused, projected = fused[:, :n], [(k[:, :n], v[:, :n]) for k, v in projected]
         cos, sin = self.drafter.rope(torch.arange(start, end, device=self.device)[None])
         for i, (layer, (k, v)) in enumerate(zip(self.drafter.layers, projected)):
             k, v = layer.rotate_kv(k, v, cos, sin)  # [1, n, Hkv, D] each

@@ -1,9 +1,8 @@
-/* DSpark's drafting in one call (dw_dspark_block) and its cache writes in two (dw_dspark_project
- * for a step's feature rows, dw_dspark_place for a sequence's committed ones): the calls of
- * model/dspark.py's `block_hidden`, `draw` (greedy and temperature-only rows, the vanilla Markov
- * head) and of the proposer's projections and cache writes, the products on one OpenMP team
- * (team.c) for the whole call, without a fork of the team and the Python around every product
- * (about 11 products and 60 PyTorch operations a round).
+/* DSpark's drafting in one call (dw_dspark_block) and a step's cache writes in another
+ * (dw_dspark_commit): the calls of model/dspark.py's `block_hidden`, `draw` (greedy and
+ * temperature-only rows, the vanilla Markov head) and of the proposer's projections and cache
+ * writes, the products on one OpenMP team (team.c) for the whole call, without a fork of the team
+ * and the Python around every product (about 11 products and 60 PyTorch operations a round).
  *
  * dw_dspark_block, for B rows each drafting a block of g positions after its committed context:
  * - the block's rows: the anchor's embedding (the target's), then g - 1 mask embeddings; with an
@@ -16,9 +15,9 @@
  *   x_k: the argmax (greedy rows) or a draw from q_k = softmax((U_k + W2 z_k) / t) (rows sampled at
  *   temperature t, nothing else processing their logits); the other rows' logits and hidden
  *   states go back to the caller, which draws from them itself (processed or constrained rows).
- * dw_dspark_project: feature rows' fused features fc(features) -> hidden_norm and each layer's k, v
- * of them, a step's rows of every sequence in one call; dw_dspark_place: committed positions' rows
- * of those, k rotated, into the drafter's cache and the fused rows into theirs. */
+ * dw_dspark_commit: feature rows' fused features fc(features) -> hidden_norm and each layer's k
+ * (rotated) and v of them into the drafter's cache, the fused rows into theirs: a step's rows of
+ * every sequence in one call. */
 #include "kernels.h"
 
 /* One call of dw_dspark_block and its scratch. */
@@ -180,7 +179,7 @@ int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *args, 
     return rc ? -1 : 0;
 }
 
-/* What dw_dspark_project works on. */
+/* What dspark_project works on. */
 struct ds_project {
     const struct dw_decoder_args *args;
     const struct dw_dspark *ds;
@@ -189,7 +188,7 @@ struct ds_project {
     char *gbuf, *fused, *kv; /* [n, hid] fc's output; out: [n, hid] fused, [layers, n, 2 Hkv D] k, v */
 };
 
-/* The team's part of dw_dspark_project: the products shared, thread 0 the norm. */
+/* The team's part of dspark_project: the products shared, thread 0 the norm. */
 static int dspark_project_rows(void *p) {
     struct ds_project *c = (struct ds_project *)p;
     const struct dw_decoder_args *args = c->args;
@@ -210,12 +209,9 @@ static int dspark_project_rows(void *p) {
 
 /* n feature rows (feat [n, nfeat * hid], the target's) fused and projected: fused [n, hid] =
  * hidden_norm(fc(feat)), kv [layers, n, 2 Hkv D] each layer's k (unrotated) and v of them (ds->kv's
- * product, no norm before it): a function of each row alone, so a step's rows of every sequence
- * project in one call (each weight read once), and `dw_dspark_place` writes the committed ones.
- * args: only layers, hid, Hkv, D, eps, bf, threads read. Returns 0, or -1 when scratch memory was
- * not available. */
-int dw_dspark_project(const struct dw_decoder_args *args, const struct dw_dspark *ds, const void *feat, long n,
-                      void *fused, void *kv) {
+ * product, no norm before it). Returns 0, or -1 when scratch memory was not available. */
+static int dspark_project(const struct dw_decoder_args *args, const struct dw_dspark *ds, const void *feat, long n,
+                          void *fused, void *kv) {
     long es = args->bf ? 2 : 4;
     if (n <= 0) return 0;
     char *mem = (char *)malloc(es * n * args->hid + 64);
@@ -226,14 +222,14 @@ int dw_dspark_project(const struct dw_decoder_args *args, const struct dw_dspark
     return rc ? -1 : 0;
 }
 
-/* n projected rows (`dw_dspark_project`'s: fused [n, hid]; kv, layer l's rows kv_stride elements
+/* n projected rows (`dspark_project`'s: fused [n, hid]; kv, layer l's rows kv_layer elements
  * after layer l - 1's, each row 2 Hkv D) of committed positions pos [n] (rows of args->cos,
  * args->sin) into the drafter's cache at slots [n]: each layer's k rotated and v to args->cache
  * [layers, 2, slots, Hkv, D] (layer_stride, kv_stride elements apart), the fused rows to fused_rows
  * [slots, hid] (may be NULL). On the calling thread. Returns 0, or -1 when scratch memory was not
  * available. */
-int dw_dspark_place(const struct dw_decoder_args *args, const void *fused, const void *kv, long kv_layer,
-                    const int64_t *pos, const int64_t *slots, long n, void *fused_rows) {
+static int dspark_place(const struct dw_decoder_args *args, const void *fused, const void *kv, long kv_layer,
+                        const int64_t *pos, const int64_t *slots, long n, void *fused_rows) {
     long hid = args->hid, es = args->bf ? 2 : 4, row = args->Hkv * args->D;
     if (n <= 0) return 0;
     char *tmp = (char *)malloc(es * n * 2 * row + 64);
@@ -252,4 +248,24 @@ int dw_dspark_place(const struct dw_decoder_args *args, const void *fused, const
     }
     free(tmp);
     return 0;
+}
+
+/* n feature rows (feat [n, nfeat * hid], the target's) of positions pos [n] (rows of args->cos,
+ * args->sin) into the drafter's cache at slots [n]: fused = hidden_norm(fc(feat)) to fused_rows
+ * [slots, hid] (may be NULL), each layer l's k (rotated) and v of it (ds->kv's product, no norm
+ * before it) to args->cache [layers, 2, slots, Hkv, D] (layer_stride, kv_stride elements apart). A
+ * row's values are a function of that row alone: a step's rows of every sequence go in one call,
+ * each weight read once. args: only layers, hid, Hkv, D, eps, cos, sin, cache, layer_stride,
+ * kv_stride, bf, threads read. Returns 0, or -1 when scratch memory was not available. */
+int dw_dspark_commit(const struct dw_decoder_args *args, const struct dw_dspark *ds, const void *feat,
+                     const int64_t *pos, const int64_t *slots, long n, void *fused_rows) {
+    long es = args->bf ? 2 : 4, kv_layer = n * 2 * args->Hkv * args->D;
+    if (n <= 0) return 0;
+    char *mem = (char *)malloc(es * (n * args->hid + args->layers * kv_layer) + 64);
+    if (!mem) return -1;
+    char *kv = mem + es * n * args->hid;
+    int rc = dspark_project(args, ds, feat, n, mem, kv);
+    if (rc == 0) rc = dspark_place(args, mem, kv, kv_layer, pos, slots, n, fused_rows);
+    free(mem);
+    return rc;
 }

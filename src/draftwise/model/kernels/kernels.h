@@ -349,7 +349,7 @@ int dw_eagle3_commit(const struct dw_io *io, const struct dw_decoder_args *a, co
                      void *rows);
 
 
-/* dspark.c: DSpark's block drafting and cache writes (projections, then placement). dw_dspark holds the drafter's pieces besides
+/* dspark.c: DSpark's block drafting and cache writes. dw_dspark holds the drafter's pieces besides
  * its layers: fc [nfeat hid -> hid] and hidden_norm (the features' fusion), fc_in [2 hid -> hid]
  * (NULL: rows without the anchor feature), mask_emb [hid], each layer's k/v product (kv: weight,
  * bias, scale per layer; kv_kinds), the vanilla Markov head (w1 [V, rank] in the dtype, w2 [rank ->
@@ -377,9 +377,7 @@ int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *a, con
                     const int64_t *anchors, const void *last, const int64_t *ks, const float *temp,
                     const double *u, long B, int64_t *out_tok, float *out_conf, float *out_probs,
                     float *out_logits, void *out_hidden);
-int dw_dspark_project(const struct dw_decoder_args *a, const struct dw_dspark *ds, const void *feat, long n,
-                      void *fused, void *kv);
-int dw_dspark_place(const struct dw_decoder_args *a, const void *fused, const void *kv, long kv_layer,
-                    const int64_t *pos, const int64_t *slots, long n, void *fused_rows);
+int dw_dspark_commit(const struct dw_decoder_args *a, const struct dw_dspark *ds, const void *feat,
+                     const int64_t *pos, const int64_t *slots, long n, void *fused_rows);
 
 #endif
