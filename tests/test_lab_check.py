@@ -57,7 +57,7 @@ def test_rollback_reference_for_quantized_weights_takes_the_runners_products(tar
     from draftwise import LLM, SamplingParams
     from draftwise.lab.check import _cached_next_logits, _fresh_next_logits
 
-    rc = main(["check", "--model", str(target_dir), "--draft", str(draft_dir), "--k", "3", "--samples", "100",
+    rc = main(["check", "--model", str(target_dir), "--draft", str(draft_dir), "--k", "3", "--samples", "300",
                "--max-tokens", "16", "--quantization", "int8"])
     out = capsys.readouterr().out
     assert rc == 0 and "PASS KV rollback" in out, out

@@ -102,15 +102,18 @@ def check_greedy(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None)
 def check_distribution(s: CheckSetup, plain: LLMEngine, spec: LLMEngine, on_done=None) -> CheckResult:
     ids = [p[-s.dist_prompt_tokens:] for p in s.prompts[: s.dist_prompts]]
     args = (ids, s.temperature, s.horizon, s.samples)
+    tail = s.spec.k if s.spec.method else 0  # proposals at every counted position (`sample_counts`)
     ref = correctness.sample_counts(plain, *args, seed=s.seed + 1_000_000, tag="dist-plain-a", on_done=on_done)
     floor = correctness.sample_counts(plain, *args, seed=s.seed + 2_000_000, tag="dist-plain-b", on_done=on_done)
-    got = correctness.sample_counts(spec, *args, seed=s.seed + 3_000_000, tag="dist-spec", on_done=on_done)
+    proposed = spec.stats.proposed_tokens
+    got = correctness.sample_counts(spec, *args, seed=s.seed + 3_000_000, tag="dist-spec", on_done=on_done,
+                                    tail=tail)
     cmp = correctness.compare_distributions(ref, got)
     noise = correctness.compare_distributions(ref, floor)
     figs = {"temperature": s.temperature, "prompts": len(ids), "horizon": s.horizon, "samples": s.samples,
             "tests": cmp["tests"], "informative_tests": cmp["informative_tests"], "p_value": round(cmp["p_value"], 4),
             "alpha": s.alpha, "tv_spec_vs_plain": round(cmp["mean_tv"], 4),
-            "tv_plain_vs_plain": round(noise["mean_tv"], 4)}
+            "tv_plain_vs_plain": round(noise["mean_tv"], 4), "proposed": spec.stats.proposed_tokens - proposed}
     ok = cmp["p_value"] >= s.alpha and cmp["informative_tests"] > 0
     detail = "" if cmp["informative_tests"] else "no test had two cells after pooling: raise --samples"
     return CheckResult(f"distribution (T={s.temperature:g})", ok, figs, detail, kind="distribution")

@@ -72,6 +72,9 @@ def _distribution(r: CheckResult, f: dict) -> tuple[str, list[str]]:
         f"of runs. With {n} samples the test catches, 4 times in 5, about "
         f"{detectable_shift(n, tests, alpha):.2f} of probability moved from one token to another at one position; "
         "smaller biases can pass (more --samples see finer ones).",
+        *([f"proposals verified while sampling with speculation: {f['proposed']} (each sample runs past the "
+           f"first {f['horizon']} tokens, so that rounds propose at every counted position)."]
+          if "proposed" in f else []),
         f"TV {tv:.3f}: the mean over the {tests} positions of the total variation between the two empirical "
         "token distributions (half the sum of the frequency differences). It is reported, not tested: from a "
         f"wide next-token distribution two samples of {n} differ a lot by chance alone ({noise_how}: "

@@ -89,13 +89,17 @@ def total_variation(a: Counter, b: Counter) -> float:
 
 
 def sample_counts(engine, prompts: list[list[int]], temperature: float, horizon: int, samples: int,
-                  seed: int = 0, tag: str = "dist", on_done=None) -> list[list[Counter]]:
+                  seed: int = 0, tag: str = "dist", on_done=None, tail: int = 0) -> list[list[Counter]]:
     """Token counts [prompt][position] over `samples` seeded samples of `horizon` tokens;
-    `on_done()` after each sample finishes (a progress bar)."""
+    `on_done()` after each sample finishes (a progress bar). `tail`: tokens generated past the
+    horizon, not counted, so that a speculative engine can propose at every counted position (a
+    round proposes at most the tokens left before max_tokens: with none past the horizon, its
+    last positions would see few proposals, and with a horizon of 2 none at all)."""
     seqs = []
     for i, ids in enumerate(prompts):
         for s in range(samples):
-            p = SamplingParams(temperature=temperature, max_tokens=horizon, ignore_eos=True, seed=seed + i * samples + s)
+            p = SamplingParams(temperature=temperature, max_tokens=horizon + tail, ignore_eos=True,
+                               seed=seed + i * samples + s)
             seqs.append((i, engine.add_request(f"{tag}-{seed}-{i}-{s}", ids, p)))
     while engine.has_unfinished():
         finished = sum(o.finished for o in engine.step())

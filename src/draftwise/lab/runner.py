@@ -312,7 +312,7 @@ def _distribution_tests(plan: BenchPlan, wl: Workload, backends: dict, dist_ids:
         # disjoint seeds per config: each comparison with `none` is an independent test
         seed = 10_000 if cfg.label == "none" else 10_000 * (ci + 2)
         counts = correctness.sample_counts(backends[cfg.label].engine, dist_ids, temp, plan.dist_horizon,
-                                           plan.dist_samples, seed=seed)
+                                           plan.dist_samples, seed=seed, tail=cfg.k if cfg.method else 0)
         if cfg.label == "none":
             ref_counts = counts
         else:
