@@ -3,9 +3,6 @@
  * They make the calls of the per-layer path (native_forward.py's `_layer_by_layer`) in the same
  * order with the same arguments, so the bits are the same, without the Python between the calls. */
 #include "kernels.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* One projection of dw_decoder, by kind: 0 dw_linear (w transposed [N, O], a small weight), 1
  * dw_gemm_f32 (w packed by dw_pack, float32), 2 dw_gemm_bf16 (packed bfloat16), 3 dw_gemm_q8
@@ -105,25 +102,24 @@ long dw_decoder_buf_bytes(const struct dw_decoder_args *args, long R) {
  * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
  * hidden states; args->feat (if not NULL) the listed layers' outputs. With threads > 1 the layers
  * run on one team of that many threads (team.c). Returns 0, or -1 when scratch memory is not available. */
+/* What dw_decoder's team works on. */
+struct dec_call {
+    char *x, *h, *buf;
+    long R;
+    const struct dw_decoder_args *args;
+};
+
+static int decoder_rows(void *p) {
+    struct dec_call *c = (struct dec_call *)p;
+    return dw_decoder_layers(c->x, c->h, c->buf, c->R, c->args);
+}
+
 int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
     long R = args->offs ? args->offs[args->B] : args->B * args->T; /* rows (packed: offs[B]) */
     char *buf = (char *)malloc(dw_decoder_buf_bytes(args, R));
     if (!buf) return -1;
-    int rc = 0;
-#ifdef _OPENMP
-    if (args->threads > 1 && !dw_team_nt) {
-        struct dw_team_bar bar = {0, 0};
-#pragma omp parallel num_threads(args->threads) reduction(| : rc)
-        {
-            dw_team_enter(&bar, omp_get_thread_num(), omp_get_num_threads());
-            rc |= dw_decoder_layers((char *)x, (char *)h, buf, R, args);
-            dw_team_leave();
-        }
-        free(buf);
-        return rc ? -1 : 0;
-    }
-#endif
-    rc = dw_decoder_layers((char *)x, (char *)h, buf, R, args);
+    struct dec_call c = {(char *)x, (char *)h, buf, R, args};
+    int rc = dw_team_run(args->threads, decoder_rows, &c);
     free(buf);
     return rc ? -1 : 0;
 }
