@@ -55,9 +55,11 @@ def test_loads_each_directory_once(target_dir, draft_dir, dspark_dir):
     assert models.draft("draft:k=4") is models.draft("draft:k=2")  # one load of the draft model
     assert isinstance(models.draft(f"dspark:k=4:draft={dspark_dir}"), LoadedDSpark)
     assert models.draft("none") is None
-    # the draft's own options go to the drafters they fit: --draft-vocab prunes the draft model only
+    # the draft's own options go to the drafters they fit: --draft-vocab prunes the draft model's head
+    # and the DSpark drafter's drafting head, --draft-quantization the draft model only
     models = load_bench_models(plan(model=str(target_dir), draft=str(draft_dir), dv=64), cfgs)
     assert type(models.draft("draft:k=4").model.lm_head).__name__ == "PrunedHead"
+    assert len(models.draft(f"dspark:k=4:draft={dspark_dir}").model.kept_head.kept) == 64
     with pytest.raises(ValueError, match="--draft-quantization applies to a draft model, not to a DSpark"):
         load_bench_models(plan(model=str(target_dir), dq="int8"), drafting(f"dspark:k=4:draft={dspark_dir}"))
     with pytest.raises(ValueError, match="--draft-vocab applies to a draft model; no config of this run loads one"):

@@ -12,6 +12,7 @@ import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import cpu_kernels, load_model
+from draftwise.model.draft_vocab import FLOOR
 from test_dspark_engine import assert_equal_but_near_ties, fresh_context, make_dspark_dir, plain  # noqa: F401
 from tiny_models import make_model_dir
 
@@ -41,14 +42,14 @@ def _spy(prop):
     return calls
 
 
-@pytest.mark.parametrize("seqs,blocks", [(1, None), (16, None), (16, 14)])
-def test_kernel_blocks_greedy_equals_plain(wide, plain, seqs, blocks):
+@pytest.mark.parametrize("seqs,blocks,vocab", [(1, None, None), (16, None, None), (16, 14, None), (16, None, 512)])
+def test_kernel_blocks_greedy_equals_plain(wide, plain, seqs, blocks, vocab):
     target, dspark, _, ref, want = wide
     _, ps, sp, _ = plain
     llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=4), max_num_seqs=seqs,
-              num_kv_blocks=blocks, max_model_len=64)
+              num_kv_blocks=blocks, max_model_len=64, draft_vocab=vocab)
     prop = llm.engine.proposer
-    assert prop.kernel is not None and prop.kernel.sequential
+    assert prop.kernel is not None and prop.kernel.sequential and (prop.kernel.head is not None) == bool(vocab)
     calls = _spy(prop)
     outs = llm.generate(ps, sp)
     assert_equal_but_near_ties(ref.engine.target.model, ps, [o.token_ids for o in outs], want)
@@ -81,20 +82,24 @@ def _reference_q(prop, seq, hidden, toks, temperature):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("causal,dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
-def test_kernel_block_equals_the_pytorch_path(wide, plain, causal, dtype):
+@pytest.mark.parametrize("causal,dtype,vocab", [(False, "float32", None), (True, "float32", None),
+                                                (False, "bfloat16", None), (False, "float32", 512)])
+def test_kernel_block_equals_the_pytorch_path(wide, plain, causal, dtype, vocab):
     """Rows of different context lengths in one call: greedy rows' tokens and confidences equal the
     PyTorch path's; a row sampled at a temperature alone gets q_k = softmax((U_k + B(x_{k-1})) / t)
     of the tokens it drew; rows with top-k get the hidden states and base logits of the PyTorch
-    path, and draw in `draw` (up to float rounding)."""
+    path, and draw in `draw` (up to float rounding). With --draft-vocab the head is the target's
+    most frequent rows: FLOOR logits and no q mass elsewhere, as `PrunedHead` gives them."""
     if not cpu_kernels.usable(getattr(torch, dtype)):
         pytest.skip(f"no {dtype} kernels here")
     target, dspark, causal_dir, _, _ = wide
     _, ps, _, _ = plain
     llm = LLM(str(target), draft=str(causal_dir if causal else dspark), spec=SpecConfig(method="dspark", k=5),
-              dtype=dtype)
+              dtype=dtype, draft_vocab=vocab)
     prop = llm.engine.proposer
     assert prop.kernel is not None and prop.drafter.cfg.causal_block == causal
+    kept = torch.arange(2048) if vocab is None else prop.drafter.kept_head.kept
+    assert len(kept) == (vocab or 2048)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True) if i == 4 else
               SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
@@ -111,9 +116,13 @@ def test_kernel_block_equals_the_pytorch_path(wide, plain, causal, dtype):
     assert sorted(done) == [1, 3, 4, 5]  # the greedy rows and the temperature-only one
     topk = torch.tensor([0, 2])
     assert (hidden[topk].float() - ref_hidden[topk].float()).abs().max() <= tol
-    assert (base[topk] - ref_base[topk]).abs().max() <= tol * max(1.0, float(ref_base.abs().max()))
+    got, want = base[topk][..., kept], ref_base[topk][..., kept]
+    assert (got - want).abs().max() <= tol * max(1.0, float(want.abs().max()))
+    outside = torch.ones(2048, dtype=torch.bool)
+    outside[kept] = False
+    assert bool((base[topk][..., outside] == FLOOR).all())
     toks, q, conf = done[4]
-    assert len(toks) == 4 and q.shape == (4, 2048)
+    assert len(toks) == 4 and q.shape == (4, 2048) and not bool(q[:, outside].any())
     with torch.inference_mode():
         ref_q = _reference_q(prop, seqs[4], ref_hidden[4], toks, 0.7)
     assert (q - ref_q).abs().max() <= tol and all(q[k, t] > 0 for k, t in enumerate(toks))

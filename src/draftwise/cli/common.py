@@ -39,8 +39,8 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                         "(e.g. int4 for a cheaper draft beside a target run as stored; default: --quantization)")
     p.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
                    help="the draft's LM head over its N most frequent tokens only (counted over the training "
-                        "corpus; special tokens always kept; with --method eagle3 the drafter's steps over the "
-                        "target head's N most frequent rows; an EAGLE-3 drafter trained over N tokens drafts over "
+                        "corpus; special tokens always kept; with --method eagle3 or dspark the drafter drafts "
+                        "over the target head's N most frequent rows; an EAGLE-3 drafter trained over N tokens drafts over "
                         "those unless this is given): a cheaper draft step for large vocabularies, "
                         "output unchanged (default: the whole vocabulary)")
 

@@ -148,6 +148,7 @@ class DSparkDrafter(nn.Module):
                        if cfg.markov_rank > 0 else None)
         self.confidence = nn.Linear(h + cfg.markov_rank, 1)
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
+        self._head: list = []  # `set_head`'s head (a list: not a submodule), else the target's
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
         self._rope = RopeTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
@@ -168,11 +169,25 @@ class DSparkDrafter(nn.Module):
         self._target = [target]
         return self
 
+    def set_head(self, head) -> "DSparkDrafter":
+        """Draft with `head` (a `PrunedHead` over some of the target's head rows, eagle3_vocab.py:
+        `--draft-vocab N`) instead of the target's whole LM head; the Markov head's bias is then
+        needed over the same tokens only (`MarkovHead.keep`, for the kernels)."""
+        self._head = [head]
+        if self.markov is not None:
+            self.markov.keep(head.kept)
+        return self
+
+    @property
+    def kept_head(self):
+        """`set_head`'s head, or None (the target's)."""
+        return self._head[0] if self._head else None
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._target[0].model.embed_tokens(ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
-        return self._target[0].compute_logits(hidden)
+        return self._head[0](hidden) if self._head else self._target[0].compute_logits(hidden)
 
     def rope(self, positions: torch.Tensor):
         """positions [B, L] -> cos, sin_signed [B, L, 1, D] (`RopeTable`)."""

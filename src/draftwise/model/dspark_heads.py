@@ -50,6 +50,11 @@ class MarkovHead(nn.Module):
     def prepare(self) -> None:
         self.packed = {"w2": PackedLinear.of(self.w2, native=True)}
 
+    def keep(self, kept: torch.Tensor) -> None:
+        """The bias over the `kept` tokens only, packed for the kernels (`packed["w2_kept"]`: W2's rows of
+        those tokens), for a drafter whose head is over those tokens (`DSparkDrafter.set_head`)."""
+        self.packed["w2_kept"] = PackedLinear([self.w2.weight.detach()[kept].contiguous()], native=True)
+
     def prev(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., r]: W1[x], the confidence head's input
         return self.w1(ids)
 

@@ -20,9 +20,16 @@ the paged ones, so the committed cache stays as it is.
 fused feature), each layer's k/v product and RoPE, the writes at the positions' slots; a step's
 rows of every sequence in one call (each weight read once a step, not once a sequence).
 
+With `--draft-vocab N` (`DSparkDrafter.set_head`: a head over the target's N most frequent tokens)
+the call's head is those rows (the kernels' `dw_io` with their token ids) and the Markov head's bias
+is over the same tokens (`MarkovHead.keep`): N logits a position, the argmax or the draw mapped to
+token ids; the logits and q handed back are whole-vocabulary rows (FLOOR, 0 elsewhere), as
+`PrunedHead` gives them.
+
 Both equal the PyTorch path up to float rounding (tests compare them). `DSparkKernel.of(drafter)`
 is None where the calls cannot run: the kernels unavailable, a projection outside them, the
-drafter's dtype or norm epsilon not the target's, the target's embedding or head outside them.
+drafter's dtype or norm epsilon not the target's, the target's embedding or the drafter's head
+outside them.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import torch
 
 from . import cpu_kernels
 from .cpu_kernels import DecoderArgs, DSparkIO
+from .eagle3_native import full_rows, head_io
 from .packed_weights import kernel_product
 
 LAYER_PRODUCTS = ("qkv", "o", "gate_up", "down")
@@ -48,6 +56,7 @@ class DSparkKernel:
         self._keep = keep  # the arrays and tensors `ds` points into
         self.sequential = sequential  # the vanilla Markov head (or none): greedy rows drafted whole here
         self.dtype = next(drafter.parameters()).dtype
+        self.head = drafter.kept_head  # a `PrunedHead` (--draft-vocab) or None (the target's)
 
     @staticmethod
     def of(drafter) -> "DSparkKernel | None":
@@ -56,7 +65,7 @@ class DSparkKernel:
             return None
         cfg, dtype = drafter.cfg, next(drafter.parameters()).dtype
         if (dtype not in (torch.float32, torch.bfloat16) or target.model.norm.weight.dtype != dtype
-                or next(drafter.parameters()).device.type != "cpu" or target._native_io() is None):
+                or next(drafter.parameters()).device.type != "cpu" or head_io(target, drafter.kept_head, dtype) is None):
             return None
         norms = [drafter.hidden_norm, drafter.norm] + [n for layer in drafter.layers
                                                        for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -78,7 +87,8 @@ class DSparkKernel:
         markov = drafter.markov
         fc = kernel_product(drafter.packed.get("fc"), dtype)
         fc_in = kernel_product(drafter.packed.get("fc_in"), dtype) if drafter.fc_in is not None else none
-        w2 = kernel_product(markov.packed.get("w2"), dtype) if markov is not None else none
+        w2 = (kernel_product(markov.packed.get("w2_kept" if drafter.kept_head is not None else "w2"), dtype)
+              if markov is not None else none)  # the bias over the head's tokens
         if any(p is None or (p[1] and p[0] == 0) for p in (fc, fc_in, w2)):
             return None
         rank, w1 = (cfg.markov_rank, markov.w1.weight.detach()) if markov is not None else (0, None)
@@ -129,7 +139,7 @@ class DSparkKernel:
         gamma, H] where `outputs`, else None, None): a row drafted here has its first ks[b] tokens,
         c_k, and logits U_k + B_k; the others' logits are U_k, for `draw`."""
         g, B, top = self.cfg.block_size, len(starts), self.cfg.max_position_embeddings
-        io = self.target._native_io()
+        io = head_io(self.target, self.head, self.dtype)  # V: the head's rows (a pruned head's N)
         slots = slots.contiguous()
         # positions past the RoPE table read its last row, as `rope`
         meta = torch.tensor([*anchors, *ks, *(s + g for s in starts), *([g] * B),
@@ -156,8 +166,10 @@ class DSparkKernel:
         if rc != 0:
             raise MemoryError("dspark block: no scratch memory")
         tok_rows, conf_rows = toks.tolist(), conf.tolist()
+        V = self.cfg.vocab_size
         return ([tok_rows[b][:k] for b, k in enumerate(ks)], [conf_rows[b][:k] for b, k in enumerate(ks)],
-                probs, logits, hidden)
+                None if probs is None else full_rows(probs, self.head, V, 0.0),
+                None if logits is None else full_rows(logits, self.head, V), hidden)
 
     def commit(self, features: torch.Tensor, positions: list[int], slots: torch.Tensor, cache: torch.Tensor,
                fused_rows: torch.Tensor | None) -> None:

@@ -41,6 +41,36 @@ from .quantize import Int8Linear
 SMALL_MAX_ROWS = 16  # dw_linear (a small weight's loop) takes up to this many rows
 
 
+def head_io(target, head, dtype: torch.dtype):
+    """The `dw_io` of a feature drafter's kernel call: the target's embedding and head, or its
+    embedding and the drafter's `head` over some tokens (a `PrunedHead`; None: the target's), or None
+    where that head does not run in the kernels."""
+    io = target._native_io()
+    if io is None or head is None:
+        return io
+    inner, kind, scale = head.inner, 0, 0
+    native = getattr(inner, "native", None)
+    if isinstance(inner, PackedLinear) and native is not None and native.dtype == dtype:
+        kind = 1 if dtype == torch.float32 else 2 if io.head_kind == 2 else 0
+        w = native.data_ptr()
+    elif isinstance(inner, Int8Linear) and inner.act8 and inner.float_out and inner.bias is None:
+        kind = 3 if dtype == torch.float32 else 4
+        w, scale = inner.qpacked.data_ptr(), inner.scale.data_ptr()
+    if not kind:
+        return None
+    return NativeIO(io.emb, io.emb_packed, w, kind, len(head.kept), io.emb_scale, scale, head.kept.data_ptr(), FLOOR)
+
+
+def full_rows(rows: torch.Tensor, head, vocab: int, fill: float = FLOOR) -> torch.Tensor:
+    """A head's rows [..., N] as whole-vocabulary rows [..., V]: `fill` (FLOOR: logits; 0:
+    probabilities) outside a pruned head's tokens (`head` None: the rows as they are)."""
+    if head is None:
+        return rows
+    out = rows.new_full((*rows.shape[:-1], vocab), fill)
+    out[..., head.kept] = rows
+    return out
+
+
 class Eagle3Kernel:
     """The pointers of a prepared drafter and its target that `dw_eagle3_greedy` reads (prepared
     weights never move), found once."""
@@ -54,32 +84,11 @@ class Eagle3Kernel:
         self.head = drafter.head  # a `PrunedHead` or None (the target's)
 
     def _io(self):
-        """The `dw_io` of a call: the target's embedding and head, or its embedding and the drafter's
-        head over some tokens (None where that head does not run in the kernels)."""
-        io = self.target._native_io()
-        if io is None or self.head is None:
-            return io
-        inner, kind, scale = self.head.inner, 0, 0
-        native = getattr(inner, "native", None)
-        if isinstance(inner, PackedLinear) and native is not None and native.dtype == self.dtype:
-            kind = 1 if self.dtype == torch.float32 else 2 if io.head_kind == 2 else 0
-            w = native.data_ptr()
-        elif isinstance(inner, Int8Linear) and inner.act8 and inner.float_out and inner.bias is None:
-            kind = 3 if self.dtype == torch.float32 else 4
-            w, scale = inner.qpacked.data_ptr(), inner.scale.data_ptr()
-        if not kind:
-            return None
-        return NativeIO(io.emb, io.emb_packed, w, kind, len(self.head.kept), io.emb_scale, scale,
-                        self.head.kept.data_ptr(), FLOOR)
+        """The `dw_io` of a call (`head_io`)."""
+        return head_io(self.target, self.head, self.dtype)
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
-        """The head's logits [..., rows] as whole-vocabulary rows [..., V] (FLOOR outside a pruned
-        head's tokens)."""
-        if self.head is None:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), FLOOR)
-        out[..., self.head.kept] = logits
-        return out
+        return full_rows(logits, self.head, self.cfg.vocab_size)
 
     @staticmethod
     def of(drafter) -> "Eagle3Kernel | None":

@@ -1,4 +1,5 @@
-"""EAGLE-3's drafting head over the target's most frequent tokens (`--method eagle3 --draft-vocab N`).
+"""A feature drafter's drafting head over the target's most frequent tokens (`--method eagle3 / dspark
+--draft-vocab N`).
 
 The drafter shares the target's LM head, so every drafting step computes logits over the target's
 whole vocabulary, a large part of a step's time. With `--draft-vocab N` the drafter keeps its own
@@ -62,10 +63,10 @@ def frequent_tokens(target, n: int) -> torch.Tensor:
     return kept_tokens(token_ranking(target.tokenizer), n, vocab, always)
 
 
-def prune_eagle3_head(drafter, target, n: int | None) -> None:
-    """`--draft-vocab N` for an EAGLE-3 drafter: its steps' head over the target's N most frequent
-    tokens. N None: over the tokens it was trained to draft over (`draft_vocab_ids`), if any. N
-    equal to the vocabulary keeps the whole head."""
+def prune_feature_head(drafter, target, n: int | None) -> None:
+    """`--draft-vocab N` for a feature drafter (EAGLE-3, DSpark: both `set_head`): its drafting head
+    over the target's N most frequent tokens. N None: over the tokens it was trained to draft over
+    (an EAGLE-3 drafter's `draft_vocab_ids`), if any. N equal to the vocabulary keeps the whole head."""
     vocab = target.config.vocab_size
     if n is not None:
         kept = frequent_tokens(target, n)

@@ -13,8 +13,9 @@ The one place that decides which directories and dtypes a run uses, for `LLM` (l
 - `quantization` ("int8" or "int4": weight-only, quantize.py) applies to both, the activations keeping those dtypes,
   unless `draft_quantization` names the draft's own ("none" for float weights);
 - `draft_vocab` N keeps the draft's LM head over its N most frequent tokens (draft_vocab.py), ranked
-  with the draft's own tokenizer (a draft of another vocabulary included); an EAGLE-3 drafter's steps
-  then use the kept rows of the target's head (eagle3_vocab.py), ranked with the target's;
+  with the draft's own tokenizer (a draft of another vocabulary included); a feature drafter (EAGLE-3,
+  DSpark) then drafts with the kept rows of the target's head (eagle3_vocab.py), ranked with the
+  target's;
 - a draft directory that is a DSpark drafter (config.json's architectures `DSparkDrafter`) is loaded
   beside the target with `load_dspark(dir, target.model)` (model/dspark.py), in the target's dtype
   unless `draft_dtype` says otherwise, its projections packed for the CPU kernels (`prepare`): a
@@ -40,7 +41,7 @@ from .dspark import DSparkDrafter, load_dspark
 from .dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkConfig
 from .eagle3 import Eagle3Drafter, load_eagle3
 from .eagle3_config import ARCHITECTURE as EAGLE3_ARCHITECTURE, Eagle3Config
-from .eagle3_vocab import prune_eagle3_head
+from .eagle3_vocab import prune_feature_head
 from .loader import LoadedModel, load_model, resolve_dtype
 
 
@@ -119,11 +120,10 @@ def _load_feature_drafter(path: Path, arch: str, target: LoadedModel, dtype: str
             drafter.prepare()
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: not {name} drafter for the target {target.path} ({e})") from None
-    if arch == EAGLE3_ARCHITECTURE:  # (--draft-vocab is EAGLE-3's only: load_pair refuses it for the others)
-        try:
-            prune_eagle3_head(drafter, target, draft_vocab)
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: {e}") from None
+    try:
+        prune_feature_head(drafter, target, draft_vocab)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     return result(path, drafter.cfg, drafter)
 
 
@@ -168,12 +168,12 @@ def load_pair(
 
 def options_for(draft_dir: str | Path, draft_quantization: str | None, draft_vocab: int | None) -> dict:
     """Of the draft's own options, those that apply to the drafter in `draft_dir`: both to a draft
-    model, --draft-vocab to an EAGLE-3 drafter (its steps over the target head's rows), none to a
-    DSpark drafter."""
+    model, --draft-vocab to a feature drafter (EAGLE-3, DSpark: its drafting head over the target
+    head's rows)."""
     arch = drafter_architecture(resolve_model(draft_dir))
     if arch is None:
         return {"draft_quantization": draft_quantization, "draft_vocab": draft_vocab}
-    return {"draft_quantization": None, "draft_vocab": draft_vocab if arch == EAGLE3_ARCHITECTURE else None}
+    return {"draft_quantization": None, "draft_vocab": draft_vocab}
 
 
 def check_draft_options(draft_dir, draft_quantization, draft_vocab) -> None:

@@ -108,7 +108,8 @@ static void markov_choose(struct ds_call *c, long k) {
         c->out_conf[o] = 1.0f / (1.0f + expf(-rnd(dot + ds->conf_b, bf) / tk));
         float t = c->temp ? c->temp[b] : 0.0f;
         float *q = t > 0.0f ? c->out_probs + o * V : NULL;
-        c->out_tok[o] = c->prev[b] = choose_token(row, V, t, t > 0.0f ? c->u[o] : 0.0, q);
+        long x = choose_token(row, V, t, t > 0.0f ? c->u[o] : 0.0, q); /* a row of the head */
+        c->out_tok[o] = c->prev[b] = t > 0.0f ? (c->io->head_ids ? c->io->head_ids[x] : x) : dw_head_token(c->io, x, row[x]);
     }
 }
 
@@ -144,7 +145,8 @@ static int dspark_block_rows(void *p) {
  * (final_norm the drafter's; block 1, or 0 for a causal block; pos [B * g] each row's positions
  * L_b .. L_b + g - 1; slots [B, Lmax] row b's slot per position up to L_b + g - 1, those from L_b on
  * scratch the call writes the block's K/V to; lens[b] = L_b + g; news[b] = g; cos, sin the
- * drafter's RoPE tables). io: the target's embedding and head (V its rows). anchors [B] the token
+ * drafter's RoPE tables). io: the target's embedding and head (V its rows), or a head over some
+ * tokens (io->head_ids; ds->w2 then over the same tokens), tokens mapped to their ids. anchors [B] the token
  * at L_b; last [B, hid] the fused feature of position L_b - 1 (read with ds->fc_in only). ks [B]:
  * the positions of row b the call chooses itself (0 .. g; 0: none), temp [B] how (NULL or 0: the
  * argmax; t > 0: a draw from softmax(logits / t) with the uniform u[b * g + k], its q written to
