@@ -104,23 +104,28 @@ class DSparkProposer:
         self.staged = {}
         if not ids:
             return
-        rows = torch.cat([features[i][1] for i in ids])
-        if self.kernel is not None and self.kv is None:
-            starts = [features[i][0] for i in ids]
-            ends = [s + features[i][1].shape[0] for i, s in zip(ids, starts)]
-            table = self.slots.slots(ids, ends).numpy()  # [B, max end]
-            slots = torch.from_numpy(np.concatenate([table[b, s:e] for b, (s, e) in enumerate(zip(starts, ends))]))
-            self.kernel.commit(rows, [p for s, e in zip(starts, ends) for p in range(s, e)], slots, self.cache,
-                               self.fused)
-            self.staged = {i: (features[i][0], features[i][1], None) for i in ids}
+        if self.kernel is not None:  # (a pool of its own: each commit is a call of its own)
+            if self.kv is None:
+                self._write_rows(features, ids)
             return
-        fused, kv = self._project(rows)  # [1, N, H]; per layer k, v
+        fused, kv = self._project(torch.cat([features[i][1] for i in ids]))  # [1, N, H]; per layer k, v
         off = 0
         for i in ids:
             start, rows = features[i]
             n = rows.shape[0]
-            self.staged[i] = (start, rows, (fused[:, off:off + n], [(k[:, off:off + n], v[:, off:off + n]) for k, v in kv]))
+            rows_kv = [(k[:, off:off + n], v[:, off:off + n]) for k, v in kv]
+            self.staged[i] = (start, rows, (fused[:, off:off + n], rows_kv))
             off += n
+
+    def _write_rows(self, features: dict[int, tuple[int, torch.Tensor]], ids: list[int]) -> None:
+        """Every fed row of the step into the drafter's cache at the target's slots, in one kernel call."""
+        starts = [features[i][0] for i in ids]
+        ends = [s + features[i][1].shape[0] for i, s in zip(ids, starts)]
+        table = self.slots.slots(ids, ends).numpy()  # [B, max end]
+        slots = torch.from_numpy(np.concatenate([table[b, s:e] for b, (s, e) in enumerate(zip(starts, ends))]))
+        positions = [p for s, e in zip(starts, ends) for p in range(s, e)]
+        self.kernel.commit(torch.cat([features[i][1] for i in ids]), positions, slots, self.cache, self.fused)
+        self.staged = {i: (features[i][0], features[i][1], None) for i in ids}
 
     def _staged(self, seq, start: int, features: torch.Tensor):
         """This step's staging of the committed rows (`stage_features`) where they are a prefix of the

@@ -86,7 +86,7 @@ static long choose_token(const float *row, long V, float t, double u, float *q) 
         cdf += q[v];
         if (cdf > target) return v;
     }
-    return last;
+    return last >= 0 ? last : dw_argmax_conf_row(row, V, NULL); /* (no weight at all: NaN logits) */
 }
 
 /* Thread 0: position k of the rows that draft it: U_k + W2 z_k (in place in the logits), the
@@ -109,7 +109,8 @@ static void markov_choose(struct ds_call *c, long k) {
         float t = c->temp ? c->temp[b] : 0.0f;
         float *q = t > 0.0f ? c->out_probs + o * V : NULL;
         long x = choose_token(row, V, t, t > 0.0f ? c->u[o] : 0.0, q); /* a row of the head */
-        c->out_tok[o] = c->prev[b] = t > 0.0f ? (c->io->head_ids ? c->io->head_ids[x] : x) : dw_head_token(c->io, x, row[x]);
+        int64_t tok = t > 0.0f ? (c->io->head_ids ? c->io->head_ids[x] : x) : dw_head_token(c->io, x, row[x]);
+        c->out_tok[o] = c->prev[b] = tok;
     }
 }
 
