@@ -97,11 +97,6 @@ long dw_decoder_buf_bytes(const struct dw_decoder_args *args, long R) {
     return es * R * (qkvw + args->H * args->D + args->hid + 3 * args->I + args->hid);
 }
 
-/* Every decoder layer over the rows that `args` describes (struct dw_decoder_args): a draft model's
- * whole forward, or a target's decode / verification step, in one call. x [R, hid] is the residual
- * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
- * hidden states; args->feat (if not NULL) the listed layers' outputs. With threads > 1 the layers
- * run on one team of that many threads (team.c). Returns 0, or -1 when scratch memory is not available. */
 /* What dw_decoder's team works on. */
 struct dec_call {
     char *x, *h, *buf;
@@ -114,6 +109,11 @@ static int decoder_rows(void *p) {
     return dw_decoder_layers(c->x, c->h, c->buf, c->R, c->args);
 }
 
+/* Every decoder layer over the rows that `args` describes (struct dw_decoder_args): a draft model's
+ * whole forward, or a target's decode / verification step, in one call. x [R, hid] is the residual
+ * stream (updated in place; R = B * T, or offs[B] packed), h [R, hid] receives the final-normalised
+ * hidden states; args->feat (if not NULL) the listed layers' outputs. With threads > 1 the layers
+ * run on one team of that many threads (team.c). Returns 0, or -1 when scratch memory is not available. */
 int dw_decoder(void *x, void *h, const struct dw_decoder_args *args) {
     long R = args->offs ? args->offs[args->B] : args->B * args->T; /* rows (packed: offs[B]) */
     char *buf = (char *)malloc(dw_decoder_buf_bytes(args, R));
