@@ -60,7 +60,8 @@ def test_the_wall_clock_sleeps(fake_time):
 
 def test_sliced_runs_each_take_their_own_time_their_slices_alternating(fake_time):
     """Two runs of steps of known cost: each one's clock sees only its own steps (as if alone),
-    the slices alternate, a run that finishes leaves the CPU to the other, results come in order."""
+    the slices alternate, passes in alternate directions, a run that finishes leaves the CPU to
+    the other, results come in order."""
     trace = []
 
     def run(name: str, steps: int, cost: float, clock: SliceClock):
@@ -74,8 +75,9 @@ def test_sliced_runs_each_take_their_own_time_their_slices_alternating(fake_time
     ca, cb = SliceClock(), SliceClock()
     out = run_sliced([(run("a", 10, 0.02, ca), ca), (run("b", 4, 0.03, cb), cb)], slice_s=0.05)
     assert out[0] == ("a", pytest.approx(10 * 0.02)) and out[1] == ("b", pytest.approx(4 * 0.03))
-    # slices of 0.05 s: a runs 3 steps (0.06 s >= 0.05), then b 2 steps, a 3, b 2 (done), a alone
-    assert "".join(trace) == "aaabbaaabbaaaa"
+    # slices of 0.05 s: a runs 3 steps (0.06 s >= 0.05), then b 2 steps; the next pass the other way
+    # round: b 2 (done), a 3; then a alone
+    assert "".join(trace) == "aaabbbbaaaaaaa"
     with pytest.raises(ValueError, match="time slice"):
         run_sliced([], 0.0)
 

@@ -81,13 +81,19 @@ def drain(gen: Generator):
 
 def run_sliced(runs: Sequence[tuple[Generator, SliceClock]], slice_s: float) -> list:
     """Advance every (generator, its clock) in turn for `slice_s` wall seconds (at least one step
-    each turn) until all have returned; their return values in order."""
+    each turn) until all have returned; their return values in order. Passes alternate direction
+    (a b c, c b a, a b c, ...): each run follows each of its neighbours as often as it precedes it.
+    In a fixed order a run always starts its slice where the same other run left the caches, and a
+    config listed right after one with the same drafter (an A/A copy) found that drafter's weights
+    warm: with the embedded DSpark drafter both copies after the first ran 4% faster than it (one
+    run, code-easy)."""
     if not slice_s > 0:
         raise ValueError(f"time slice must be > 0 s, got {slice_s}")
     results: list = [None] * len(runs)
     live = list(range(len(runs)))
+    forward = True
     while live:
-        for i in list(live):
+        for i in (list(live) if forward else list(reversed(live))):
             gen, clock = runs[i]
             clock.resume()
             end = time.perf_counter() + slice_s
@@ -101,4 +107,5 @@ def run_sliced(runs: Sequence[tuple[Generator, SliceClock]], slice_s: float) -> 
                 live.remove(i)
             finally:
                 clock.pause()
+        forward = not forward  # (the next pass the other way round: see `run_sliced`'s docstring)
     return results
