@@ -52,7 +52,7 @@ import torch
 from ..kv import KVManager, pool_tensor
 from ..model.dspark_native import DSparkKernel
 from .base import DraftBlock, register_proposer
-from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_slots
+from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_table
 from .step_chooser import StepChooser, raw_greedy, temperature_only
 
 
@@ -240,15 +240,8 @@ class DSparkProposer:
                     if u is None:
                         u = torch.zeros(B, g, dtype=torch.float64)
                     u[r, :c] = torch.rand(c, dtype=torch.float64, generator=s.generator)
-        ctx = self.slots.slots([seqs[i].seq_id for i in rows], lengths)  # [B, max L]
-        table = torch.zeros(B, max(lengths) + g, dtype=torch.long)
-        table[:, : ctx.shape[1]] = ctx
-        slots = table.numpy()  # (row by row in numpy: each torch op costs tens of us between the kernels' calls)
-        self.cache, base = scratch_slots(self.cache, self.num_slots, B * g)
-        last = []
-        for b, n in enumerate(lengths):
-            last.append(int(slots[b, max(n - 1, 0)]))
-            slots[b, n: n + g] = range(base + b * g, base + (b + 1) * g)
+        ids = [seqs[i].seq_id for i in rows]
+        self.cache, table, last = scratch_table(self.slots, self.cache, self.num_slots, ids, lengths, lengths, [g] * B)
         last = self.fused.index_select(0, torch.tensor(last)) if self.fused is not None else None  # [B, H]
         toks, conf, probs, logits, hidden = self.kernel.block(anchors, last, lengths, ks, self.cache, table,
                                                               not all(ks), temps if u is not None else None, u)

@@ -40,7 +40,7 @@ import torch
 from ..kv import KVManager, pool_tensor
 from ..model.eagle3_native import Eagle3Kernel
 from .base import DraftBlock, register_proposer
-from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_slots
+from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_table
 from .step_chooser import StepChooser, raw_greedy
 
 
@@ -136,20 +136,10 @@ class Eagle3Proposer:
 
     def step_slots(self, seq_ids: list[int], lengths: list[int], ks: list[int]):
         """For rows of `lengths` committed positions drafting ks steps: (step 1's rows [B, H], the
-        slot of every position [B, Lmax]: the cache's below L - 1, scratch slots (`scratch_slots`) from
+        slot of every position [B, Lmax]: the cache's below L - 1, scratch slots (`scratch_table`) from
         position L - 1, step 1's, to L + k - 2)."""
-        B, kmax = len(ks), max(ks)
-        ctx = self.kv.slots(seq_ids, lengths)  # [B, max L]
-        Lmax = max(n - 1 + k for n, k in zip(lengths, ks))
-        table = torch.zeros(B, Lmax, dtype=torch.long)
-        w = min(ctx.shape[1], Lmax)
-        table[:, :w] = ctx[:, :w]
-        rows = table.numpy()  # (row by row in numpy: each torch op costs tens of us between the kernels' calls)
-        self.cache, base = scratch_slots(self.cache, self.num_slots, B * kmax)
-        last = []
-        for b, (n, k) in enumerate(zip(lengths, ks)):
-            last.append(int(rows[b, n - 1]))
-            rows[b, n - 1: n - 1 + k] = range(base + b * kmax, base + b * kmax + k)
+        self.cache, table, last = scratch_table(self.kv, self.cache, self.num_slots, seq_ids, lengths,
+                                                [n - 1 for n in lengths], ks)
         return self.rows.index_select(0, torch.tensor(last, device=self.device)), table
 
     def _draft_chosen(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock]) -> None:

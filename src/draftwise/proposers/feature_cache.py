@@ -73,4 +73,26 @@ def scratch_slots(cache: torch.Tensor, num_slots: int, n: int) -> tuple[torch.Te
     return cache, num_slots
 
 
-__all__ = ["checked_drafter", "commit_slots", "padded_context", "scratch_slots"]
+def scratch_table(kv: KVManager, cache: torch.Tensor, num_slots: int, seq_ids: list[int], lengths: list[int],
+                  starts: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """For a kernel call's drafting rows (rows of `lengths` committed positions whose own K/V go to
+    positions starts[b] .. starts[b] + counts[b] - 1): (the cache, grown where it has too few scratch
+    slots (`scratch_slots`); the slot of every position [B, Lmax] (int64): the paged ones below
+    starts[b], then scratch slots; the slot of each row's last committed position L - 1, read before
+    the scratch slots go in)."""
+    B, stride = len(seq_ids), max(counts)
+    ctx = kv.slots(seq_ids, lengths)  # [B, max L]
+    Lmax = max(s + c for s, c in zip(starts, counts))
+    table = torch.zeros(B, Lmax, dtype=torch.long)
+    w = min(ctx.shape[1], Lmax)
+    table[:, :w] = ctx[:, :w]
+    rows = table.numpy()  # (row by row in numpy: each torch op costs tens of us between the kernels' calls)
+    cache, base = scratch_slots(cache, num_slots, B * stride)
+    last = []
+    for b, (n, s, c) in enumerate(zip(lengths, starts, counts)):
+        last.append(int(rows[b, max(n - 1, 0)]))
+        rows[b, s: s + c] = range(base + b * stride, base + b * stride + c)
+    return cache, table, last
+
+
+__all__ = ["checked_drafter", "commit_slots", "padded_context", "scratch_slots", "scratch_table"]
