@@ -133,6 +133,18 @@ def fresh_context(proposer, target, ids):
         return d.context_kv(fused, torch.arange(len(ids))[None]), fused
 
 
+def assert_cache_is_fresh(prop, fresh_target, seq):
+    """The drafter's cached context K/V and fused features of `seq` equal a fresh forward's over its
+    committed tokens, and the feature the next block reads is the last committed position's."""
+    got, _, last = prop.context([seq.seq_id], [seq.draft_computed])
+    fresh, fused = fresh_context(prop, fresh_target, seq.all_ids[: seq.num_computed])
+    for (k, v), (fk, fv) in zip(got, fresh):
+        assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
+    slots = prop.slots.slots([seq.seq_id], [seq.draft_computed])[0]
+    assert (prop.fused[slots] - fused[0]).abs().max() <= 1e-4
+    assert torch.equal(last[0], prop.fused[slots[-1]])
+
+
 @pytest.mark.parametrize("blocks", [None, 14])
 def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plain, blocks):
     """After rounds with rejections (and recomputes after preemption), the drafter's cache holds
@@ -158,13 +170,7 @@ def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plai
                 continue
             assert s.draft_computed == s.num_computed
             assert prop.kv is None and prop.slots is eng.runner.kv  # the target's slots
-            got, _, last = prop.context([s.seq_id], [s.draft_computed])
-            fresh, fused = fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])
-            for (k, v), (fk, fv) in zip(got, fresh):
-                assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
-            slots = prop.slots.slots([s.seq_id], [s.draft_computed])[0]
-            assert (prop.fused[slots] - fused[0]).abs().max() <= 1e-4
-            assert torch.equal(last[0], prop.fused[slots[-1]])
+            assert_cache_is_fresh(prop, fresh_target, s)
             checked += 1
     assert checked > 20
     st = eng.stats

@@ -13,7 +13,7 @@ import torch
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.model import cpu_kernels, load_model
 from draftwise.model.draft_vocab import FLOOR
-from test_dspark_engine import assert_equal_but_near_ties, fresh_context, make_dspark_dir, plain  # noqa: F401
+from test_dspark_engine import assert_cache_is_fresh, assert_equal_but_near_ties, make_dspark_dir, plain  # noqa: F401
 from tiny_models import make_model_dir
 
 
@@ -206,12 +206,7 @@ def test_kernel_cache_writes_equal_a_fresh_forward(wide, plain, blocks):
             if s.is_finished or s.is_prefilling or s.num_computed == 0:
                 continue
             assert s.draft_computed == s.num_computed
-            got, _, _ = prop.context([s.seq_id], [s.draft_computed])
-            fresh, fused = fresh_context(prop, fresh_target, s.all_ids[: s.num_computed])
-            for (k, v), (fk, fv) in zip(got, fresh):
-                assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
-            slots = prop.slots.slots([s.seq_id], [s.draft_computed])[0]
-            assert (prop.fused[slots] - fused[0]).abs().max() <= 1e-4
+            assert_cache_is_fresh(prop, fresh_target, s)
             checked += 1
     assert checked > 20 and len(commits) <= eng.stats.steps and max(commits) > 16  # a step's rows in one call
     assert eng.stats.proposed_tokens > eng.stats.accepted_tokens > 0
