@@ -8,7 +8,7 @@ import torch
 from draftwise.model import load_model
 from draftwise.train.data import Batches, encode_stream
 from draftwise.train.dspark import LossWeights, build_drafter, dspark_loss, dspark_loss_fn, val_loss
-from draftwise.train.dspark_blocks import block_targets, position_weights, sample_anchors
+from draftwise.train.dspark_blocks import block_targets, kept_alphabet, position_weights, sample_anchors
 from draftwise.train.dspark_eval import block_acceptance, draft_acceptance
 from draftwise.train.trainer import Trainer, TrainConfig
 from tiny_models import CORPUS
@@ -32,6 +32,30 @@ def test_loss_terms_by_hand():
     # q = p: TV 0, c* 1
     _, t3 = dspark_loss(torch.log(p + 1e-12), p, torch.tensor([0]), torch.tensor([0.0]), torch.ones(1), LossWeights())
     assert float(t3["tv"]) < 1e-6 and float(t3["c_star"][0]) > 1 - 1e-6
+
+
+def test_kept_alphabet_tv_is_the_whole_vocabularys():
+    """A drafter over the kept tokens (train --draft-vocab): q and p over kept + "the rest" give the
+    TV of the full-vocabulary q (zero outside the kept) against the full p, and a label outside
+    the kept tokens has no CE term (its CE would be infinite); gradients stay finite."""
+    torch.manual_seed(0)
+    V, kept = 12, torch.tensor([1, 4, 5, 9])
+    p_full = torch.softmax(torch.randn(3, V), -1)
+    logits = torch.randn(3, len(kept), requires_grad=True)
+    q_full = torch.zeros(3, V)
+    q_full[:, kept] = torch.softmax(logits.detach(), -1)
+    tv_full = 0.5 * (q_full - p_full).abs().sum(-1)
+    p, index = kept_alphabet(p_full, kept)
+    assert torch.allclose(p.sum(-1), torch.ones(3)) and index[4] == 1 and index[0] == -1
+    labels = index[torch.tensor([4, 0, 9])]
+    q_logits = torch.cat((logits, torch.full((3, 1), float("-inf"))), -1)
+    loss, t = dspark_loss(q_logits, p, labels, torch.zeros(3), torch.ones(3))
+    assert torch.allclose(t["c_star"], 1 - tv_full, atol=1e-6)
+    q = torch.softmax(logits.detach(), -1)
+    ce = (-torch.log(q[0, 1]) - torch.log(q[2, 3])) / 3
+    assert math.isclose(float(t["ce"].detach()), float(ce), abs_tol=1e-6)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
 
 
 def test_block_labels_rows_and_weights():

@@ -126,12 +126,11 @@ def test_cli_train_eagle3_errors(tmp_path, target_dir, capsys):
     assert main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
                  "--data", "self", "--gen-model", str(tmp_path / "nowhere")]) == 2
     assert "--gen-model " + str(tmp_path / "nowhere") + ": not a model directory" in capsys.readouterr().err
-    assert main(["train", "dspark", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
-                 "--data", "self"]) == 2
-    assert "--data self is for `train draft` and `train eagle3`" in capsys.readouterr().err
+    assert main(["train", "target", "--out", str(tmp_path / "x"), "--tokens", "9", "--data", "self"]) == 2
+    assert "--data self is for `train draft`, `train eagle3` and `train dspark`" in capsys.readouterr().err
     assert main(["train", "draft", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
                  "--draft-vocab", "100"]) == 2
-    assert "--draft-vocab and --target-dtype are for `train eagle3`" in capsys.readouterr().err
+    assert "--draft-vocab and --target-dtype are for `train eagle3` and `train dspark`" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--tokens", "9",
               "--steps", "0"])

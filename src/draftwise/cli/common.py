@@ -40,9 +40,9 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
                    help="the draft's LM head over its N most frequent tokens only (counted over the training "
                         "corpus; special tokens always kept; with --method eagle3 or dspark the drafter drafts "
-                        "over the target head's N most frequent rows; an EAGLE-3 drafter trained over N tokens drafts over "
-                        "those unless this is given): a cheaper draft step for large vocabularies, "
-                        "output unchanged (default: the whole vocabulary)")
+                        "over the target head's N most frequent rows; an EAGLE-3 or DSpark drafter trained "
+                        "over N tokens drafts over those unless this is given): a cheaper draft step for large "
+                        "vocabularies, output unchanged (default: the whole vocabulary)")
 
 
 def draft_load_args(args) -> dict:
@@ -112,6 +112,15 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True, method_help:
                         "admitted by survival while the profile's expected throughput rises); default fixed")
     p.add_argument("--tree", type=int, default=0, metavar="N",
                    help="draft model: draft a tree of at most --k nodes, up to N children per node; suffix: a tree of at most --k nodes, the N most frequent continuations per slot, best first by calibrated gain (draft model, greedy rows: the best --k by calibrated gain among the most probable tokens, one runner-up per slot where the drafter's steps run fused; sampled rows: grown draw by draw, without replacement, where the next draw is worth most, up to N nodes fed per drafter forward); 0 = chains (default 0)")
+    p.add_argument("--lookup", choices=["ngram", "suffix"], default=None,
+                   help="with a drafting method (draft, dspark, eagle3): n-gram lookup or suffix decoding first; a "
+                        "row whose match is strong (its first proposal's estimate >= --lookup-min) verifies the "
+                        "lookup's proposals, the others the drafter's (default: the drafter alone)")
+    p.add_argument("--lookup-k", type=int, default=0, metavar="N",
+                   help="--lookup: the lookup's proposals per round, up to 64 (default 0: --k)")
+    p.add_argument("--lookup-min", type=float, default=0.75, metavar="P",
+                   help="--lookup: the lookup's estimate of its first proposal's acceptance from which it drafts "
+                        "the row, 0..1 (n-gram lookup's after a match of m tokens is 1 - 1/(m + 1); default 0.75)")
     p.add_argument("--profile", default=None,
                    help="hardware profile JSON for the goodput and dspark policies (default: the cached one for "
                         "this model pair, measured on first use; see `draftwise profile`)")
@@ -129,7 +138,8 @@ def spec_from_args(args) -> SpecConfig:
         method = "draft" if (args.draft or not args.model) else "none"
     return SpecConfig(method=None if method == "none" else method, k=args.k,
                       policy=getattr(args, "policy", "fixed"), profile=getattr(args, "profile", None),
-                      tree=getattr(args, "tree", 0))
+                      tree=getattr(args, "tree", 0), lookup=getattr(args, "lookup", None),
+                      lookup_k=getattr(args, "lookup_k", 0), lookup_min=getattr(args, "lookup_min", 0.75))
 
 
 def build_llm(args):

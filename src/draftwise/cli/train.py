@@ -6,7 +6,7 @@
     draftwise train draft --target models/smollm2 --data self --out DIR [--gen-tokens N] [--minutes N]
     draftwise train all --out models [--target-minutes N] [--draft-minutes N] [--dspark-minutes N]
     draftwise train random-draft --target DIR --out DIR [--shape draft] [--seed N]   (a useless drafter)
-    draftwise train dspark --target DIR --out DIR [--minutes N | --tokens N] [--block-size G] [--resume]
+    draftwise train dspark --target DIR --out DIR [--minutes N | --tokens N] [--block-size G] [--data self] [--resume]
     draftwise train eagle3 --target DIR --out DIR [--minutes N | --tokens N] [--steps N] [--eval-draft DIR] [--resume]
 
 Checkpoints go to `--ckpt-dir` (default `checkpoints/<what>`); `--resume` continues from them.
@@ -53,7 +53,7 @@ def add_parser(subparsers):
     p.add_argument("--ce-only", action="store_true", help="draft: cross-entropy only, no distillation")
     p.add_argument("--alpha", type=float, default=0.9, help="draft: weight of the KL term, the rest CE (default 0.9)")
     p.add_argument("--data", choices=["corpus", "self"], default="corpus",
-                   help="draft, eagle3: train on the corpus (distilling the target's distributions), or on the "
+                   help="draft, eagle3, dspark: train on the corpus (distilling the target's distributions), or on the "
                         "target's own replies to chat prompts made from the corpus (self: generated first, "
                         "resumable; default corpus)")
     p.add_argument("--data-dir", help="--data self: where the generated shards go (default <ckpt-dir>/self_data)")
@@ -121,10 +121,10 @@ def _add_dspark_args(p) -> None:
                    help=f"eagle3: draft steps unrolled by training-time test (default 5; batch 4 x 256 tokens, "
                         f"lr {E['lr']:g}, warm-up {E['warmup_steps']} unless set)")
     p.add_argument("--draft-vocab", type=positive_int, default=None,
-                   help="eagle3: learn and draft over the target's N most frequent tokens only (the ids are saved "
-                        "with the drafter, which then drafts over them by default; default: the whole vocabulary)")
+                   help="eagle3, dspark: learn and draft over the target's N most frequent tokens only (the ids are "
+                        "saved with the drafter, which then drafts over them by default; default: the whole vocabulary)")
     p.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="eagle3: the dtype of the frozen target's pass (features and p); bfloat16 is several "
+                   help="eagle3, dspark: the dtype of the frozen target's pass (features and p); bfloat16 is several "
                         "times faster on CPUs with bfloat16 matrix units (default float32)")
     p.add_argument("--eval-draft", help="eagle3: also measure this draft model's held-out acceptance at the same "
                                         "positions (a model directory sharing the target's vocabulary; default: none)")
@@ -145,10 +145,11 @@ def run(args) -> int:
 
     if args.minutes is not None and args.tokens is not None:
         raise UserError("give --minutes or --tokens, not both")
-    if args.data == "self" and args.what not in ("draft", "eagle3"):
-        raise UserError("--data self is for `train draft` and `train eagle3` (the target's own replies are their data)")
-    if args.what != "eagle3" and (args.draft_vocab is not None or args.target_dtype != "float32"):
-        raise UserError("--draft-vocab and --target-dtype are for `train eagle3`")
+    if args.data == "self" and args.what not in ("draft", "eagle3", "dspark"):
+        raise UserError("--data self is for `train draft`, `train eagle3` and `train dspark` (the target's own "
+                        "replies are their data)")
+    if args.what not in ("eagle3", "dspark") and (args.draft_vocab is not None or args.target_dtype != "float32"):
+        raise UserError("--draft-vocab and --target-dtype are for `train eagle3` and `train dspark`")
     if args.gen_tokens < 0:
         raise UserError(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
     for flag in ("target_minutes", "draft_minutes", "draft_continue_minutes", "dspark_minutes"):
@@ -240,10 +241,17 @@ def _train_dspark(args) -> None:
                      ckpt_dir=args.ckpt_dir or "checkpoints/dspark", resume=args.resume, block_size=args.block_size,
                      markov_rank=args.markov_rank, feature_layers=layers, num_layers=args.backbone_layers,
                      from_target_layer=args.backbone_init == "target", markov_head_type=args.markov_head,
-                     overrides=overrides, log=_log,
-                     progress=args.progress)
+                     overrides=overrides, log=_log, progress=args.progress, **_feature_data(args))
     except ValueError as e:  # a config the target cannot serve (feature layers, rank)
         raise UserError(str(e)) from None
+
+
+def _feature_data(args) -> dict:
+    """A feature drafter's data and drafting vocabulary options (train eagle3, train dspark)."""
+    gen = {"tokens": args.gen_tokens, "max_tokens": args.gen_max_tokens, "minutes": args.gen_minutes,
+           "model": args.gen_model}
+    return dict(data=args.data, data_dir=args.data_dir, draft_vocab=args.draft_vocab, target_dtype=args.target_dtype,
+                gen=gen if args.data == "self" else None)
 
 
 def _train_eagle3(args) -> None:
@@ -262,10 +270,7 @@ def _train_eagle3(args) -> None:
         train_eagle3(args.out, args.target, minutes=args.minutes, tokens=args.tokens,
                      ckpt_dir=args.ckpt_dir or "checkpoints/eagle3", resume=args.resume, steps=args.steps,
                      feature_layers=layers, overrides=overrides, log=_log, progress=args.progress, draft_dir=draft,
-                     data=args.data, data_dir=args.data_dir, draft_vocab=args.draft_vocab,
-                     target_dtype=args.target_dtype,
-                     gen={"tokens": args.gen_tokens, "max_tokens": args.gen_max_tokens, "minutes": args.gen_minutes,
-                          "model": args.gen_model} if args.data == "self" else None)
+                     **_feature_data(args))
     except ValueError as e:  # a config the target cannot serve
         raise UserError(str(e)) from None
 

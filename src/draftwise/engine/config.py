@@ -15,7 +15,10 @@ class SpecConfig:
     model pair, measured on first use); `cost_model`: a `CostModel` given directly instead.
     `forced`: structured output's free proposals: the most tokens a constrained sequence may
     propose per round on top of its drafted ones where the grammar allows exactly one token
-    (0: forced tokens only take drafted positions, saving draft forwards)."""
+    (0: forced tokens only take drafted positions, saving draft forwards).
+    `lookup`: "ngram" or "suffix" before a drafting method (proposers/lookup_first.py): rows whose
+    lookup match is strong (its first proposal's estimate >= `lookup_min`) verify the lookup's
+    proposals, up to `lookup_k` (0: k), the others the drafter's, up to k."""
 
     method: str | None = None
     k: int = 4
@@ -32,6 +35,9 @@ class SpecConfig:
     # draft model: children per expanded node of a drafted tree of <= k nodes; suffix: continuations
     # kept per slot (0: chains)
     tree: int = 0
+    lookup: str | None = None
+    lookup_k: int = 0
+    lookup_min: float = 0.75
 
     def __post_init__(self):
         if self.method in ("none", ""):
@@ -42,14 +48,33 @@ class SpecConfig:
             raise ValueError(f"tree (children per expanded node) must be in [0, 16], got {self.tree}")
         if self.tree and self.method not in ("draft", "suffix"):  # the drafters of trees
             raise ValueError(f"tree needs --method draft or suffix, got method {self.method or 'none'!r}")
+        if self.lookup in ("none", ""):
+            self.lookup = None
+        if self.lookup is not None:
+            from ..proposers.lookup_first import LOOKUPS
+
+            if self.lookup not in LOOKUPS:
+                raise ValueError(f"lookup must be one of {', '.join(LOOKUPS)}, got {self.lookup!r}")
+            if self.method is None or self.method in LOOKUPS:
+                raise ValueError(f"lookup {self.lookup} goes before a drafting method (draft, dspark, eagle3), "
+                                 f"got method {self.method or 'none'!r}")
+        if not 0 <= self.lookup_k <= 64:
+            raise ValueError(f"lookup_k (the lookup's proposals per round; 0: k) must be in [0, 64], "
+                             f"got {self.lookup_k}")
+        if not 0.0 <= self.lookup_min <= 1.0:
+            raise ValueError(f"lookup_min (a lookup's first-proposal estimate that takes the row) must be in [0, 1], "
+                             f"got {self.lookup_min}")
         if not 0 <= self.forced <= 64:
             raise ValueError(f"forced (free grammar proposals per round) must be in [0, 64], got {self.forced}")
         policy_class(self.policy)  # validates the name
 
     @property
     def max_draft(self) -> int:
-        """The most proposals one sequence verifies per step: k, or 0 without a method."""
-        return self.k if self.method else 0
+        """The most proposals one sequence verifies per step: k (a lookup's lookup_k where larger), or 0
+        without a method."""
+        if not self.method:
+            return 0
+        return max(self.k, self.lookup_k) if self.lookup else self.k
 
     @property
     def max_forced(self) -> int:

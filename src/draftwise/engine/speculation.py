@@ -17,7 +17,8 @@ import torch
 from ..model.loader import LoadedModel
 from ..policies import CostModel, StepTiming, policy_class
 from ..policies.cost import OnlineCost
-from ..proposers import DraftBlock, proposer_for
+from ..proposers import DraftBlock, proposer_class, proposer_for
+from ..proposers.lookup_first import LookupFirst
 from ..proposers.base import StepCosted
 from ..proposers.tree_budget import SizedTrees, TreeBudget
 from ..sampling.grammar import forced_tail
@@ -65,6 +66,12 @@ class Speculation:
             prefix_caching=config.enable_prefix_caching, tree=spec.tree if target.config.hybrid is None else 0,
             vocab_map=vocab_map,
         )
+        if spec.lookup:  # a lookup before the drafter (proposers/lookup_first.py)
+            lookup = proposer_class(spec.lookup)(
+                ngram_max=spec.ngram_max, ngram_min=spec.ngram_min, suffix_depth=spec.suffix_depth,
+                suffix_spec_factor=spec.suffix_spec_factor, suffix_min_prob=spec.suffix_min_prob,
+                suffix_cache_tokens=spec.suffix_cache_tokens)
+            self.proposer = LookupFirst(lookup, self.proposer, spec.k, spec.lookup_min)
         # a tree's rows attend through a mask and its path's K/V move after verification: not for a
         # hybrid target, whose recurrent state follows one path (a drafter's tree is then verified
         # as its main chain)
@@ -76,7 +83,7 @@ class Speculation:
         cost = cost_model(spec, config, target, profiled) if pcls.needs_cost_model else None
         # (block_drafter only where it holds: a policy written for the first three keywords still loads)
         extra = {"block_drafter": True} if self.proposer.feature_layers else {}
-        self.policy = pcls(k=spec.k, cost=cost, has_draft_model=profiled is not None, **extra)
+        self.policy = pcls(k=spec.max_draft, cost=cost, has_draft_model=profiled is not None, **extra)
         # a proposer that sizes its drafts by a verified row's cost (suffix): the decode steps'
         # measured seconds, fitted in rows and tokens (an OnlineCost over an empty profile: at one
         # row a profile's grid holds single differences of its noise, docs/ARCHITECTURE.md)

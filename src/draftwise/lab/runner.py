@@ -39,7 +39,9 @@ class BenchConfig:
     "draft:k=4:rollback=replay" (a hybrid target's recurrent rollback; default snapshot),
     "draft:k=4:copy=2" (the same config again in an engine of its own: an A/A control, whose
     figures against the original's show how far the machine's noise alone moves a cell),
-    "dspark:k=4:draft=DIR" (this config's drafter, instead of --draft: lab/bench_models.py)."""
+    "dspark:k=4:draft=DIR" (this config's drafter, instead of --draft: lab/bench_models.py),
+    "eagle3:k=4:lookup=ngram" (n-gram lookup or suffix decoding first, the drafter where the match is
+    weak: proposers/lookup_first.py; :lookup_k=N its own proposals per round, :lookup_min=P)."""
 
     label: str
     method: str | None
@@ -51,11 +53,22 @@ class BenchConfig:
     copy: int = 1  # > 1: an A/A control, the same config again in an engine of its own
     tree: int = 0  # SpecConfig.tree: children per expanded node of a drafted tree (0: chains)
     draft: str | None = None  # this config's drafter directory (None: --draft, or the embedded one)
+    lookup: str | None = None  # SpecConfig.lookup, lookup_k, lookup_min
+    lookup_k: int = 0
+    lookup_min: float = SpecConfig.lookup_min
 
     @property
     def spec(self) -> SpecConfig:
         return SpecConfig(method=self.method, k=self.k, policy=self.policy, profile=self.profile, forced=self.forced,
-                          tree=self.tree)
+                          tree=self.tree, lookup=self.lookup, lookup_k=self.lookup_k, lookup_min=self.lookup_min)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
@@ -66,6 +79,7 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
             continue
         method, *opts = entry.split(":")
         k, policy, forced, rollback, copy, tree, draft = 4, "fixed", SpecConfig.forced, "snapshot", 1, 0, None
+        lookup, lookup_k, lookup_min = None, 0, SpecConfig.lookup_min
         for o in opts:
             key, sep, val = o.partition("=")
             if key == "k" and sep and val.isdigit():
@@ -82,25 +96,36 @@ def parse_configs(text: str, profile: str | None = None) -> list[BenchConfig]:
                 tree = int(val)
             elif key == "draft" and sep and val:
                 draft = val
+            elif key == "lookup" and sep and val:
+                lookup = val
+            elif key == "lookup_k" and sep and val.isdigit():
+                lookup_k = int(val)
+            elif key == "lookup_min" and sep and _is_float(val):
+                lookup_min = float(val)
             else:
                 raise ValueError("--configs entries look like none, draft:k=4, ngram:k=2 or "
                                  f"draft:k=4:policy=goodput (or :forced=N, :tree=N, :rollback=replay, :copy=2, "
-                                 f":draft=DIR); "
+                                 f":draft=DIR, :lookup=ngram, :lookup_k=N, :lookup_min=P); "
                                  f"got {entry!r}")
         method = None if method in ("none", "") else method
         if method is not None and not _needs_draft(method) and draft is not None:  # (validates the name too)
             raise ValueError(f"--configs {entry!r}: :draft=DIR names a drafter, and {method} drafts without one")
         if method is None and draft is not None:
             raise ValueError(f"--configs {entry!r}: :draft=DIR names a drafter, and none drafts nothing")
-        SpecConfig(method=method, k=k, policy=policy, forced=forced, tree=tree)  # validates k, the policy, forced, tree
+        SpecConfig(method=method, k=k, policy=policy, forced=forced, tree=tree, lookup=lookup, lookup_k=lookup_k,
+                   lookup_min=lookup_min)  # validates k, the policy, forced, tree, the lookup
         label = "none" if method is None else f"{method}:k={k}" + ("" if policy == "fixed" else f":policy={policy}")
         label += "" if method is None or forced == SpecConfig.forced else f":forced={forced}"
         label += "" if method is None or not tree else f":tree={tree}"
         label += "" if method is None or rollback == "snapshot" else f":rollback={rollback}"
+        label += "" if lookup is None else f":lookup={lookup}"
+        label += "" if lookup is None or not lookup_k else f":lookup_k={lookup_k}"
+        label += "" if lookup is None or lookup_min == SpecConfig.lookup_min else f":lookup_min={lookup_min:g}"
         label += "" if draft is None else f":draft={draft}"
         label += "" if copy == 1 else f":copy={copy}"
         out.append(BenchConfig(label, method, k, policy if method else "fixed", profile, forced,
-                               rollback if method else "snapshot", copy, tree if method else 0, draft))
+                               rollback if method else "snapshot", copy, tree if method else 0, draft, lookup,
+                               lookup_k, lookup_min))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs lists a config twice: {text!r}")

@@ -147,6 +147,8 @@ class DSparkDrafter(nn.Module):
         self.markov = (make_head(cfg.markov_head_type, cfg.vocab_size, cfg.markov_rank, h)
                        if cfg.markov_rank > 0 else None)
         self.confidence = nn.Linear(h + cfg.markov_rank, 1)
+        if cfg.draft_vocab:  # the tokens it was trained to draft over (train dspark --draft-vocab), saved with it
+            self.register_buffer("draft_vocab_ids", torch.zeros(cfg.draft_vocab, dtype=torch.long))
         self._target: list = []  # the target (a list: not a submodule, its weights stay out of ours)
         self._head: list = []  # `set_head`'s head (a list: not a submodule), else the target's
         self.packed: dict[str, PackedLinear] = {}  # `prepare` (a plain dict: not in the state dict)
@@ -172,10 +174,12 @@ class DSparkDrafter(nn.Module):
     def set_head(self, head) -> "DSparkDrafter":
         """Draft with `head` (a `PrunedHead` over some of the target's head rows, eagle3_vocab.py:
         `--draft-vocab N`) instead of the target's whole LM head; the Markov head's bias is then
-        needed over the same tokens only (`MarkovHead.keep`, for the kernels)."""
+        needed over the same tokens only (`MarkovHead.keep`, for the kernels). Training sets heads
+        without `kept` (train/feature_data.py's float rows)."""
         self._head = [head]
-        if self.markov is not None:
-            self.markov.keep(head.kept)
+        kept = getattr(head, "kept", None)
+        if self.markov is not None and kept is not None:
+            self.markov.keep(kept)
         return self
 
     @property

@@ -91,6 +91,7 @@ class DSparkConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     target: str = ""  # the target's directory (informational; the caller loads the pair)
+    draft_vocab: int = 0  # trained to draft over these many of the target's tokens (0: all); ids in the weights
     # Sequential Temperature Scaling (train/dspark_calibration.py): c_k = sigmoid(logit_k / T_k); empty: 1
     confidence_temperatures: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # unknown keys, kept on a round trip
@@ -125,6 +126,10 @@ class DSparkConfig:
         for name in ("anchor_feature", "causal_block"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelLoadError(f"config.json {name!r}: true or false, got {getattr(self, name)!r}")
+        dv = self.draft_vocab
+        if not isinstance(dv, int) or isinstance(dv, bool) or dv < 0 or (dv and dv > self.vocab_size):
+            raise ModelLoadError(f"config.json 'draft_vocab': an integer from 0 (the whole vocabulary) to "
+                                 f"vocab_size {self.vocab_size}, got {dv!r}")
         temps = self.confidence_temperatures
         if temps and (len(temps) != self.block_size or not all(t > 0 for t in temps)):
             raise ModelLoadError(f"config.json 'confidence_temperatures': {self.block_size} positive numbers "

@@ -46,6 +46,7 @@ class MarkovHead(nn.Module):
         nn.init.normal_(self.w1.weight, std=rank ** -0.5)
         nn.init.zeros_(self.w2.weight)
         self.packed: dict[str, PackedLinear] = {}  # `prepare`: for the CPU kernels (not in the state dict)
+        self.rows: torch.Tensor | None = None  # `restrict`: training's bias over these tokens only
 
     def prepare(self) -> None:
         self.packed = {"w2": PackedLinear.of(self.w2, native=True)}
@@ -55,10 +56,18 @@ class MarkovHead(nn.Module):
         those tokens), for a drafter whose head is over those tokens (`DSparkDrafter.set_head`)."""
         self.packed["w2_kept"] = PackedLinear([self.w2.weight.detach()[kept].contiguous()], native=True)
 
+    def restrict(self, rows: torch.Tensor | None) -> None:
+        """Training over some tokens only (`train dspark --draft-vocab`): the bias [..., len(rows)] over
+        the tokens `rows`, in their order, where the drafter's training head gives their logits; None:
+        the whole vocabulary again."""
+        self.rows = rows
+
     def prev(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., r]: W1[x], the confidence head's input
         return self.w1(ids)
 
-    def project(self, z: torch.Tensor) -> torch.Tensor:  # [..., r] -> [..., V]
+    def project(self, z: torch.Tensor) -> torch.Tensor:  # [..., r] -> [..., V] (len(rows) with `restrict`)
+        if self.rows is not None:
+            return F.linear(z, self.w2.weight[self.rows])
         return self.packed.get("w2", self.w2)(z)
 
     def adjust(self, hidden: torch.Tensor, prev_embedding: torch.Tensor) -> torch.Tensor:

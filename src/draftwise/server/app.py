@@ -142,7 +142,8 @@ def build_app(engine: LLMEngine, model_name: str, aliases: set[str] | None = Non
         return {
             "status": "ok", "model": model_name,
             "speculation": {"method": engine.spec.method or "none", "k": engine.spec.max_draft,
-                            "policy": engine.spec.policy if engine.spec.method else None},
+                            "policy": engine.spec.policy if engine.spec.method else None,
+                            "lookup": engine.spec.lookup},
             "requests_in_server": aeng.num_in_flight, "requests_in_engine": snap.requests,
             "waiting": snap.waiting, "running": snap.running, "kv_blocks": snap.kv,
             "grammar": serving.constraints.health(), "models": loaded or {},

@@ -33,17 +33,33 @@ def position_weights(valid: torch.Tensor, decay: float) -> torch.Tensor:
     return valid.float() * torch.exp(-k / decay)
 
 
+def kept_alphabet(p_all: torch.Tensor, kept: torch.Tensor):
+    """p [..., V] -> p over the `kept` tokens and one more entry, the rest of the vocabulary
+    [..., N + 1]; and the map from token ids to that alphabet (-1 outside it). A drafter over the kept
+    tokens gives the rest no mass, so TV over this alphabet is TV over the whole vocabulary."""
+    p = p_all[..., kept]
+    p = torch.cat((p, (1.0 - p.sum(-1, keepdim=True)).clamp_min(0.0)), -1)
+    index = torch.full((p_all.shape[-1],), -1, dtype=torch.long)
+    index[kept] = torch.arange(len(kept))
+    return p, index
+
+
 def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: torch.Tensor,
-                  first_anchors: torch.Tensor | None = None):
+                  first_anchors: torch.Tensor | None = None, kept: torch.Tensor | None = None):
     """The target's one pass and the drafter's one pass over a batch: ids [B, T], anchors [B, N] ->
     q logits [B, N, gamma, V], p [B, N, gamma, V], confidence logits, labels, valid [B, N, gamma].
     With `first_anchors` [B, N1] (a causal block's drafter only) also the same five for blocks of
-    their first row alone at those anchors ([B, N1, 1, ...]), from the same passes: a tuple of two."""
+    their first row alone at those anchors ([B, N1, 1, ...]), from the same passes: a tuple of two.
+    With `kept` [N] (a drafter whose head gives those tokens' logits, training `--draft-vocab`):
+    q and p over `kept_alphabet` ([..., N + 1], q's last logit -inf), labels -1 outside the kept."""
     cfg = drafter.cfg
     B, T = ids.shape
     with torch.no_grad():
         hidden, feats = target(ids, feature_layers=tuple(cfg.target_feature_layers))
         p_all = torch.softmax(target.compute_logits(hidden).float(), -1)  # [B, T, V]: the head once per position
+        index = None
+        if kept is not None:
+            p_all, index = kept_alphabet(p_all, kept)
     pos = torch.arange(T).expand(B, T)
     fused = drafter.fuse(feats.detach())  # [B, T, H]
     kv = drafter.context_kv(fused, pos)
@@ -54,6 +70,9 @@ def block_forward(drafter: DSparkDrafter, target, ids: torch.Tensor, anchors: to
         last = fused.gather(1, (a - 1)[..., None].expand(-1, -1, fused.shape[-1]))  # [B, N, H]: a - 1
         h = drafter.block_hidden(ids.gather(1, a), a, kv, pos, last, rows=rows)  # [B, N, rows, H]
         q_logits, conf = drafter.teacher_forced(h, prev)
+        if index is not None:
+            rest = torch.full((*q_logits.shape[:-1], 1), float("-inf"), dtype=q_logits.dtype)
+            q_logits, labels = torch.cat((q_logits, rest), -1), index[labels]
         return q_logits, p, conf, labels, valid
 
     out = blocks(anchors, cfg.block_size)

@@ -39,9 +39,9 @@ from ..model.eagle3 import Eagle3Drafter, save_eagle3
 from ..model.eagle3_config import Eagle3Config
 from ..model.eagle3_vocab import float_rows, frequent_tokens
 from ..model.loader import load_model
-from . import self_data
-from .data import Batches, eval_windows, load_streams
+from .data import Batches, eval_windows
 from .eagle3_eval import eagle3_acceptance
+from .feature_data import DATA_KINDS, KeptRowsHead, training_streams
 from .fit import corpus_stats
 from .trainer import Trainer, TrainConfig, peak_rss_mb
 
@@ -68,19 +68,6 @@ def ttt_loss(step_logits: list[torch.Tensor], p: torch.Tensor, decay: float = ST
     per_step = torch.stack(losses)
     w = torch.tensor(weights)
     return (per_step * w).sum() / w.sum(), per_step.detach()
-
-
-class KeptRowsHead(torch.nn.Module):
-    """Training's head over the kept tokens: [..., H] -> [..., N] float32 logits, the target head's
-    kept rows (frozen); at evaluation a `PrunedHead` spreads them over the whole vocabulary."""
-
-    def __init__(self, rows: torch.Tensor):
-        super().__init__()
-        self.register_buffer("rows", rows.detach().float().contiguous())
-        self.out_features, self.in_features = self.rows.shape
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.rows)
 
 
 def _target_pass(target, ids: torch.Tensor, layers: tuple[int, ...], kept: torch.Tensor | None = None):
@@ -127,15 +114,6 @@ def build_drafter(tcfg, target_model, steps: int, feature_layers, seed: int, tar
     return drafter.share(target_model)
 
 
-def _streams(loaded, target_dir: Path, ckpt_dir: Path, split, data: str, data_dir: Path, gen: dict, log):
-    if data == "corpus":
-        return load_streams(loaded.tokenizer, split, ckpt_dir)
-    if gen.get("tokens"):
-        self_data.generate(gen.get("model") or target_dir, data_dir, gen["tokens"],
-                           max_tokens=gen.get("max_tokens", 192), minutes=gen.get("minutes"), log=log or print)
-    return self_data.load_streams(data_dir, loaded.config.eos_token_id[0])
-
-
 def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoints/eagle3", resume=False,
                  steps: int = 5, feature_layers: list[int] | None = None, overrides=None, log=None,
                  progress: bool | None = None, draft_dir: str | Path | None = None, data: str = "corpus",
@@ -147,7 +125,7 @@ def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     by `model`, default the target: e.g. the same weights kept quantized, faster)."""
     if minutes is None and tokens is None:
         raise ValueError("give a budget: --minutes or --tokens")
-    if data not in ("corpus", "self"):
+    if data not in DATA_KINDS:
         raise ValueError(f"data: corpus or self, got {data!r}")
     out, target_dir, ckpt_dir = Path(out), Path(target_dir), Path(ckpt_dir)
     if data == "self" and data_dir is None:
@@ -168,7 +146,7 @@ def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
         head_rows = KeptRowsHead(rows)
         drafter.set_head(head_rows)
     split = corpus.split()
-    streams = _streams(loaded, target_dir, ckpt_dir, split, data, data_dir, gen or {}, log)
+    streams = training_streams(loaded, target_dir, ckpt_dir, split, data, data_dir, gen or {}, log)
     cfg = TrainConfig(ckpt_dir=str(ckpt_dir), batch_size=hp["batch_size"], seq_len=hp["seq_len"], lr=hp["lr"],
                       warmup_steps=hp["warmup_steps"], seed=hp["seed"], max_tokens=tokens, minutes=minutes,
                       weight_decay=0.0)
