@@ -31,7 +31,9 @@ def add_parser(sub):
                                                     ":forced=N, :tree=N (draft, suffix: a tree of at most k nodes, N children per expanded node), "
                                                     ":rollback=snapshot|replay, :copy=2 (the same config "
                                                     "again in its own engine: an A/A control of the machine's noise) "
-                                                    "and :draft=DIR (this config's drafter instead of --draft); "
+                                                    ":draft=DIR (this config's drafter instead of --draft) and "
+                                                    ":lookup=ngram|suffix (before the drafter; :lookup_k=N, "
+                                                    ":lookup_min=P as --lookup-k, --lookup-min); "
                                                     "none is added when missing, as the reference (default: "
                                                     "none,draft:k=2,draft:k=4,ngram:k=4; --quick: "
                                                     "none,draft:k=4,ngram:k=4; not used with --url)")
