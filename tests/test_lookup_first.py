@@ -13,6 +13,7 @@ from draftwise.proposers import DraftBlock
 from draftwise.proposers.lookup_first import LookupFirst
 from draftwise.proposers.tree_budget import TreeBudget
 from test_dspark_engine import assert_equal_but_near_ties, make_dspark_dir
+from test_eagle3_engine import make_eagle3_dir
 
 
 class Seq:
@@ -89,6 +90,12 @@ def dspark_dir(tmp_path_factory, target_dir):
 
 
 @pytest.fixture(scope="module")
+def drafters(tmp_path_factory, target_dir, draft_dir, dspark_dir):
+    return {"draft": draft_dir, "dspark": dspark_dir,
+            "eagle3": make_eagle3_dir(tmp_path_factory.mktemp("eagle3"), target_dir)}
+
+
+@pytest.fixture(scope="module")
 def plain(target_dir):
     llm = LLM(str(target_dir))
     ps = repetitive_prompts(llm.engine.vocab_size)
@@ -98,12 +105,12 @@ def plain(target_dir):
 
 @pytest.mark.parametrize("method,lookup,seqs,blocks", [
     ("draft", "ngram", 1, None), ("draft", "ngram", 16, None), ("draft", "suffix", 16, 14),
-    ("dspark", "ngram", 1, None), ("dspark", "suffix", 16, None), ("dspark", "ngram", 16, 14)])
-def test_greedy_equals_plain(target_dir, draft_dir, dspark_dir, plain, method, lookup, seqs, blocks):
+    ("dspark", "ngram", 1, None), ("dspark", "suffix", 16, None), ("dspark", "ngram", 16, 14),
+    ("eagle3", "ngram", 16, 14)])
+def test_greedy_equals_plain(target_dir, drafters, plain, method, lookup, seqs, blocks):
     """Both proposers draft some rows; 14 blocks of 16 tokens for 16 sequences: preemptions."""
     llm0, ps, sp, want = plain
-    draft = draft_dir if method == "draft" else dspark_dir
-    llm = LLM(str(target_dir), draft=str(draft), spec=SpecConfig(method=method, k=3, lookup=lookup, lookup_k=6),
+    llm = LLM(str(target_dir), draft=str(drafters[method]), spec=SpecConfig(method=method, k=3, lookup=lookup, lookup_k=6),
               max_num_seqs=seqs, num_kv_blocks=blocks, max_model_len=64)
     proposer = llm.engine.proposer
     assert isinstance(proposer, LookupFirst)
@@ -133,9 +140,8 @@ def test_greedy_equals_plain(target_dir, draft_dir, dspark_dir, plain, method, l
 
 
 @pytest.mark.parametrize("method,lookup", [("draft", "ngram"), ("dspark", "suffix")])
-def test_check_passes(target_dir, draft_dir, dspark_dir, method, lookup, capsys):
-    draft = draft_dir if method == "draft" else dspark_dir
-    rc = main(["check", "--model", str(target_dir), "--method", method, "--draft", str(draft), "--k", "3",
+def test_check_passes(target_dir, drafters, method, lookup, capsys):
+    rc = main(["check", "--model", str(target_dir), "--method", method, "--draft", str(drafters[method]), "--k", "3",
                "--lookup", lookup, "--lookup-min", "0.5", "--samples", "300", "--max-tokens", "16"])
     out = capsys.readouterr().out
     assert rc == 0, out
