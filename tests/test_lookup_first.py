@@ -168,3 +168,19 @@ def test_bad_input(target_dir, draft_dir, capsys):
     rc = main(["generate", "--model", str(target_dir), "--method", "ngram", "--lookup", "suffix",
                "--max-tokens", "4", "def f(x):"])
     assert rc == 2 and "goes before a drafting method" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method,lookup,policy", [("dspark", "ngram", "dspark"), ("draft", "suffix", "goodput")])
+def test_load_aware_policies_with_a_lookup(target_dir, drafters, plain, method, lookup, policy):
+    """A load-aware policy plans up to lookup_k proposals a row and admits lookup and drafter blocks
+    alike; greedy output stays plain decoding's, 4 in flight."""
+    from draftwise.policies import CostModel
+    from policy_helpers import COST
+
+    llm0, ps, sp, want = plain
+    cost = CostModel((0.05,) + tuple(COST.target[1:]), COST.draft)
+    llm = LLM(str(target_dir), draft=str(drafters[method]), max_num_seqs=4,
+              spec=SpecConfig(method=method, k=3, lookup=lookup, lookup_k=6, policy=policy, cost_model=cost))
+    outs = llm.generate(ps, sp)
+    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
+    assert llm.engine.stats.proposed_tokens > 0

@@ -176,7 +176,7 @@ def test_models_health_metrics(servers):
     models = client(srv).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     h = srv.wait_idle()
-    assert h["status"] == "ok" and h["speculation"] == {"method": "draft", "k": 4, "policy": "fixed"}
+    assert h["status"] == "ok" and h["speculation"] == {"method": "draft", "k": 4, "policy": "fixed", "lookup": None}
     assert h["kv_blocks"]["target"]["used"] == 0 and h["kv_blocks"]["draft"]["used"] == 0
     text = httpx.get(srv.url + "/metrics").text
     for name in ("draftwise:requests_total", "draftwise:num_requests_waiting", "draftwise:num_requests_running",
