@@ -50,6 +50,7 @@ class StubDrafter(StubLookup):
 
     def propose(self, seqs, num_draft, num_forced=None):
         self.calls.append(([s.seq_id for s in seqs], list(num_draft), list(num_forced)))
+        self.catch_up_seconds = 0.5  # (what a long catch-up of its rows took)
         return [DraftBlock([3] * n, None, None) for n in num_draft]
 
     def set_tree_budget(self, budget):
@@ -67,11 +68,15 @@ def test_rows_with_a_strong_match_take_the_lookups_block_the_others_the_drafters
     assert [b.token_ids for b in blocks] == [[7] * 8, [3] * 3, [7] * 8, [3] * 1]
     assert drafter.calls == [([1, 3], [3, 1], [1, 2])]  # capped at the drafter's k, forced counts kept
     assert drafter.budget == TreeBudget(0.1, [3, 3])  # the budget's caps: the drafter's rows, at most k
+    assert p.catch_up_seconds == 0.5
     for s in seqs:
         p.postprocess(s, blocks[s.seq_id], 0, 10)
     assert lookup.calls[1:] == [("post", 0), ("post", 2)] and drafter.calls[1:] == [("post", 1), ("post", 3)]
     p.finish(seqs[0])
     assert lookup.calls[-1] == ("finish", 0) and drafter.calls[-1] == ("finish", 0)
+    calls = len(drafter.calls)
+    p.propose(seqs[:1], [8], [0])  # the lookup's row alone: the drafter does not run, its old figure stays out
+    assert len(drafter.calls) == calls and p.catch_up_seconds == 0.0
 
 
 def repetitive_prompts(vocab, n=12, seed=0):

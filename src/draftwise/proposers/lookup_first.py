@@ -46,6 +46,7 @@ class LookupFirst:
         lookup.confidence = True  # the choice reads it
         self.from_lookup: set[int] = set()  # seq_ids whose last block was the lookup's
         self._tree_budget = None
+        self.catch_up_seconds = 0.0  # the last propose's long catch-ups, the lookup's and the drafter's
 
     def __getattr__(self, attr):  # the drafter's cache, feature layers, target slots, ... (only what it has)
         if attr in ("lookup", "inner"):
@@ -61,10 +62,6 @@ class LookupFirst:
         if hasattr(self.inner, "confidence"):
             self.inner.confidence = value
 
-    @property
-    def catch_up_seconds(self) -> float:
-        return getattr(self.inner, "catch_up_seconds", 0.0) + getattr(self.lookup, "catch_up_seconds", 0.0)
-
     def set_tree_budget(self, budget) -> None:
         """The step's budget, handed to the drafter (where it drafts trees) for its own rows."""
         self._tree_budget = budget
@@ -72,6 +69,7 @@ class LookupFirst:
     def propose(self, seqs, num_draft, num_forced=None):
         forced = list(num_forced) if num_forced is not None else [0] * len(seqs)
         looked = self.lookup.propose(seqs, num_draft, forced)
+        self.catch_up_seconds = getattr(self.lookup, "catch_up_seconds", 0.0)
         blocks: list[DraftBlock] = [NO_BLOCK] * len(seqs)
         rest = []
         for i, (s, b) in enumerate(zip(seqs, looked)):
@@ -90,6 +88,7 @@ class LookupFirst:
                                            [forced[i] for i in rest])
             for i, b in zip(rest, drafted):
                 blocks[i] = b
+            self.catch_up_seconds += getattr(self.inner, "catch_up_seconds", 0.0)
         return blocks
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
