@@ -163,7 +163,8 @@ def test_bad_input(target_dir, draft_dir, capsys):
         with pytest.raises(ValueError, match=msg):
             SpecConfig(**kw)
     assert SpecConfig(method="draft", k=4, lookup="ngram", lookup_k=12).max_draft == 12
-    assert SpecConfig(method="draft", k=4, lookup_k=12).max_draft == 4  # (no lookup: k)
+    with pytest.raises(ValueError, match="give lookup"):
+        SpecConfig(method="draft", k=4, lookup_k=12)
     (c,) = [c for c in parse_configs("eagle3:k=3:lookup=suffix:lookup_k=8:lookup_min=0.6") if c.method]
     assert c.label == "eagle3:k=3:lookup=suffix:lookup_k=8:lookup_min=0.6" and c.spec.max_draft == 8
     with pytest.raises(ValueError, match="goes before a drafting method"):

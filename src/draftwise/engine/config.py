@@ -58,6 +58,8 @@ class SpecConfig:
             if self.method is None or self.method in LOOKUPS:
                 raise ValueError(f"lookup {self.lookup} goes before a drafting method (draft, dspark, eagle3), "
                                  f"got method {self.method or 'none'!r}")
+        if self.lookup_k and self.lookup is None:
+            raise ValueError("lookup_k is the proposals per round of a lookup: give lookup (ngram or suffix) too")
         if not 0 <= self.lookup_k <= 64:
             raise ValueError(f"lookup_k (the lookup's proposals per round; 0: k) must be in [0, 64], "
                              f"got {self.lookup_k}")
