@@ -140,6 +140,7 @@ def test_greedy_equals_plain(target_dir, drafters, plain, method, lookup, seqs, 
     assert rows["lookup"] > 0 and rows["drafter"] > 0, rows
     st = llm.engine.stats
     assert st.accepted_tokens > 0
+    assert 0 < st.lookup_rounds < st.rounds and 0 < st.lookup_accepted_tokens <= st.accepted_tokens
     if blocks:
         assert st.preemptions > 0
 

@@ -188,7 +188,8 @@ def test_models_health_metrics(servers):
                  'draftwise:spec_decode_committed_per_round_bucket{le="5"', 'draftwise:step_seconds_total{',
                  'phase="verify"', "draftwise:time_to_first_token_seconds_bucket",
                  "draftwise:e2e_request_latency_seconds_count", "draftwise:prefix_cache_hits_total",
-                 "draftwise:draft_prefix_cache_queries_total", "draftwise:draft_prefix_cache_hits_total"):
+                 "draftwise:draft_prefix_cache_queries_total", "draftwise:draft_prefix_cache_hits_total",
+                 "draftwise:spec_decode_num_lookup_rounds_total"):
         assert name in text, name
     accepted = [ln for ln in text.splitlines() if ln.startswith("draftwise:spec_decode_num_accepted_tokens_total")]
     assert float(accepted[0].split()[-1]) > 0

@@ -144,6 +144,9 @@ class Speculation:
         follows the committed path, the policy calibrates. A drafted tree: the proposer gets its
         accepted path (`path`, or the accepted part of a verified main chain); the policy, whose
         acceptance is per position, the tree's main chain and how much of it was accepted."""
+        if drafted.token_ids and isinstance(self.proposer, LookupFirst) and self.proposer.drafted_by_lookup(seq):
+            self.stats.lookup_rounds += 1
+            self.stats.lookup_accepted_tokens += num_accepted
         if not drafted.is_tree:
             self.proposer.postprocess(seq, drafted, num_accepted, num_tokens_before)
             if self.step_cost is not None and drafted.token_ids:

@@ -24,6 +24,9 @@ class EngineStats:
     verified_tokens: int = 0  # proposals sent to the target (an admitted prefix of each block + forced tokens)
     accepted_tokens: int = 0
     forced_tokens: int = 0  # verified proposals beyond the planned draft length: grammar-forced, free
+    # a lookup before the drafter (--lookup): rounds whose block was the lookup's, and their accepted tokens
+    lookup_rounds: int = 0
+    lookup_accepted_tokens: int = 0
     committed_tokens: int = 0  # tokens committed by rounds
     accepted_per_position: list[int] = field(default_factory=list)
     # chain rounds only: position j reached (verified, every proposal before it accepted), and accepted there
@@ -69,6 +72,8 @@ class EngineStats:
             "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "forced_tokens": self.forced_tokens,
+            "lookup_rounds": self.lookup_rounds,
+            "lookup_accepted_tokens": self.lookup_accepted_tokens,
             "committed_tokens": self.committed_tokens,
             "accepted_per_position": list(self.accepted_per_position),
             "reached_per_position": list(self.reached_per_position),

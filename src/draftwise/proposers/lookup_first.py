@@ -91,8 +91,12 @@ class LookupFirst:
             self.catch_up_seconds += getattr(self.inner, "catch_up_seconds", 0.0)
         return blocks
 
+    def drafted_by_lookup(self, seq) -> bool:
+        """Whether the row's last block was the lookup's (the engine's statistics)."""
+        return seq.seq_id in self.from_lookup
+
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
-        if seq.seq_id in self.from_lookup:
+        if self.drafted_by_lookup(seq):
             self.lookup.postprocess(seq, block, num_accepted, num_tokens_before)
         else:
             self.inner.postprocess(seq, block, num_accepted, num_tokens_before)

@@ -98,6 +98,10 @@ class EngineCollector:
             ("verified_tokens", "spec_decode_num_verified_tokens",
              "Proposed tokens sent to the target (the verification policy admits a prefix of each draft)."),
             ("accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted by the target."),
+            ("lookup_rounds", "spec_decode_num_lookup_rounds",
+             "Rounds whose proposals came from the lookup before the drafter (--lookup)."),
+            ("lookup_accepted_tokens", "spec_decode_num_lookup_accepted_tokens",
+             "Accepted tokens of those rounds."),
             ("steps", "engine_steps", "Engine steps."),
         ):
             c = CounterMetricFamily(f"draftwise:{name}", doc, labels=m)
