@@ -115,8 +115,9 @@ def plain(target_dir):
 def test_greedy_equals_plain(target_dir, drafters, plain, method, lookup, seqs, blocks):
     """Both proposers draft some rows; 14 blocks of 16 tokens for 16 sequences: preemptions."""
     llm0, ps, sp, want = plain
-    llm = LLM(str(target_dir), draft=str(drafters[method]), spec=SpecConfig(method=method, k=3, lookup=lookup, lookup_k=6),
-              max_num_seqs=seqs, num_kv_blocks=blocks, max_model_len=64)
+    llm = LLM(str(target_dir), draft=str(drafters[method]),
+              spec=SpecConfig(method=method, k=3, lookup=lookup, lookup_k=6), max_num_seqs=seqs, num_kv_blocks=blocks,
+              max_model_len=64)
     proposer = llm.engine.proposer
     assert isinstance(proposer, LookupFirst)
     rows = {"lookup": 0, "drafter": 0}

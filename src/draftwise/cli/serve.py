@@ -123,7 +123,8 @@ def run(args) -> int:
                     loaded=llm.models)
     spec = llm.engine.spec
     print(f"draftwise serve: {name} ({model_dir}), speculation={spec.method or 'none'}"
-          f"{f' k={spec.k}' if spec.method else ''}{f' lookup={spec.lookup}' if spec.lookup else ''}, http://{args.host}:{args.port}/v1"
+          f"{f' k={spec.k}' if spec.method else ''}{f' lookup={spec.lookup}' if spec.lookup else ''}"
+          f", http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
     # the pools are resident from the start (engine/kv_sizing.py): say what they take, and the context
     print(f"draftwise serve: {llm.engine.kv_plan.describe()}", file=sys.stderr, flush=True)

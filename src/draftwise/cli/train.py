@@ -122,7 +122,8 @@ def _add_dspark_args(p) -> None:
                         f"lr {E['lr']:g}, warm-up {E['warmup_steps']} unless set)")
     p.add_argument("--draft-vocab", type=positive_int, default=None,
                    help="eagle3, dspark: learn and draft over the target's N most frequent tokens only (the ids are "
-                        "saved with the drafter, which then drafts over them by default; default: the whole vocabulary)")
+                        "saved with the drafter, which then drafts over them by default; default: the whole "
+                        "vocabulary)")
     p.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="eagle3, dspark: the dtype of the frozen target's pass (features and p); bfloat16 is several "
                         "times faster on CPUs with bfloat16 matrix units (default float32)")
