@@ -5,8 +5,8 @@ elsewhere (Arctic Inference's suffix decoding beside a model speculator does the
 Grounded and repetitive text (a reply quoting its prompt, an edited file returned whole, JSON
 re-emitted) is where a lookup proposes long runs the target accepts, for no drafting time; open
 text is where a trained drafter is right more often than an earlier occurrence. Per row and round:
-1. the lookup proposes up to num_draft[i] tokens (`lookup_k`, default k: its blocks may be longer
-   than the drafter's, which cost nothing to draft);
+1. the lookup proposes up to num_draft[i] tokens (`lookup_k`, default k: its blocks cost nothing
+   to draft, so they may be longer than the drafter's);
 2. where its first proposal's own acceptance estimate (the lookup's confidence: n-gram lookup's
    1 - 1/(m + 1) after a match of m tokens; suffix decoding's, discounted by how often earlier
    continuations agreed) is at least `lookup_min`, the row verifies the lookup's block;
@@ -14,7 +14,8 @@ text is where a trained drafter is right more often than an earlier occurrence. 
    drafter sees a round in which only those rows decode, as after a prefill).
 
 Exact: which proposer drafts a row is a function of the committed history (and, for suffix
-decoding, of earlier requests' outputs), never of a proposal; each block is exact as its proposer
+decoding, of earlier requests' outputs), as the lookup's block itself is, never of the drafter's
+proposals; each block is exact as its proposer
 makes it (q a point mass for the lookup, the drafter's q otherwise), and the rejection sampler
 verifies it as such. The drafter's own state follows the committed path as after a round in which
 the policy gave the row nothing to draft: a draft model catches up on the committed tokens when it
