@@ -58,20 +58,20 @@ class Speculation:
         self.spec, self.stats = spec, stats
         self._last_step_end: float | None = None  # the previous decode step's end (perf_counter)
         self.vocab_size = target.config.vocab_size
-        self.proposer = cls(
+        context = dict(
             target=target, draft=draft, num_blocks=num_blocks, block_size=config.block_size,
             eos_ids=target.eos_token_ids, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
             suffix_depth=spec.suffix_depth, suffix_spec_factor=spec.suffix_spec_factor,
             suffix_min_prob=spec.suffix_min_prob, suffix_cache_tokens=spec.suffix_cache_tokens,
-            prefix_caching=config.enable_prefix_caching, tree=spec.tree if target.config.hybrid is None else 0,
-            vocab_map=vocab_map,
+            prefix_caching=config.enable_prefix_caching, vocab_map=vocab_map,
         )
-        if spec.lookup:  # a lookup before the drafter (proposers/lookup_first.py)
-            lookup = proposer_class(spec.lookup)(
-                ngram_max=spec.ngram_max, ngram_min=spec.ngram_min, suffix_depth=spec.suffix_depth,
-                suffix_spec_factor=spec.suffix_spec_factor, suffix_min_prob=spec.suffix_min_prob,
-                suffix_cache_tokens=spec.suffix_cache_tokens)
-            self.proposer = LookupFirst(lookup, self.proposer, spec.k, spec.lookup_min)
+        self.proposer = cls(**context, tree=spec.tree if target.config.hybrid is None else 0)
+        # a lookup before the drafter (proposers/lookup_first.py; the lookup drafts chains)
+        self.lookup = None
+        if spec.lookup:
+            self.lookup = LookupFirst(proposer_class(spec.lookup)(**context, tree=0), self.proposer, spec.k,
+                                      spec.lookup_min)
+            self.proposer = self.lookup
         # a tree's rows attend through a mask and its path's K/V move after verification: not for a
         # hybrid target, whose recurrent state follows one path (a drafter's tree is then verified
         # as its main chain)
@@ -144,7 +144,7 @@ class Speculation:
         follows the committed path, the policy calibrates. A drafted tree: the proposer gets its
         accepted path (`path`, or the accepted part of a verified main chain); the policy, whose
         acceptance is per position, the tree's main chain and how much of it was accepted."""
-        if drafted.token_ids and isinstance(self.proposer, LookupFirst) and self.proposer.drafted_by_lookup(seq):
+        if drafted.token_ids and self.lookup is not None and self.lookup.drafted_by_lookup(seq):
             self.stats.lookup_rounds += 1
             self.stats.lookup_accepted_tokens += num_accepted
         if not drafted.is_tree:

@@ -45,13 +45,12 @@ from .. import corpus
 from ..model.draft_vocab import PrunedHead
 from ..model.dspark import DSparkDrafter, save_dspark
 from ..model.dspark_config import DSparkConfig
-from ..model.eagle3_vocab import float_rows, frequent_tokens
 from ..model.loader import load_model
 from .data import Batches, eval_windows
 from .dspark_blocks import block_forward, position_weights, sample_anchors
 from .dspark_calibration import calibrate
 from .dspark_eval import block_acceptance
-from .feature_data import DATA_KINDS, KeptRowsHead, training_streams
+from .feature_data import DATA_KINDS, kept_rows_head, kept_tokens, training_streams
 from .fit import corpus_stats
 from .trainer import Trainer, TrainConfig, peak_rss_mb
 
@@ -201,8 +200,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     loaded = load_model(target_dir, dtype=target_dtype, fuse=False)
     target = loaded.model.eval().requires_grad_(False)
     vocab = loaded.config.vocab_size
-    kept = frequent_tokens(loaded, draft_vocab) if draft_vocab is not None else None
-    kept = None if kept is not None and len(kept) >= vocab else kept
+    kept = kept_tokens(loaded, draft_vocab)
     drafter = build_drafter(loaded.config, target, block_size, markov_rank, feature_layers, hp["seed"],
                             target=os.path.relpath(target_dir.resolve(), out.resolve()), num_layers=num_layers,
                             anchor_feature=anchor_feature, from_target_layer=from_target_layer,
@@ -210,10 +208,7 @@ def train_dspark(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
                             causal_block=hp["first_anchors"] > 0, draft_vocab=kept)  # (checks the config first)
     head = None
     if kept is not None or target_dtype != "float32":
-        rows = float_rows(target, kept if kept is not None else torch.arange(vocab))
-        if rows is None:
-            raise ValueError("the target's LM head has no float rows to train over")
-        head = KeptRowsHead(rows)
+        head = kept_rows_head(target, kept if kept is not None else torch.arange(vocab))
         drafter.set_head(head)
         if drafter.markov is not None and kept is not None:
             drafter.markov.restrict(kept)

@@ -37,11 +37,10 @@ from .. import corpus
 from ..model.draft_vocab import PrunedHead
 from ..model.eagle3 import Eagle3Drafter, save_eagle3
 from ..model.eagle3_config import Eagle3Config
-from ..model.eagle3_vocab import float_rows, frequent_tokens
 from ..model.loader import load_model
 from .data import Batches, eval_windows
 from .eagle3_eval import eagle3_acceptance
-from .feature_data import DATA_KINDS, KeptRowsHead, training_streams
+from .feature_data import DATA_KINDS, kept_rows_head, kept_tokens, training_streams
 from .fit import corpus_stats
 from .trainer import Trainer, TrainConfig, peak_rss_mb
 
@@ -133,17 +132,11 @@ def train_eagle3(out, target_dir, minutes=None, tokens=None, ckpt_dir="checkpoin
     hp = dict(EAGLE3_DEFAULTS, **(overrides or {}))
     loaded = load_model(target_dir, dtype=target_dtype, fuse=False)
     target = loaded.model.eval().requires_grad_(False)
-    kept = None
-    if draft_vocab is not None:
-        kept = frequent_tokens(loaded, draft_vocab)
-        kept = None if len(kept) >= loaded.config.vocab_size else kept
+    kept = kept_tokens(loaded, draft_vocab)
     drafter = build_drafter(loaded.config, target, steps, feature_layers, hp["seed"],
                             target=os.path.relpath(target_dir.resolve(), out.resolve()), kept=kept)
     if kept is not None:
-        rows = float_rows(target, kept)
-        if rows is None:
-            raise ValueError("--draft-vocab: the target's LM head has no float rows to train over")
-        head_rows = KeptRowsHead(rows)
+        head_rows = kept_rows_head(target, kept)
         drafter.set_head(head_rows)
     split = corpus.split()
     streams = training_streams(loaded, target_dir, ckpt_dir, split, data, data_dir, gen or {}, log)

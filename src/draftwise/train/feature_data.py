@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..model.eagle3_vocab import float_rows, frequent_tokens
 from . import self_data
 from .data import load_streams
 
@@ -26,6 +27,23 @@ class KeptRowsHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), self.rows)
+
+
+def kept_tokens(loaded, draft_vocab: int | None) -> torch.Tensor | None:
+    """`--draft-vocab N`: the sorted ids of the target's N most frequent tokens; None for the whole
+    vocabulary (no N, or N covering it)."""
+    if draft_vocab is None:
+        return None
+    kept = frequent_tokens(loaded, draft_vocab)
+    return None if len(kept) >= loaded.config.vocab_size else kept
+
+
+def kept_rows_head(target, kept: torch.Tensor) -> KeptRowsHead:
+    """The training head over the `kept` tokens (all of them: torch.arange(V)) of `target`'s LM head."""
+    rows = float_rows(target, kept)
+    if rows is None:
+        raise ValueError("--draft-vocab: the target's LM head has no float rows to train over")
+    return KeptRowsHead(rows)
 
 
 def training_streams(loaded, target_dir: Path, ckpt_dir: Path, split, data: str, data_dir: Path | None,
