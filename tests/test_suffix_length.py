@@ -46,6 +46,32 @@ def test_dearer_rows_never_lengthen_a_draft():
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == 7 and lengths[-1] == 0
 
 
+def test_a_second_pass_over_the_weights_is_learned_and_stops_a_draft_short_of_it():
+    from draftwise.policies.cost import CostModel, OnlineCost
+
+    # measured steps of one row: 50 ms + 3 ms a token fed, 20 ms more past 16 tokens (a second block of tiles)
+    def measured(t):
+        return 0.050 + 0.003 * t + (0.020 if t > 16 else 0.0)
+
+    flat, tiled = (OnlineCost(CostModel((0.0,) * 4, (0.0,) * 3), row_block=r) for r in (0, 16))
+    for i in range(400):
+        t = 1 + (i * 7) % 17  # 1..17 tokens
+        for model in (flat, tiled):
+            model.observe(1, t, 100.0, [], measured(t))
+    for t in (1, 8, 16, 17):
+        assert tiled.step_seconds(1, t, 100.0) == pytest.approx(measured(t), rel=0.02)
+    assert tiled.step_seconds(1, 33, 100.0) == pytest.approx(0.050 + 0.003 * 33 + 0.040, rel=0.02)
+    # a copy accepted throughout: a line in T keeps all 16 proposals (17 rows), the passes stop at 15
+    gains = [[0.99] * 16]
+    assert best_lengths(gains, flat.tokens_seconds(1, 100.0)) == [16]
+    assert best_lengths(gains, tiled.tokens_seconds(1, 100.0)) == [15]
+    # steps that never went past a block teach no pass cost
+    short = OnlineCost(CostModel((0.0,) * 4, (0.0,) * 3), row_block=16)
+    for i in range(100):
+        short.observe(1, 1 + i % 16, 100.0, [], measured(1 + i % 16))
+    assert short.tokens_seconds(1, 100.0)(17) == pytest.approx(0.050 + 0.003 * 17, rel=0.02)
+
+
 # ------------------------------------------------------------------ the calibration
 def test_only_tested_proposals_are_counted():
     table = AcceptanceTable()
@@ -130,4 +156,5 @@ def test_engine_hands_suffix_its_step_cost_and_stays_exact(target_dir):
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     prop = llm.engine.speculation.proposer
     assert prop.step_cost is llm.engine.speculation.step_cost and prop.acceptance.cells
+    assert prop.step_cost.row_block == 0  # a float32 target: no passes of 16 rows to learn
     assert not prop.drafted  # finished rows leave no outstanding draft

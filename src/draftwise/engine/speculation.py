@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..model import act8
 from ..model.loader import LoadedModel
 from ..policies import CostModel, StepTiming, policy_class
 from ..policies.cost import OnlineCost
@@ -86,10 +87,12 @@ class Speculation:
         self.policy = pcls(k=spec.max_draft, cost=cost, has_draft_model=profiled is not None, **extra)
         # a proposer that sizes its drafts by a verified row's cost (suffix): the decode steps'
         # measured seconds, fitted in rows and tokens (an OnlineCost over an empty profile: at one
-        # row a profile's grid holds single differences of its noise, docs/ARCHITECTURE.md)
+        # row a profile's grid holds single differences of its noise, docs/ARCHITECTURE.md), and in
+        # passes over the weights where the kernels serve rows in blocks (AMX tiles: 16)
         self.step_cost = None
         if isinstance(self.proposer, StepCosted):
-            self.step_cost = OnlineCost(CostModel((0.0,) * 4, (0.0,) * 3))
+            self.step_cost = OnlineCost(CostModel((0.0,) * 4, (0.0,) * 3),
+                                        row_block=act8.row_block(target.model))
             self.proposer.set_step_cost(self.step_cost)
         if hasattr(self.proposer, "confidence"):  # drafting skips what the policy never reads
             self.proposer.confidence = self.policy.needs_confidence

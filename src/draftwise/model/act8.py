@@ -48,6 +48,15 @@ def enabled() -> bool:
     return cpu_kernels.vnni()
 
 
+def row_block(model: torch.nn.Module) -> int:
+    """The rows one pass over the model's weights serves: `cpu_kernels.AMX_TILE_ROWS` where its
+    byte products run on AMX tiles (a 17th row costs a second pass: a step cost model's cue,
+    policies/cost.py's `OnlineCost`), 0 where a step's cost grows smoothly with its rows."""
+    if not cpu_kernels.amx_rows() or not any(getattr(m, "act8", False) for m in model.modules()):
+        return 0
+    return cpu_kernels.AMX_TILE_ROWS
+
+
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     """x [.., N] -> float32 [.., N]: each group of 32 as its int8 values times its step (what the
     kernels multiply, rounded the same way: x / step, to nearest even)."""

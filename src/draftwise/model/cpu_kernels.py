@@ -247,6 +247,9 @@ def set_amx(min_rows: int) -> bool:
     return granted
 
 
+AMX_TILE_ROWS = 16  # rows of one block of tiles (kernels/amx.c): a product of more takes another pass over the weights
+
+
 def amx_rows() -> int:
     """From how many rows products run on AMX tiles now (0: none; a hardware profile's cache
     key: the tiles change what a verification block costs)."""

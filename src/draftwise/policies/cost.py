@@ -52,18 +52,29 @@ class OnlineCost:
     centred features, slopes constrained to be >= 0: the slopes come only from how B, T and D
     varied among the steps seen (a slope the data cannot tell is 0, so a run that never drafted
     does not learn that a verified token costs the whole residual), and the intercept takes the
-    mean. `step_seconds` is the
-    profile's prediction plus that residual; the goodput policy optimises against it.
+    mean. `step_seconds` is the profile's prediction plus that residual; the goodput policy
+    optimises against it.
+
+    `row_block` > 0 (the rows one pass over the weights serves: 16 on AMX tiles, model/act8.py's
+    `row_block`) adds a fourth term, e4 * (ceil(T / row_block) - 1): the passes past the first,
+    which a line in T cannot show (on the Qwen 1.5B, 16 rows on tiles cost 1.75x one row and 17
+    rows 2.14x). It stays 0 until steps past a block are measured.
     """
 
     DECAY = 0.98  # per observed step: the fit follows the last ~50 steps
     RIDGE = 1e-3  # in units of B^2, T^2, D^2 per unit of weight: slopes need real variation
     REFIT_EVERY = 4  # steps (after the first 8): the solve costs more than the rest of the update
 
-    def __init__(self, cost: CostModel):
+    def __init__(self, cost: CostModel, row_block: int = 0):
         self.cost = cost
-        self._fit = DecayedFit(3, self.DECAY, self.RIDGE)  # r against (B, T, D)
-        self._coef = (0.0, 0.0, 0.0, 0.0)  # e0, e1 (per row), e2 (per token), e3 (per drafter step)
+        self.row_block = row_block
+        self._fit = DecayedFit(4 if row_block else 3, self.DECAY, self.RIDGE)  # r against (B, T, D[, passes])
+        # e0, e1 (per row), e2 (per token), e3 (per drafter step), e4 (per pass past the first)
+        self._coef = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def _passes(self, num_tokens: int) -> int:
+        """Passes over the weights past the first for T tokens fed (0 without a row block)."""
+        return (max(1, num_tokens) - 1) // self.row_block if self.row_block else 0
 
     @staticmethod
     def draft_lengths_seconds(cost: CostModel, lengths, context: float) -> float:
@@ -75,8 +86,8 @@ class OnlineCost:
         return _by_steps(lambda rows: self.draft_step_seconds(rows, context), lengths)
 
     def residual(self, num_seqs: int, num_tokens: int, drafter_steps: int = 0) -> float:
-        e0, e1, e2, e3 = self._coef
-        return e0 + e1 * num_seqs + e2 * num_tokens + e3 * drafter_steps
+        e0, e1, e2, e3, e4 = self._coef
+        return e0 + e1 * num_seqs + e2 * num_tokens + e3 * drafter_steps + e4 * self._passes(num_tokens)
 
     def draft_step_seconds(self, num_seqs: int, context: float) -> float:
         """One drafter step over num_seqs rows: the profile's, plus the learned per-step residual."""
@@ -101,9 +112,11 @@ class OnlineCost:
     def tokens_seconds(self, num_seqs: int, context: float):
         """step_seconds(num_seqs, T, context) without drafting, as a function of T (what
         `choose_lengths` asks for every candidate: the same value, fewer calls)."""
-        e0, e1, e2, _ = self._coef
+        e0, e1, e2, _, e4 = self._coef
         const = e0 + e1 * num_seqs
-        target = self.cost.target_seconds
+        target, passes = self.cost.target_seconds, self._passes
+        if e4:
+            return lambda t: target(num_seqs, t, context) + const + e2 * t + e4 * passes(t)
         return lambda t: target(num_seqs, t, context) + const + e2 * t
 
     def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float,
@@ -112,11 +125,12 @@ class OnlineCost:
         if profile is None:
             profile = self.profile_seconds(num_seqs, num_tokens, context, lengths)
         fit = self._fit
-        fit.observe((float(num_seqs), float(num_tokens), float(max(lengths, default=0))), measured - profile)
+        x = (float(num_seqs), float(num_tokens), float(max(lengths, default=0)))
+        fit.observe(x + (float(self._passes(num_tokens)),) if self.row_block else x, measured - profile)
         if fit.seen > 8 and fit.seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
             return
         e0, slopes = fit.solve()
-        self._coef = (e0, *slopes)
+        self._coef = (e0, *slopes, 0.0)[:5]
 
 
 class DecayedFit:
