@@ -62,7 +62,7 @@ class OnlineCost:
     """
 
     DECAY = 0.98  # per observed step: the fit follows the last ~50 steps
-    RIDGE = 1e-3  # in units of B^2, T^2, D^2 per unit of weight: slopes need real variation
+    RIDGE = 1e-3  # in units of B^2, T^2, D^2 (passes^2) per unit of weight: slopes need real variation
     REFIT_EVERY = 4  # steps (after the first 8): the solve costs more than the rest of the update
 
     def __init__(self, cost: CostModel, row_block: int = 0):
@@ -130,7 +130,7 @@ class OnlineCost:
         if fit.seen > 8 and fit.seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
             return
         e0, slopes = fit.solve()
-        self._coef = (e0, *slopes, 0.0)[:5]
+        self._coef = (e0, *slopes, 0.0)[:5]  # (without a row block e4 stays 0)
 
 
 class DecayedFit:
