@@ -159,3 +159,29 @@ def test_dspark_has_the_whole_interface():
     assert policy.observe_step(StepTiming(2, 4, 50.0, [1, 1], None)) is None  # an untimed step: nothing learned
     with pytest.raises(ValueError):
         DSparkPolicy(k=3, cost=None)
+
+
+def test_catch_ups_timed_slow_move_the_learned_cost_a_few_times_not_tenfold():
+    """The drafter's seconds per caught-up token are learned in log space: three catch-ups timed
+    50x slow (a cold first round) leave the estimate 50 ** (1 - 0.8 ** 3) = 6.7x (a step in seconds:
+    25x, which kept the dspark policy from restarting drafting for good), and timings at the old
+    rate bring it back."""
+    from draftwise.policies.goodput.plan import Planner
+
+    core = Planner(GoodputConfig(), COST, has_draft_model=True)
+    base = core.catch_up_per_token
+
+    def timed(per_token):
+        core.long_catch_up = 200
+        core.learn_catch_up(200 * per_token)
+
+    for _ in range(3):
+        timed(50 * base)
+    assert core.catch_up_per_token / base == pytest.approx(50 ** (1 - 0.8 ** 3), rel=1e-9)
+    for _ in range(30):
+        timed(base)
+    assert core.catch_up_per_token / base == pytest.approx(1.0, abs=0.01)
+    core.long_catch_up = 0
+    before = core.catch_up_per_token
+    core.learn_catch_up(0.5)  # no long catch-up this step: nothing learned
+    assert core.catch_up_per_token == before
