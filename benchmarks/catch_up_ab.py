@@ -5,8 +5,8 @@
 
 The embedded pair, code-easy, one request at a time (c=1), greedy, 64 tokens each. Before the
 first request the policy's planner learns `--times` catch-ups timed `--slow` times its starting
-estimate (what a cold first round can time), with `--rule log` (the policy's: a step in log
-space) or `--rule step` (a step in seconds, for the comparison). Printed per round of
+estimate (what a cold first round can time), with `--rule log` (the policies' default: a step in
+log space) or `--rule step` (`GoodputConfig.catch_up_log` off: a step in seconds). Printed per round of
 `--requests` requests: the estimate against its start, and the steps that verified proposals
 among the decode steps. An overrated catch-up stops the plan from restarting a row's drafting,
 and only a restart times it again.
@@ -14,21 +14,14 @@ and only a restart times it again.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
-import types
 from pathlib import Path
 
 from draftwise import LLM, SamplingParams, SpecConfig
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "src" / "draftwise" / "workloads" / "code-easy.jsonl"
-
-
-def step_rule(self, catch_up_seconds: float) -> None:
-    """The comparison: a step of `catch_up_learning` towards the timing, in seconds."""
-    if catch_up_seconds > 0 and self.long_catch_up > 0:
-        per = catch_up_seconds / self.long_catch_up
-        self.catch_up_per_token += self.config.catch_up_learning * (per - self.catch_up_per_token)
 
 
 def main() -> None:
@@ -43,8 +36,7 @@ def main() -> None:
     reqs = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()][: args.requests]
     llm = LLM("models/target", draft="models/draft", spec=SpecConfig(method="draft", k=4, policy=args.policy))
     core = llm.engine.speculation.policy.core
-    if args.rule == "step":
-        core.learn_catch_up = types.MethodType(step_rule, core)
+    core.config = dataclasses.replace(core.config, catch_up_log=args.rule == "log")
     start = core.catch_up_per_token
     for _ in range(args.times):
         core.long_catch_up = 200

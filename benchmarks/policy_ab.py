@@ -6,11 +6,11 @@
         --configs none,draft:k=4,draft:k=4:copy=2,draft:k=4:policy=goodput,draft:k=4:policy=goodput-lean \\
         --concurrency 1,2,4,8,16,32 --output-len 128 --num-requests 64 --threads 2 --repeats 3 --time-slice 50
 
-Each `--variant NAME:FIELD=VALUE,...` registers the policy `goodput-NAME`: `GoodputPolicy` with
-those fields of `GoodputConfig` changed. Everything after `--` is `draftwise bench`'s arguments;
-name the variants in `--configs`. The report's "over max(none, fixed)" table then gives each
-variant's ratio beside the policy's and beside the A/A copy's (the noise floor): a heuristic
-whose removal stays within that noise does not pay.
+Each `--variant NAME:FIELD=VALUE,...` registers the policies `goodput-NAME` and `dspark-NAME`:
+`GoodputPolicy` and `DSparkPolicy` with those fields of `GoodputConfig` changed. Everything after
+`--` is `draftwise bench`'s arguments; name the variants in `--configs`. The report's "over
+max(none, fixed)" table then gives each variant's ratio beside the policy's and beside the A/A
+copy's (the noise floor): a heuristic whose removal stays within that noise does not pay.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import sys
 
 from draftwise.cli.main import main as draftwise_main
 from draftwise.policies import register_policy
+from draftwise.policies.dspark import DSparkPolicy
 from draftwise.policies.goodput import GoodputConfig, GoodputPolicy
 
 
@@ -47,16 +48,16 @@ def variant_config(spec: str) -> tuple[str, GoodputConfig]:
 
 
 def register_variant(name: str, config: GoodputConfig) -> str:
-    policy_name = f"goodput-{name}"
+    """Registers `goodput-NAME` and `dspark-NAME` (the dspark policy plans with the same config)."""
+    for base, prefix in ((GoodputPolicy, "goodput"), (DSparkPolicy, "dspark")):
+        class Variant(base):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("config", config)
+                super().__init__(*args, **kwargs)
 
-    class Variant(GoodputPolicy):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("config", config)
-            super().__init__(*args, **kwargs)
-
-    Variant.__name__ = f"GoodputPolicy_{name}"
-    register_policy(policy_name)(Variant)
-    return policy_name
+        Variant.__name__ = f"{base.__name__}_{name}"
+        register_policy(f"{prefix}-{name}")(Variant)
+    return f"goodput-{name}, dspark-{name}"
 
 
 def main(argv: list[str] | None = None) -> int:

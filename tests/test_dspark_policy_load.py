@@ -181,6 +181,11 @@ def test_catch_ups_timed_slow_move_the_learned_cost_a_few_times_not_tenfold():
     for _ in range(30):
         timed(base)
     assert core.catch_up_per_token / base == pytest.approx(1.0, abs=0.01)
+    step = Planner(GoodputConfig(catch_up_log=False), COST, has_draft_model=True)  # the A/B's other rule
+    for _ in range(3):
+        step.long_catch_up = 200
+        step.learn_catch_up(200 * 50 * base)
+    assert step.catch_up_per_token / base == pytest.approx(1 + 49 * (1 - 0.8 ** 3), rel=1e-9)  # 24.9x
     core.long_catch_up = 0
     before = core.catch_up_per_token
     core.learn_catch_up(0.5)  # no long catch-up this step: nothing learned

@@ -19,6 +19,7 @@ class GoodputConfig:
     # ---- the drafter's catch-up (plan.py)
     catch_up_horizon: int = 64  # at most this many steps share a row's catch-up when the plan weighs starting to draft
     catch_up_learning: float = 0.2  # how fast the learned seconds per caught-up token follow the timings (log space)
+    catch_up_log: bool = True  # that step in log space (False: a step in seconds, for an A/B)
     catch_up_per_token: float = 2e-5  # seconds per caught-up token before any is timed, where the profile has no per-row drafter cost
 
     # ---- the cost model

@@ -310,7 +310,10 @@ class Planner:
             # drafting after a pause, and only such restarts time it again: at 25x the dspark
             # policy at c=1 drafted in 40% of its steps for good, at 6.7x it recovered within 32
             # requests (an A/B on the embedded pair, code-easy)
-            self.catch_up_per_token *= (per / self.catch_up_per_token) ** self.config.catch_up_learning
+            if self.config.catch_up_log:
+                self.catch_up_per_token *= (per / self.catch_up_per_token) ** self.config.catch_up_learning
+            else:
+                self.catch_up_per_token += self.config.catch_up_learning * (per - self.catch_up_per_token)
 
     def observe_cost(self, timing: StepTiming, lengths: list[int], profile: float) -> StepPrediction:
         """The cost model learns the decode step proper (the drafter's long catch-ups left out);
