@@ -6,9 +6,9 @@
 The embedded pair, code-easy, one request at a time (c=1), greedy, 64 tokens each. Before the
 first request the policy's planner learns `--times` catch-ups timed `--slow` times its starting
 estimate (what a cold first round can time), with `--rule log` (the policies' default: a step in
-log space) or `--rule step` (`GoodputConfig.catch_up_log` off: a step in seconds). Printed per round of
-`--requests` requests: the estimate against its start, and the steps that verified proposals
-among the decode steps. An overrated catch-up stops the plan from restarting a row's drafting,
+log space) or `--rule step` (`GoodputConfig.catch_up_log` off: a step in seconds). Printed per
+round of `--requests` requests: the estimate against its start, and the steps that verified
+proposals among the decode steps. An overrated catch-up stops the plan from restarting a row's drafting,
 and only a restart times it again.
 """
 from __future__ import annotations

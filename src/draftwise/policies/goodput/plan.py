@@ -309,7 +309,7 @@ class Planner:
             # 6.7x, not 25x as a step in seconds would. An overrated catch-up stops the plan from
             # drafting after a pause, and only such restarts time it again: at 25x the dspark
             # policy at c=1 drafted in 40% of its steps for good, at 6.7x it recovered within 32
-            # requests (an A/B on the embedded pair, code-easy)
+            # requests (benchmarks/catch_up_ab.py: the embedded pair, code-easy)
             if self.config.catch_up_log:
                 self.catch_up_per_token *= (per / self.catch_up_per_token) ** self.config.catch_up_learning
             else:
