@@ -18,6 +18,9 @@ position, after the temperature. At each slot, with x1, x2 drawn from q without 
   p(not H) + P(a draw in H) bounds any verification of two draws from above;
 - `point masses`: p of q's top-1 and top-1 + top-2 (deterministic siblings, verified as point masses).
 
+With `--temperature 0` the replies are greedy and a slot reports how often q's argmax is the
+target's, how often its runner-up is (what a greedy tree's sibling leaf can add), and either.
+
 Prints the means over slots. Offline (no engine, no timing): the rates bound what a tree with one
 sibling per slot can commit before any cost is paid.
 """
@@ -101,6 +104,15 @@ def slot_rates(p: torch.Tensor, q: torch.Tensor) -> dict:
             "point masses, top-2": float(p[top].sum())}
 
 
+def greedy_rates(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
+    """A greedy row's slot: the target keeps the argmax, so a sibling helps where q's runner-up is it."""
+    want = int(p_logits.argmax())
+    top = torch.topk(q_logits, 2).indices.tolist()
+    return {"argmax of q is the target's": float(top[0] == want),
+            "runner-up of q is the target's": float(top[1] == want),
+            "either": float(want in top)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="target")
@@ -111,8 +123,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    if args.temperature <= 0:
-        sys.exit("tree_headroom: --temperature must be > 0 (greedy rows verify by the argmax)")
+    if args.temperature < 0:
+        sys.exit(f"tree_headroom: --temperature must be >= 0 (0: greedy), not {args.temperature}")
+    greedy = args.temperature == 0
     path = WORKLOADS / f"{args.workload}.jsonl"
     if not path.is_file():
         sys.exit(f"tree_headroom: no workload {args.workload!r} ({path} not found)")
@@ -129,10 +142,11 @@ def main() -> None:
         out = list(llm.generate([ids], sp)[0].token_ids)
         seq = torch.tensor([ids + out])
         with torch.no_grad():
-            P = torch.softmax(target.model.logits(seq)[0].double() / args.temperature, -1)
-            Q = torch.softmax(draft.model.logits(seq)[0].double() / args.temperature, -1)
+            P, Q = target.model.logits(seq)[0].double(), draft.model.logits(seq)[0].double()
+        if not greedy:
+            P, Q = torch.softmax(P / args.temperature, -1), torch.softmax(Q / args.temperature, -1)
         for i in range(len(ids) - 1, len(ids) - 1 + len(out)):
-            for k, v in slot_rates(P[i], Q[i]).items():
+            for k, v in (greedy_rates if greedy else slot_rates)(P[i], Q[i]).items():
                 sums[k] = sums.get(k, 0.0) + v
             n += 1
     print(f"{machine_info()['cpu']}; {args.target} / {args.draft}, {args.workload}, "

@@ -66,3 +66,13 @@ def test_rates_match_brute_force_and_are_ordered(seed):
     for x1, x2, w in pairs(q):
         r[x1 if key[x1] > key[x2] else x2] += w
     assert select_two(p, q, key) == pytest.approx(float(torch.minimum(p, r).sum()), abs=1e-12)
+
+
+def test_greedy_rates_follow_the_targets_argmax():
+    from tree_headroom import greedy_rates
+
+    p = torch.tensor([0.1, 3.0, 1.0], dtype=torch.float64)  # the target keeps token 1
+    assert greedy_rates(p, torch.tensor([0.0, 2.0, 1.0])) == {
+        "argmax of q is the target's": 1.0, "runner-up of q is the target's": 0.0, "either": 1.0}
+    assert greedy_rates(p, torch.tensor([2.0, 1.0, 0.0]))["runner-up of q is the target's"] == 1.0
+    assert greedy_rates(p, torch.tensor([2.0, 0.0, 1.0]))["either"] == 0.0
