@@ -190,3 +190,43 @@ def test_catch_ups_timed_slow_move_the_learned_cost_a_few_times_not_tenfold():
     before = core.catch_up_per_token
     core.learn_catch_up(0.5)  # no long catch-up this step: nothing learned
     assert core.catch_up_per_token == before
+
+
+def test_slow_drafting_steps_fade_over_unobserved_steps():
+    """Drafting steps timed 10x slow put the cost of a drafted token high; once the plan stops
+    drafting, a lone row's plain steps run several to a call and are not observed. Earlier
+    observations fade by the steps that ran unobserved, so a few normal steps after 400 of them
+    outweigh them tenfold, after 1,000 entirely; observed back to back they would still dominate."""
+    from draftwise.policies.cost import OnlineCost
+
+    def fit(gap):
+        model = OnlineCost(COST)
+        for _ in range(20):
+            for tokens, lengths in ((5, [4]), (1, [])):
+                pred = model.profile_seconds(1, tokens, 300.0, lengths)
+                model.observe(1, tokens, 300.0, lengths, pred * (10 if lengths else 1))
+        # a probe after `gap` engine steps, then plain steps, at the profile's cost (the fit is
+        # solved every fourth observation)
+        for i, (tokens, lengths) in enumerate(((2, [1]), (1, []), (1, []), (1, []))):
+            model.observe(1, tokens, 300.0, lengths, model.profile_seconds(1, tokens, 300.0, lengths),
+                          steps=gap if i == 0 else 1)
+        return model.residual(1, 5, 4) - model.residual(1, 1, 0)  # what 4 drafted tokens add to a step
+
+    slow = fit(1)
+    assert slow > 0.02 and fit(400) < 0.1 * slow and abs(fit(1000)) < 0.0005
+
+
+def test_the_planner_fades_its_cost_fit_by_multi_step_calls():
+    """The planner counts a multi-step call's steps past its first as unobserved and hands them to
+    the cost fit with the next observed step (none with `cost_fade_by_steps` off)."""
+    from draftwise.policies.goodput.plan import Planner
+
+    seen = []
+    for fade in (True, False):
+        core = Planner(GoodputConfig(cost_fade_by_steps=fade), COST, has_draft_model=True)
+        core.model.observe = lambda *a, steps=1, **k: seen.append(steps)
+        core.count_step(StepTiming(1, 1, 50.0, [0], None, num_steps=8))  # a multi-step plain call
+        core.count_step(StepTiming(1, 1, 50.0, [0], 0.002))
+        core.observe_cost(StepTiming(1, 1, 50.0, [0], 0.002), [], 0.002)
+        core.observe_cost(StepTiming(1, 1, 50.0, [0], 0.002), [], 0.002)
+    assert seen == [8, 1, 1, 1]

@@ -120,13 +120,17 @@ class OnlineCost:
         return lambda t: target(num_seqs, t, context) + const + e2 * t
 
     def observe(self, num_seqs: int, num_tokens: int, context: float, draft_lengths, measured: float,
-                profile: float | None = None) -> None:  # profile: profile_seconds(...) when already known
+                profile: float | None = None, steps: int = 1) -> None:
+        """One measured decode step (profile: profile_seconds(...) when already known). The earlier
+        observations fade by DECAY ** `steps`: 1 for this step, more where steps ran unobserved
+        since the last one (plain steps a multi-step call ran), so that what was measured before
+        such a stretch does not stand for good."""
         lengths = list(draft_lengths)
         if profile is None:
             profile = self.profile_seconds(num_seqs, num_tokens, context, lengths)
         fit = self._fit
         x = (float(num_seqs), float(num_tokens), float(max(lengths, default=0)))
-        fit.observe(x + (float(self._passes(num_tokens)),) if self.row_block else x, measured - profile)
+        fit.observe(x + (float(self._passes(num_tokens)),) if self.row_block else x, measured - profile, steps)
         if fit.seen > 8 and fit.seen % self.REFIT_EVERY:  # the fit moves slowly: refitted every few steps
             return
         e0, slopes = fit.solve()
@@ -146,8 +150,9 @@ class DecayedFit:
         self.sxx = [[0.0] * n for _ in range(n)]
         self.seen = 0  # observations
 
-    def observe(self, x, y: float) -> None:
-        d, n = self.decay, self.n
+    def observe(self, x, y: float, steps: int = 1) -> None:
+        """One observation; the earlier ones fade by decay ** steps."""
+        d, n = self.decay ** max(1, steps), self.n
         self.w = self.w * d + 1.0
         self.sy = self.sy * d + y
         sx, sxy, sxx = self.sx, self.sxy, self.sxx

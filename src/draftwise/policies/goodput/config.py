@@ -24,6 +24,7 @@ class GoodputConfig:
 
     # ---- the cost model
     learn_step_cost: bool = True  # learn online what the profile misses of a whole step (False: the profile alone, for an A/B)
+    cost_fade_by_steps: bool = True  # the cost fit's old steps also fade by multi-step calls' steps (False: by observations, for an A/B)
 
     # ---- the measured check across batch sizes (check.py)
     coast_observe_every: int = 4  # of coasting steps, one in this many feeds the cost model, the leader's figures, the calibration

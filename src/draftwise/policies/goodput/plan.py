@@ -137,6 +137,7 @@ class Planner:
         self.block = BlockCost() if block_drafter and not has_draft_model else None
         self.calibration = Calibration()
         self.step = 0  # decode steps observed (a row's probe is due its interval after its last verification)
+        self.unobserved_steps = 0  # target steps of multi-step calls past their first, since the cost model last learned
         self.idle_steps = 0  # steps since any row verified a proposal
         self.rate = 0.0  # the planned step's expected committed tokens per second (admission's price)
         self.probes: set[int] = set()  # seq_ids probing this step
@@ -295,6 +296,7 @@ class Planner:
 
     def count_step(self, timing: StepTiming) -> None:
         self.step += 1
+        self.unobserved_steps += max(0, timing.num_steps - 1)
         self.idle_steps = 0 if timing.num_tokens > timing.num_seqs else self.idle_steps + 1
         if self.block is not None and timing.draft_seconds is not None and not timing.cold:
             rows = sum(1 for n in timing.draft_lengths if n)
@@ -309,7 +311,7 @@ class Planner:
             # 6.7x, not 25x as a step in seconds would. An overrated catch-up stops the plan from
             # drafting after a pause, and only such restarts time it again: at 25x the dspark
             # policy at c=1 drafted in 40% of its steps for good, at 6.7x it recovered within 32
-            # requests (benchmarks/catch_up_ab.py: the embedded pair, code-easy)
+            # requests (benchmarks/cold_start_ab.py: the embedded pair, code-easy)
             if self.config.catch_up_log:
                 self.catch_up_per_token *= (per / self.catch_up_per_token) ** self.config.catch_up_learning
             else:
@@ -320,6 +322,12 @@ class Planner:
         returns what it and the profile alone predicted."""
         predicted = profile + self.model.residual(timing.num_seqs, timing.num_tokens, max(lengths, default=0))
         if self.config.learn_step_cost:
+            # earlier steps fade by this one and by the steps multi-step calls ran since the last one
+            # learned: once the plan stops drafting, a lone row's plain steps run several to a call,
+            # unobserved, and drafting steps timed slow in a cold first round would price drafting
+            # for good (benchmarks/cold_start_ab.py --slow steps)
+            steps = 1 + self.unobserved_steps if self.config.cost_fade_by_steps else 1
+            self.unobserved_steps = 0
             self.model.observe(timing.num_seqs, timing.num_tokens, timing.context, lengths,
-                               timing.seconds - timing.catch_up_seconds, profile=profile)
+                               timing.seconds - timing.catch_up_seconds, profile=profile, steps=steps)
         return StepPrediction(predicted, profile)
