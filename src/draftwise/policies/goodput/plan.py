@@ -137,7 +137,7 @@ class Planner:
         self.block = BlockCost() if block_drafter and not has_draft_model else None
         self.calibration = Calibration()
         self.step = 0  # decode steps observed (a row's probe is due its interval after its last verification)
-        self.unobserved_steps = 0  # target steps of multi-step calls past their first, since the cost model last learned
+        self.unobserved_steps = 0  # steps of multi-step calls past their first since the cost model last learned
         self.idle_steps = 0  # steps since any row verified a proposal
         self.rate = 0.0  # the planned step's expected committed tokens per second (admission's price)
         self.probes: set[int] = set()  # seq_ids probing this step
