@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 from draftwise import LLM, SamplingParams, SpecConfig
+from draftwise.lab.workload import load_workload
 
-WORKLOAD = Path(__file__).resolve().parent.parent / "src" / "draftwise" / "workloads" / "code-easy.jsonl"
 CONTEXT = 300.0  # tokens of context the injected steps are timed at
 
 
@@ -42,8 +40,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.factor <= 0 or args.times < 0:
-        ap.error("--factor must be > 0 and --times >= 0")
-    reqs = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()][: args.requests]
+        ap.exit(2, f"cold_start_ab: --factor must be > 0 and --times >= 0, not {args.factor:g} and {args.times}\n")
+    reqs = load_workload("code-easy").requests[: args.requests]
     llm = LLM("models/target", draft="models/draft", spec=SpecConfig(method="draft", k=4, policy=args.policy))
     core = llm.engine.speculation.policy.core
     if args.rule == "old":
@@ -63,7 +61,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for rnd in range(args.rounds):
         for r in reqs:
-            llm.generate([r["prompt"]], sp)
+            llm.generate([r.prompt], sp)
         s = llm.engine.stats
         print(f"  round {rnd}: steps verifying proposals {s.speculative_steps} of {s.decode_steps}; "
               f"catch-up estimate {core.catch_up_per_token / start:.2f}x its start")

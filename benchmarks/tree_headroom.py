@@ -27,17 +27,14 @@ sibling per slot can commit before any cost is paid.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
 from draftwise import LLM, SamplingParams
+from draftwise.lab.workload import load_workload
 from draftwise.model.loader import load_model
 from draftwise.policies.profile import machine_info
 
-WORKLOADS = Path(__file__).resolve().parent.parent / "src" / "draftwise" / "workloads"
 FIRST_DRAWS = 64  # x1 over q's most probable tokens in the recursive-rejection expectation
 
 
@@ -124,21 +121,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     if args.temperature < 0:
-        sys.exit(f"tree_headroom: --temperature must be >= 0 (0: greedy), not {args.temperature}")
+        ap.exit(2, f"tree_headroom: --temperature must be >= 0 (0: greedy), not {args.temperature}\n")
     greedy = args.temperature == 0
-    path = WORKLOADS / f"{args.workload}.jsonl"
-    if not path.is_file():
-        sys.exit(f"tree_headroom: no workload {args.workload!r} ({path} not found)")
-    reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][: args.requests]
-    if any("prompt" not in r for r in reqs):
-        sys.exit(f"tree_headroom: {args.workload} holds chat requests; a completion workload is needed")
+    try:
+        reqs = load_workload(args.workload).requests[: args.requests]
+    except ValueError as e:
+        ap.exit(2, f"tree_headroom: {e}\n")
+    if any(r.messages for r in reqs):
+        ap.exit(2, f"tree_headroom: {args.workload} holds chat requests; a completion workload is needed\n")
     target, draft = load_model(args.target), load_model(args.draft)
     llm = LLM(str(target.path))
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=args.seed)
     sums: dict[str, float] = {}
     n = 0
     for r in reqs:
-        ids = target.tokenizer.encode(r["prompt"]).ids
+        ids = target.tokenizer.encode(r.prompt).ids
         out = list(llm.generate([ids], sp)[0].token_ids)
         seq = torch.tensor([ids + out])
         with torch.no_grad():
