@@ -96,7 +96,7 @@ def test_tree_rollback_matches_fresh_prefill(target_dir, near_draft_dir):
 
 
 def test_a_tree_for_a_drafter_without_trees_is_refused():
-    with pytest.raises(ValueError, match="tree needs --method draft or suffix"):
+    with pytest.raises(ValueError, match="tree needs --method draft, suffix, dspark or eagle3"):
         SpecConfig(method="ngram", k=4, tree=2)
-    with pytest.raises(ValueError, match="tree needs --method draft or suffix"):
+    with pytest.raises(ValueError, match="tree needs --method draft, suffix, dspark or eagle3"):
         SpecConfig(method="none", tree=2)

@@ -32,8 +32,8 @@ class SpecConfig:
     profile: str | None = None
     cost_model: CostModel | None = None
     forced: int = 16
-    # draft model: children per expanded node of a drafted tree of <= k nodes; suffix: continuations
-    # kept per slot (0: chains)
+    # draft model, dspark, eagle3: children per expanded node of a drafted tree of <= k nodes; suffix:
+    # continuations kept per slot (0: chains)
     tree: int = 0
     lookup: str | None = None
     lookup_k: int = 0
@@ -46,8 +46,9 @@ class SpecConfig:
             raise ValueError(f"k (proposals per round) must be in [1, 16], got {self.k}")
         if not 0 <= self.tree <= 16:
             raise ValueError(f"tree (children per expanded node) must be in [0, 16], got {self.tree}")
-        if self.tree and self.method not in ("draft", "suffix"):  # the drafters of trees
-            raise ValueError(f"tree needs --method draft or suffix, got method {self.method or 'none'!r}")
+        if self.tree and not _drafts_trees(self.method):
+            raise ValueError(f"tree needs --method draft, suffix, dspark or eagle3, got method "
+                             f"{self.method or 'none'!r}")
         if self.lookup in ("none", ""):
             self.lookup = None
         if self.lookup is not None:
@@ -114,3 +115,15 @@ class EngineConfig:
             raise ValueError(f"multi_step must be in [1, 64], got {self.multi_step}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+def _drafts_trees(method: str | None) -> bool:
+    """Whether the proposer registered as `method` drafts trees (its class's `drafts_trees`)."""
+    if method is None:
+        return False
+    from ..proposers import proposer_class
+
+    try:
+        return bool(getattr(proposer_class(method), "drafts_trees", False))
+    except ValueError:
+        return False

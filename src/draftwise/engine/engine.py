@@ -56,7 +56,7 @@ from .speculation import NO_DRAFT, Speculation
 from .stats import EngineStats
 from .step_output import Committed, StepOutput, Verification
 from .target_forward import forward_target
-from .tree_verify import keep_accepted_path, verify_with_trees
+from .tree_verify import keep_accepted_path, path_rows, verify_with_trees
 
 log = logging.getLogger("draftwise.engine")
 
@@ -382,15 +382,15 @@ class LLMEngine:
             self.runner.commit_state(seq.seq_id, seq.num_computed)  # hybrid targets: recurrent rollback
             self.stats.rollback_seconds += time.perf_counter() - t0
             self.runner.kv.cache_committed(seq.seq_id, lambda: seq.all_ids, seq.num_computed)
-            self._hand_features(seq)
+            self._hand_features(seq, committed.path)
         return StepOutput(seq, new_ids, seq.is_finished)
 
-    def _hand_features(self, seq: Sequence) -> None:
-        """A drafter that reads the target's features gets those of seq's newly committed positions
-        (a prefill chunk's rows; a verification's last committed token and accepted proposals)."""
+    def _hand_features(self, seq: Sequence, path: list[int] | None = None) -> None:
+        """A drafter on the target's features gets those of seq's newly committed positions (a prefill
+        chunk's rows; a verification's last committed token and accepted proposals, a tree's `path`)."""
         got = self._features.pop(seq.seq_id, None)
         if got is not None:
-            self.proposer.commit_features(seq, got[0], got[1][: seq.num_computed - got[0]])
+            self.proposer.commit_features(seq, got[0], path_rows(got[1], path)[: seq.num_computed - got[0]])
 
     def _commit(self, seq: Sequence, committed: Committed) -> tuple[list[int], str | None, bool]:
         """Append committed tokens one at a time, stopping at the first stop condition.

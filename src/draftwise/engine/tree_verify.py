@@ -158,6 +158,15 @@ def _sample_tree(rows: torch.Tensor, blk: DraftBlock, seq, vocab: int) -> tuple[
     return path, last, 0 <= last < vocab
 
 
+def path_rows(rows: torch.Tensor, path: list[int] | None) -> torch.Tensor:
+    """A row's fed rows [root, node 0 .. node n-1] (a drafter's feature rows) -> those of its root
+    and accepted `path` (node indices), in order: a chain's committed prefix. A path of first nodes
+    (or none: a chain) is a prefix already."""
+    if not path or all(node == j for j, node in enumerate(path)):
+        return rows
+    return rows.index_select(0, torch.tensor([0] + [node + 1 for node in path], device=rows.device))
+
+
 def keep_accepted_path(runner: ModelRunner, seq_id: int, num_tokens_before: int, path: list[int]) -> None:
     """Postprocess of a tree row: node i's K/V sits at position num_tokens_before + i; the accepted
     path's nodes move onto num_tokens_before, num_tokens_before + 1, ... (positions the tree's

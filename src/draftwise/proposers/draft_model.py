@@ -47,7 +47,7 @@ from ..sampling.grammar import bitmask_width
 from .base import DraftBlock, register_proposer
 from .draft_tree import TreeRecord, draft_trees, keep_path, spine_trees
 from .draft_tree_sampled import draft_sampled_trees
-from .tree_budget import NodeCalibration, TreeBudget
+from .tree_budget import NodeCalibration, TreeBudget, tree_rows
 
 
 @dataclass
@@ -67,6 +67,7 @@ class _Round:
 
 @register_proposer("draft")
 class DraftModelProposer:
+    drafts_trees = True  # `tree` > 0 makes trees (SpecConfig.tree)
     needs_draft_model = True
     kv_pool_factor = 1  # the draft's pool: as many blocks as the target's
     feature_layers = ()  # reads no target features
@@ -109,14 +110,9 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, seqs, num_draft, num_forced=None):
-        price, caps = self.budget.price, self.budget.caps
-        # a greedy row's node budget: with a price, up to its cap (the gains then decide, one node too);
-        # else as planned
-        priced = [price > 0 and n > 0 and len(caps) == len(num_draft) and seqs[i].params.is_greedy
-                  for i, n in enumerate(num_draft)]
-        nodes = [max(n, caps[i]) if p else n for i, (n, p) in enumerate(zip(num_draft, priced))]
-        trees = [i for i, n in enumerate(nodes)
-                 if self.tree and (n >= 2 or priced[i]) and getattr(seqs[i], "grammar", None) is None]
+        price = self.budget.price
+        nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft,
+                                 lambda s: getattr(s, "grammar", None) is None)
         if not trees:
             return self._propose_chains(seqs, num_draft, num_forced)
         tree_set = set(trees)

@@ -71,7 +71,7 @@ class TreeRecord:
 
 
 @dataclass
-class _TreeRow:
+class TreeRow:
     seq: object  # the History
     base: int  # key of the last committed token (the root)
     budget: int  # nodes to keep at most (num_draft)
@@ -124,7 +124,7 @@ def draft_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: in
     are at least `price`: feeds[i] at starts[i] is its catch-up, ending with the last committed
     token. Returns (block, record) per sequence."""
     floor = math.log(price) if price > 0 else -math.inf
-    rows = [_TreeRow(s, st + len(f) - 1, n, floor) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
+    rows = [TreeRow(s, st + len(f) - 1, n, floor) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
     logq = _log_q(runner, rows, [[] for _ in rows], feeds, starts, [None] * len(rows), raw, eos_ids)
     for row, lq in zip(rows, logq):
         row.add_children(-1, lq[0], width, calibration)
@@ -154,7 +154,7 @@ def draft_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: in
     return [row.block() for row in rows]
 
 
-def _to_expand(row: _TreeRow, width: int, calibration: NodeCalibration) -> list[int]:
+def _to_expand(row: TreeRow, width: int, calibration: NodeCalibration) -> list[int]:
     """The frontier nodes to feed next: among the best `budget` nodes, at most `width`, within the
     drafter K/V left (budget - 1 fed nodes in all), and only those whose child may rank: a fed node
     spends K/V a deeper node needs, so a node is fed when its first child, projected at the rate of
@@ -175,7 +175,7 @@ def _to_expand(row: _TreeRow, width: int, calibration: NodeCalibration) -> list[
     return ranked[: min(width, left)]
 
 
-def _log_q(runner: ModelRunner, rows: list[_TreeRow], nodes: list[list[int]], feeds, starts, specs, raw: bool,
+def _log_q(runner: ModelRunner, rows: list[TreeRow], nodes: list[list[int]], feeds, starts, specs, raw: bool,
            eos_ids: list[int]) -> list[torch.Tensor]:
     """One draft forward; per row, log q at each fed node's slot ([len(nodes[i]) or 1, V]): the
     processed distribution with the node's path in the history, as a chain's q has its proposals."""
@@ -211,11 +211,11 @@ def spine_trees(runner: ModelRunner, seqs: list, spine: list[int], budget: list[
                                    runners_up=True)
     if got is None:
         return None
-    return [_spine_block(toks, conf, tok2, p2, n, calibration, price)
+    return [spine_block(toks, conf, tok2, p2, n, calibration, price)
             for toks, conf, (tok2, p2), n in zip(got[0], got[1], got[2], budget)]
 
 
-def _spine_block(toks: list[int], conf: list[float], tok2: list[int], p2: list[float], budget: int,
+def spine_block(toks: list[int], conf: list[float], tok2: list[int], p2: list[float], budget: int,
                  calibration: NodeCalibration, price: float) -> tuple[DraftBlock, TreeRecord | None]:
     """(slot, first?) candidates ranked by gain: the spine node at slot j (gain G_j, the product of
     the first-kind rates up to j) and the runner-up there (G_{j-1} times its other-kind rate)."""

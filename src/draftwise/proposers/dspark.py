@@ -37,6 +37,12 @@ The sharing arrangement:
   exact. A row drafts min(num_draft, gamma) tokens (a block is cut, never extended), fewer where its
   grammar ends; its confidences are the confidence head's c_k (what the `dspark` policy admits by).
   Grammar-forced proposals are left to the engine (`forced_tail`).
+- **Trees** (`--tree W`, lab `dspark:k=K:tree=W`): a greedy row whose q is its raw logits drafts a
+  tree of at most K nodes instead, grown from its block's base logits by the Markov head
+  (dspark_tree.py: EAGLE-2's best-K tree, each expansion a rank-r product, not a forward), sized by
+  the step's `TreeBudget`. Verification keeps the accepted path's K/V (engine/tree_verify.py), and
+  the engine hands the drafter the feature rows of that path (its root's and its nodes'), which
+  `commit_features` writes at the committed positions; sampled rows draft chains.
   Where the kernels run the forward is one call (`DSparkKernel.block`, its block's own K/V in
   scratch slots past the paged ones), which also drafts the greedy rows whose q is their raw logits
   and the rows sampled with a temperature alone (`raw_greedy`, `temperature_only`: the same q_k,
@@ -52,17 +58,21 @@ import torch
 from ..kv import KVManager, pool_tensor
 from ..model.dspark_native import DSparkKernel
 from .base import DraftBlock, register_proposer
+from .draft_tree import TreeRecord
+from .dspark_tree import grows_trees, markov_trees
 from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_table
 from .step_chooser import StepChooser, raw_greedy, temperature_only
+from .tree_budget import NodeCalibration, TreeBudget, tree_rows
 
 
 @register_proposer("dspark")
 class DSparkProposer:
+    drafts_trees = True  # `tree` > 0 makes trees (SpecConfig.tree)
     needs_draft_model = True
     kv_pool_factor = 1  # the drafter's pool: as many blocks as the target's
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
-                 eos_ids: list[int] | None = None, **_):
+                 eos_ids: list[int] | None = None, tree: int = 0, **_):
         draft = checked_drafter("dspark", draft, target)
         self.drafter = draft.model
         cfg = draft.config
@@ -82,6 +92,15 @@ class DSparkProposer:
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
         self.staged: dict = {}  # this step's projected feature rows by seq_id (`stage_features`)
         self.kernel = DSparkKernel.of(self.drafter) if self.device.type == "cpu" else None
+        # greedy rows' trees (dspark_tree.py): children per expanded node (0: chains)
+        self.tree = tree if grows_trees(self.drafter) else 0
+        self.budget = TreeBudget()  # this step's (`set_tree_budget`)
+        self.calibration = NodeCalibration()  # the trees' node acceptance from q(token)
+        self._trees: dict[int, TreeRecord] = {}  # seq_id -> the drafted tree's record
+        self.confidence = True  # (the engine turns it off when its policy reads none)
+
+    def set_tree_budget(self, budget: TreeBudget) -> None:
+        self.budget = budget
 
     def use_target_slots(self, kv: KVManager) -> None:
         """Keep the rows at the target's slots (`kv`: the target's KVManager, `cache` sized to its pool)."""
@@ -194,13 +213,25 @@ class DSparkProposer:
             lengths.append(s.draft_computed)
         anchors = [seqs[i].all_ids[-1] for i in rows]
         cut = [min(num_draft[i], self.gamma) for i in rows]
+        nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, raw_greedy)
+        trees = [r for r, i in enumerate(rows) if i in set(trees)]  # (positions in rows)
         if self.kernel is not None:
-            hidden, base, done = self._kernel_block(seqs, rows, lengths, anchors, cut)
+            hidden, base, done = self._kernel_block(seqs, rows, lengths, anchors, cut, set(trees))
         else:
             hidden, base, done = self._block_hidden(seqs, rows, lengths, anchors), None, {}
         for r, (toks, probs, conf) in done.items():
             blocks[rows[r]] = DraftBlock(toks, probs, conf)
-        slow = [r for r in range(len(rows)) if r not in done]
+        if trees:
+            sel = torch.tensor(trees)
+            h = hidden[sel]  # [T, gamma, H]
+            got = markov_trees(self.drafter, h, self.drafter.head(h) if base is None else base[sel],
+                               [anchors[r] for r in trees], [nodes[rows[r]] for r in trees], self.tree,
+                               self.calibration, self.budget.price, self.confidence)
+            for r, (blk, record) in zip(trees, got):
+                blocks[rows[r]] = blk
+                if record is not None:
+                    self._trees[seqs[rows[r]].seq_id] = record
+        slow = [r for r in range(len(rows)) if r not in done and r not in set(trees)]
         if not slow:
             return blocks
         choose = StepChooser([seqs[rows[r]] for r in slow], [cut[r] for r in slow], self.eos_ids)
@@ -223,17 +254,19 @@ class DSparkProposer:
         ids = torch.tensor(anchors, device=self.device)[:, None]
         return self.drafter.block_hidden(ids, anchor_pos, kv, ctx_pos, last)[:, 0]
 
-    def _kernel_block(self, seqs, rows: list[int], lengths: list[int], anchors: list[int], cut: list[int]):
+    def _kernel_block(self, seqs, rows: list[int], lengths: list[int], anchors: list[int], cut: list[int],
+                      trees: set[int]):
         """The parallel stage in one kernel call (`DSparkKernel.block`), and the sequential stage of the
         greedy rows whose q is their raw logits and of the rows sampled with a temperature alone (each
         row's uniforms from its generator): (hidden [B, gamma, H], base logits [B, gamma, V] (None when
         every row was drafted here), {row: (tokens, q [n, V] or None, confidences)} of the rows drafted
-        here). The block's own K/V go to scratch slots past the paged ones."""
+        here; never the rows `trees`, whose base logits go to their trees). The block's own K/V go to
+        scratch slots past the paged ones."""
         g, B = self.gamma, len(rows)
         temps, ks, u = [0.0] * B, [0] * B, None
         for r, (i, c) in enumerate(zip(rows, cut)):
             s = seqs[i]
-            if self.kernel.sequential and (raw_greedy(s) or temperature_only(s)):
+            if self.kernel.sequential and r not in trees and (raw_greedy(s) or temperature_only(s)):
                 ks[r] = c
                 if not s.params.is_greedy:
                     temps[r] = float(s.params.temperature)
@@ -270,7 +303,12 @@ class DSparkProposer:
         return worst
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
-        """Nothing to roll back: the cache holds committed rows only (`commit_features`)."""
+        """Nothing to roll back: the cache holds committed rows only (`commit_features`). A verified
+        tree (`block.nodes` its accepted path) teaches the node calibration."""
+        record = self._trees.pop(seq.seq_id, None)
+        if record is not None and block.nodes is not None:
+            self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
 
     def finish(self, seq):
         """The scheduler frees the sequence's blocks (the target's, or the drafter's own pool's)."""
+        self._trees.pop(seq.seq_id, None)

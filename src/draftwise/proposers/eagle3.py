@@ -28,6 +28,11 @@ The sharing arrangement is DSpark's (proposers/dspark.py):
   written to scratch slots past the paged ones (`step_slots`), so the committed cache is untouched.
   The other rows take one kernel call a step where the kernels run (`Eagle3Kernel.draft`: the
   step's layer and head, its logits back to `StepChooser`, the same scratch slots).
+- **Trees** (`--tree N`, lab `eagle3:k=K:tree=N`): a greedy row drafted in that kernel call may
+  take a spine tree instead of its chain: the k argmax tokens and each slot's runner-up as a leaf,
+  the best nodes by calibrated gain up to the step's `TreeBudget` (draft_tree.spine_block, as the
+  draft model's fused greedy rows), for a chain's drafting time. Verification keeps the accepted
+  path's K/V, and the engine hands the drafter the feature rows of that path; other rows draft chains.
 - **Cache writes** take one kernel call where the kernels run (`Eagle3Kernel.commit`: fc, fc_in,
   the layer's k/v and RoPE, the writes to the slots), else the drafter's PyTorch pieces.
 
@@ -40,17 +45,20 @@ import torch
 from ..kv import KVManager, pool_tensor
 from ..model.eagle3_native import Eagle3Kernel
 from .base import DraftBlock, register_proposer
+from .draft_tree import TreeRecord, spine_block
 from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_table
 from .step_chooser import StepChooser, raw_greedy
+from .tree_budget import NodeCalibration, TreeBudget, tree_rows
 
 
 @register_proposer("eagle3")
 class Eagle3Proposer:
+    drafts_trees = True  # `tree` > 0 makes trees (SpecConfig.tree)
     needs_draft_model = True
     kv_pool_factor = 1  # the drafter's pool: as many blocks as the target's
 
     def __init__(self, draft=None, target=None, num_blocks: int = 0, block_size: int = 16,
-                 eos_ids: list[int] | None = None, **_):
+                 eos_ids: list[int] | None = None, tree: int = 0, **_):
         draft = checked_drafter("eagle3", draft, target)
         self.drafter = draft.model
         cfg = draft.config
@@ -67,6 +75,13 @@ class Eagle3Proposer:
         self.catch_up_seconds = 0.0  # no catch-up: the context K/V are written in postprocess
         self.kernel = Eagle3Kernel.of(self.drafter) if self.device.type == "cpu" else None
         self.confidence = True  # max q_j per proposal (the engine turns it off when its policy reads none)
+        self.tree = 1 if tree and self.kernel is not None else 0  # greedy rows' spine trees (a runner-up a slot)
+        self.budget = TreeBudget()  # this step's (`set_tree_budget`)
+        self.calibration = NodeCalibration()  # the trees' node acceptance from q(token)
+        self._trees: dict[int, TreeRecord] = {}  # seq_id -> the drafted tree's record
+
+    def set_tree_budget(self, budget: TreeBudget) -> None:
+        self.budget = budget
 
     @torch.inference_mode()
     def commit_features(self, seq, start, features):
@@ -118,20 +133,36 @@ class Eagle3Proposer:
         if fast and not self.kernel.fits([seqs[i].draft_computed - 1 for i in fast], [num_draft[i] for i in fast]):
             fast = []
         if fast:
-            self._draft_greedy(seqs, num_draft, fast, blocks)
+            nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, lambda s: True)
+            self._draft_greedy(seqs, num_draft, fast, blocks, {i: nodes[i] for i in trees if i in set(fast)})
         slow = [i for i in rows if i not in fast] if fast else rows
         if slow:
             self._draft_chosen(seqs, num_draft, slow, blocks)
         return blocks
 
-    def _draft_greedy(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock]) -> None:
+    def _draft_greedy(self, seqs, num_draft, rows: list[int], blocks: list[DraftBlock],
+                      trees: dict[int, int]) -> None:
         """Greedy rows whose q is their raw logits, in one kernel call (`Eagle3Kernel.greedy`): the
-        steps' K/V go to scratch slots past the paged ones (the committed cache stays as it is)."""
+        steps' K/V go to scratch slots past the paged ones (the committed cache stays as it is).
+        The rows `trees` (row -> its node budget) take a spine tree from the same steps: the chain
+        and each slot's runner-up as a leaf, the best nodes by calibrated gain
+        (draft_tree.spine_block)."""
         lengths = [seqs[i].draft_computed for i in rows]
         ks = [num_draft[i] for i in rows]
         first, slots = self.step_slots([seqs[i].seq_id for i in rows], lengths, ks)
-        tokens, conf, _ = self.kernel.greedy(first, [n - 1 for n in lengths], ks, self.cache, slots, self.confidence)
+        tokens, conf, logits = self.kernel.greedy(first, [n - 1 for n in lengths], ks, self.cache, slots,
+                                                  self.confidence or bool(trees), logits=bool(trees))
         for r, i in enumerate(rows):
+            if i in trees:
+                lq = torch.log_softmax(logits[r, : ks[r]], dim=-1)  # [k, V]
+                top = torch.topk(lq, 2, dim=-1)
+                runner_up, p2 = top.indices[:, 1].tolist(), top.values[:, 1].exp().tolist()
+                blk, record = spine_block(tokens[r], conf[r], runner_up, p2, trees[i], self.calibration,
+                                          self.budget.price)
+                blocks[i] = blk
+                if record is not None:
+                    self._trees[seqs[i].seq_id] = record
+                continue
             blocks[i] = DraftBlock(tokens[r], None, conf[r] if conf is not None else [None] * ks[r])
 
     def step_slots(self, seq_ids: list[int], lengths: list[int], ks: list[int]):
@@ -182,7 +213,12 @@ class Eagle3Proposer:
         return worst
 
     def postprocess(self, seq, block, num_accepted, num_tokens_before):
-        """Nothing to roll back: the cache holds committed rows only (`commit_features`)."""
+        """Nothing to roll back: the cache holds committed rows only (`commit_features`). A verified
+        tree (`block.nodes` its accepted path) teaches the node calibration."""
+        record = self._trees.pop(seq.seq_id, None)
+        if record is not None and block.nodes is not None:
+            self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
 
     def finish(self, seq):
         """The scheduler frees the sequence's blocks of the drafter's cache."""
+        self._trees.pop(seq.seq_id, None)

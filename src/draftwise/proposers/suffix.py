@@ -101,6 +101,7 @@ def tail(seq, n: int) -> list[int]:
 
 @register_proposer("suffix")
 class SuffixProposer:
+    drafts_trees = True  # `tree` > 0 makes trees (SpecConfig.tree)
     kv = None
     needs_draft_model = False
     feature_layers = ()  # reads no target features

@@ -90,3 +90,15 @@ class NodeCalibration:
         for i, (p, q, f) in enumerate(zip(parents, qs, firsts)):
             if p < 0 or p in on_path:
                 self._count(q, f, i in on_path)
+
+
+def tree_rows(budget: TreeBudget, width: int, seqs: list, num_draft: list[int],
+              eligible) -> tuple[list[int], list[int]]:
+    """(each row's node budget, the rows that draft a tree): a greedy row's budget with a price is up
+    to its cap (the gains then decide, one node too), else as planned; a row drafts a tree where
+    `width` > 0, `eligible(seq)` holds and it may hold two nodes or more (or one that pays)."""
+    priced = [budget.price > 0 and n > 0 and len(budget.caps) == len(num_draft) and s.params.is_greedy
+              for s, n in zip(seqs, num_draft)]
+    nodes = [max(n, budget.caps[i]) if p else n for i, (n, p) in enumerate(zip(num_draft, priced))]
+    trees = [i for i, n in enumerate(nodes) if width and (n >= 2 or priced[i]) and eligible(seqs[i])]
+    return nodes, trees
