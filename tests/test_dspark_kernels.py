@@ -109,7 +109,7 @@ def test_kernel_block_equals_the_pytorch_path(wide, plain, causal, dtype, vocab)
     anchors = [s.all_ids[-1] for s in seqs]
     cut = [5, 3, 5, 1, 4, 5]
     with torch.inference_mode():
-        hidden, base, done = prop._kernel_block(seqs, rows, lengths, anchors, cut)
+        hidden, base, done, _ = prop._kernel_block(seqs, rows, lengths, anchors, cut, set(), {})
         ref_hidden = prop._block_hidden(seqs, rows, lengths, anchors)
         ref_base = prop.drafter.head(ref_hidden)
     tol = 2e-2 if dtype == "bfloat16" else 1e-4
@@ -212,3 +212,43 @@ def test_kernel_cache_writes_equal_a_fresh_forward(wide, plain, blocks):
     assert eng.stats.proposed_tokens > eng.stats.accepted_tokens > 0
     if blocks:
         assert eng.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("vocab,confidence", [(None, False), (None, True), (512, True)])
+def test_kernel_trees_equal_the_pytorch_trees(wide, plain, vocab, confidence):
+    """Greedy rows' trees grown in the block call (kernels/dspark_tree.c) are `markov_trees` over the
+    same block's base logits: the same nodes and parents, their q and confidences up to float
+    rounding, with a learned calibration and a price; with --draft-vocab over the kept tokens."""
+    from draftwise.proposers.dspark_tree import markov_trees
+    from draftwise.proposers.tree_budget import NodeCalibration
+
+    target, dspark, _, _, _ = wide
+    _, ps, _, _ = plain
+    llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=8, tree=3), draft_vocab=vocab)
+    prop = llm.engine.proposer
+    prop.confidence = confidence
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seqs = _after_prefill(llm, ps[:5], [sp] * 5)
+    cal = NodeCalibration()
+    for i, q in enumerate([0.9, 0.3, 0.05, 0.6, 0.12] * 8):  # some verified trees' outcomes
+        cal._count(q, i % 3 != 0, i % 2 == 0)
+    prop.calibration = cal
+    rows, lengths, anchors = list(range(5)), [s.draft_computed for s in seqs], [s.all_ids[-1] for s in seqs]
+    budgets = [8, 3, 0, 8, 5]
+    for price in (0.0, 0.05):
+        prop.budget = prop.budget.__class__(price, ())
+        with torch.inference_mode():
+            fused = {r: n for r, n in enumerate(budgets) if n}
+            _, _, _, grown = prop._kernel_block(seqs, rows, lengths, anchors, [5] * 5, set(fused), fused)
+            hidden, base, _, _ = prop._kernel_block(seqs, rows, lengths, anchors, [5] * 5, set(rows), {})
+            want = markov_trees(prop.drafter, hidden, base, anchors, budgets, 3, cal, price, confidence)
+        assert sorted(grown) == [r for r, n in enumerate(budgets) if n]
+        for r, (blk, record) in grown.items():
+            ref, ref_record = want[r]
+            assert blk.token_ids == ref.token_ids and blk.parents == ref.parents
+            assert len(blk.token_ids) <= budgets[r] and (blk.token_ids or price > 0)
+            assert blk.confidence == pytest.approx(ref.confidence, abs=1e-4)
+            if record is None:  # (no node pays the price)
+                assert ref_record is None and price > 0
+                continue
+            assert record.qs == pytest.approx(ref_record.qs, abs=1e-4) and record.firsts == ref_record.firsts

@@ -169,6 +169,16 @@ class DSparkIO(ctypes.Structure):
                 ("conf_b", ctypes.c_float), ("temps", ctypes.c_void_p), ("nfeat", ctypes.c_long)]
 
 
+class DSparkTree(ctypes.Structure):
+    """`struct dw_dspark_tree` (kernels/kernels.h): greedy rows' trees grown in `dw_dspark_block`."""
+
+    _fields_ = [("nodes", ctypes.c_void_p), ("width", ctypes.c_long), ("bins", ctypes.c_long),
+                ("max_nodes", ctypes.c_long), ("ratio", ctypes.c_void_p), ("floor", ctypes.c_float),
+                ("confidence", ctypes.c_int), ("out_n", ctypes.c_void_p), ("out_tok", ctypes.c_void_p),
+                ("out_parent", ctypes.c_void_p), ("out_conf", ctypes.c_void_p), ("out_q", ctypes.c_void_p),
+                ("out_first", ctypes.c_void_p)]
+
+
 # 0, or -1: no scratch memory
 INT_RESULT = ("dw_vnni", "dw_amx_enable", "dw_decoder", "dw_forward", "dw_attend", "dw_attend_batch", "dw_draft_greedy", "dw_draft_greedy_rows",
               "dw_eagle3_greedy", "dw_eagle3_step", "dw_eagle3_commit", "dw_dspark_block", "dw_dspark_commit")
@@ -209,7 +219,7 @@ class Kernels:
             "dw_eagle3_greedy": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p, p],
             "dw_eagle3_step": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, i, i, p, p],
             "dw_eagle3_commit": [io, args, ctypes.POINTER(Eagle3IO), p, p, p, p, i, p],
-            "dw_dspark_block": [io, args, ctypes.POINTER(DSparkIO), p, p, p, p, p, i, p, p, p, p, p],
+            "dw_dspark_block": [io, args, ctypes.POINTER(DSparkIO), p, p, p, p, p, i, p, p, p, p, p, p],
             "dw_dspark_commit": [args, ctypes.POINTER(DSparkIO), p, p, p, i, p],
         }
         for name, args in sig.items():

@@ -38,11 +38,44 @@ import ctypes
 import torch
 
 from . import cpu_kernels
-from .cpu_kernels import DecoderArgs, DSparkIO
+from .cpu_kernels import DecoderArgs, DSparkIO, DSparkTree
 from .eagle3_native import full_rows, head_io
 from .packed_weights import kernel_product
 
 LAYER_PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
+class TreeRequest:
+    """Greedy rows' trees for `DSparkKernel.block` (`struct dw_dspark_tree`): nodes[b] the node
+    budget of row b (0: none), `width` children per expanded node, `ratio` [2, bins] the node
+    calibration's scale of q (NodeCalibration.ratios), `floor` the log of the step's price, and
+    whether a node's confidence is the confidence head's."""
+
+    def __init__(self, nodes: list[int], width: int, ratio: list[float], floor: float, confidence: bool):
+        self.nodes = torch.tensor(nodes, dtype=torch.int64)
+        self.width, self.bins, self.floor, self.confidence = width, len(ratio) // 2, floor, confidence
+        self.ratio = torch.tensor(ratio, dtype=torch.float32)
+        self.M = max(1, max(nodes))
+
+    def prepare(self, B: int) -> DSparkTree:
+        M = self.M
+        self.n = torch.zeros(B, dtype=torch.int64)
+        self.tok, self.parent = torch.zeros(B, M, dtype=torch.int64), torch.zeros(B, M, dtype=torch.int64)
+        self.conf, self.q = torch.zeros(B, M), torch.zeros(B, M)
+        self.first = torch.zeros(B, M, dtype=torch.uint8)
+        return DSparkTree(self.nodes.data_ptr(), self.width, self.bins, M, self.ratio.data_ptr(),
+                          max(self.floor, -3.0e38), int(self.confidence), self.n.data_ptr(), self.tok.data_ptr(),
+                          self.parent.data_ptr(), self.conf.data_ptr(), self.q.data_ptr(), self.first.data_ptr())
+
+    def results(self) -> list[tuple[list[int], list[int], list[float], list[float], list[bool]] | None]:
+        out = []
+        for b, n in enumerate(self.n.tolist()):
+            if self.nodes[b] <= 0:
+                out.append(None)
+                continue
+            out.append((self.tok[b, :n].tolist(), self.parent[b, :n].tolist(), self.conf[b, :n].tolist(),
+                        self.q[b, :n].tolist(), [bool(f) for f in self.first[b, :n].tolist()]))
+        return out
 
 
 class DSparkKernel:
@@ -127,7 +160,7 @@ class DSparkKernel:
 
     def block(self, anchors: list[int], last: torch.Tensor | None, starts: list[int], ks: list[int],
               cache: torch.Tensor, slots: torch.Tensor, outputs: bool, temps: list[float] | None = None,
-              uniforms: torch.Tensor | None = None):
+              uniforms: torch.Tensor | None = None, tree: "TreeRequest | None" = None):
         """One block per row: anchors [B] the tokens at positions starts[b], last [B, H] the fused
         feature of position starts[b] - 1 (with `anchor_feature`), ks[b] the positions of row b
         drafted here (the vanilla Markov head; 0: none), temps[b] how (0 or no temps: the argmax;
@@ -137,7 +170,9 @@ class DSparkKernel:
         them). Returns (tokens per row, confidences per row, q [B, gamma, V] float32 of the sampled
         rows' drafted positions or None, and the logits [B, gamma, V] float32 and hidden states [B,
         gamma, H] where `outputs`, else None, None): a row drafted here has its first ks[b] tokens,
-        c_k, and logits U_k + B_k; the others' logits are U_k, for `draw`."""
+        c_k, and logits U_k + B_k; the others' logits are U_k, for `draw`. With `tree`, the rows whose
+        tree.nodes[b] > 0 (ks[b] = 0) grow greedy trees (kernels/dspark_tree.c), returned as a sixth
+        entry: per row (tokens, parents, confidences, q(token), firsts) or None."""
         g, B, top = self.cfg.block_size, len(starts), self.cfg.max_position_embeddings
         io = head_io(self.target, self.head, self.dtype)  # V: the head's rows (a pruned head's N)
         slots = slots.contiguous()
@@ -160,16 +195,19 @@ class DSparkKernel:
             last = last.to(self.dtype).contiguous()
             lastp = last.data_ptr()
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        grown = tree.prepare(B) if tree is not None else None
         rc = cpu_kernels.kernels().dspark_block(
             ctypes.byref(io), ctypes.byref(args), ctypes.byref(self.ds), base, lastp, base + 8 * B, ptr(temp), ptr(u),
-            B, toks.data_ptr(), conf.data_ptr(), ptr(probs), ptr(logits), ptr(hidden))
+            B, toks.data_ptr(), conf.data_ptr(), ptr(probs), ptr(logits), ptr(hidden),
+            None if grown is None else ctypes.byref(grown))
         if rc != 0:
             raise MemoryError("dspark block: no scratch memory")
         tok_rows, conf_rows = toks.tolist(), conf.tolist()
         V = self.cfg.vocab_size
         return ([tok_rows[b][:k] for b, k in enumerate(ks)], [conf_rows[b][:k] for b, k in enumerate(ks)],
                 None if probs is None else full_rows(probs, self.head, V, 0.0),
-                None if logits is None else full_rows(logits, self.head, V), hidden)
+                None if logits is None else full_rows(logits, self.head, V), hidden,
+                None if tree is None else tree.results())
 
     def commit(self, features: torch.Tensor, positions: list[int], slots: torch.Tensor, cache: torch.Tensor,
                fused_rows: torch.Tensor | None) -> None:

@@ -95,10 +95,16 @@ class TreeRow:
 
     def add_children(self, parent: int, logq: torch.Tensor, width: int, calibration: NodeCalibration) -> None:
         vals, idx = torch.topk(logq, min(width, logq.shape[0]))
-        conf = float(vals[0].exp())
+        self.add_top(parent, vals.tolist(), idx.tolist(), calibration)
+
+    def add_top(self, parent: int, vals: list[float], idx: list[int], calibration: NodeCalibration,
+                conf: float | None = None) -> None:
+        """The children of `parent` (-1: the root): the tokens `idx` of log q `vals` at its slot, most
+        probable first; their confidence `conf` (default: max q there)."""
+        conf = math.exp(vals[0]) if conf is None else conf
         score = self.nodes[parent].score if parent >= 0 else 0.0
         depth = self.nodes[parent].depth + 1 if parent >= 0 else 0
-        for r, (v, t) in enumerate(zip(vals.tolist(), idx.tolist())):
+        for r, (v, t) in enumerate(zip(vals, idx)):
             if v > -float("inf"):  # never a token q cannot produce
                 q = math.exp(v)
                 self.frontier.append(len(self.nodes))

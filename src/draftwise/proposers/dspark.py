@@ -37,12 +37,13 @@ The sharing arrangement:
   exact. A row drafts min(num_draft, gamma) tokens (a block is cut, never extended), fewer where its
   grammar ends; its confidences are the confidence head's c_k (what the `dspark` policy admits by).
   Grammar-forced proposals are left to the engine (`forced_tail`).
-- **Trees** (`--tree W`, lab `dspark:k=K:tree=W`): a greedy row whose q is its raw logits drafts a
-  tree of at most K nodes instead, grown from its block's base logits by the Markov head
-  (dspark_tree.py: EAGLE-2's best-K tree, each expansion a rank-r product, not a forward), sized by
-  the step's `TreeBudget`. Verification keeps the accepted path's K/V (engine/tree_verify.py), and
-  the engine hands the drafter the feature rows of that path (its root's and its nodes'), which
-  `commit_features` writes at the committed positions; sampled rows draft chains.
+- **Trees** (`--tree W`, lab `dspark:k=K:tree=W`): an unconstrained row (greedy with q its raw
+  logits, or sampled) drafts a tree of at most K nodes instead, grown from its block's base logits
+  by the Markov head (dspark_tree.py: greedy rows EAGLE-2's best-K tree sized by the step's
+  `TreeBudget`, sampled rows draw by draw without replacement; each expansion a rank-r product,
+  not a forward). Verification keeps the accepted path's K/V (engine/tree_verify.py), and the
+  engine hands the drafter the feature rows of that path (its root's and its nodes'), which
+  `commit_features` writes at the committed positions.
   Where the kernels run the forward is one call (`DSparkKernel.block`, its block's own K/V in
   scratch slots past the paged ones), which also drafts the greedy rows whose q is their raw logits
   and the rows sampled with a temperature alone (`raw_greedy`, `temperature_only`: the same q_k,
@@ -52,14 +53,16 @@ p is the target, q the draft.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from ..kv import KVManager, pool_tensor
-from ..model.dspark_native import DSparkKernel
+from ..model.dspark_native import DSparkKernel, TreeRequest
 from .base import DraftBlock, register_proposer
 from .draft_tree import TreeRecord
-from .dspark_tree import grows_trees, markov_trees
+from .dspark_tree import grows_trees, markov_sampled_trees, markov_trees, tree_block
 from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_table
 from .step_chooser import StepChooser, raw_greedy, temperature_only
 from .tree_budget import NodeCalibration, TreeBudget, tree_rows
@@ -95,7 +98,8 @@ class DSparkProposer:
         # greedy rows' trees (dspark_tree.py): children per expanded node (0: chains)
         self.tree = tree if grows_trees(self.drafter) else 0
         self.budget = TreeBudget()  # this step's (`set_tree_budget`)
-        self.calibration = NodeCalibration()  # the trees' node acceptance from q(token)
+        self.calibration = NodeCalibration()  # greedy trees' node acceptance from q(token)
+        self.draw_calibration = NodeCalibration()  # sampled trees' first and later draws, from max q
         self._trees: dict[int, TreeRecord] = {}  # seq_id -> the drafted tree's record
         self.confidence = True  # (the engine turns it off when its policy reads none)
 
@@ -213,24 +217,32 @@ class DSparkProposer:
             lengths.append(s.draft_computed)
         anchors = [seqs[i].all_ids[-1] for i in rows]
         cut = [min(num_draft[i], self.gamma) for i in rows]
-        nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, raw_greedy)
+        nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, _grows_a_tree)
         trees = [r for r, i in enumerate(rows) if i in set(trees)]  # (positions in rows)
+        grown = {}  # greedy rows' trees grown in the kernel call: row -> (block, record)
         if self.kernel is not None:
-            hidden, base, done = self._kernel_block(seqs, rows, lengths, anchors, cut, set(trees))
+            fused = {r: nodes[rows[r]] for r in trees if self.kernel.sequential and seqs[rows[r]].params.is_greedy}
+            hidden, base, done, grown = self._kernel_block(seqs, rows, lengths, anchors, cut, set(trees), fused)
         else:
             hidden, base, done = self._block_hidden(seqs, rows, lengths, anchors), None, {}
         for r, (toks, probs, conf) in done.items():
             blocks[rows[r]] = DraftBlock(toks, probs, conf)
-        if trees:
-            sel = torch.tensor(trees)
+        for sampled in (False, True):
+            grow = [r for r in trees if seqs[rows[r]].params.is_greedy != sampled and r not in grown]
+            if not grow:
+                continue
+            sel = torch.tensor(grow)
             h = hidden[sel]  # [T, gamma, H]
-            got = markov_trees(self.drafter, h, self.drafter.head(h) if base is None else base[sel],
-                               [anchors[r] for r in trees], [nodes[rows[r]] for r in trees], self.tree,
-                               self.calibration, self.budget.price, self.confidence)
-            for r, (blk, record) in zip(trees, got):
-                blocks[rows[r]] = blk
-                if record is not None:
-                    self._trees[seqs[rows[r]].seq_id] = record
+            args = (self.drafter, h, self.drafter.head(h) if base is None else base[sel], [anchors[r] for r in grow])
+            budgets = [nodes[rows[r]] for r in grow]
+            got = (markov_sampled_trees(*args, [seqs[rows[r]] for r in grow], budgets, self.tree, self.eos_ids,
+                                        self.draw_calibration) if sampled else
+                   markov_trees(*args, budgets, self.tree, self.calibration, self.budget.price, self.confidence))
+            grown.update(zip(grow, got))
+        for r, (blk, record) in grown.items():
+            blocks[rows[r]] = blk
+            if record is not None:
+                self._trees[seqs[rows[r]].seq_id] = record
         slow = [r for r in range(len(rows)) if r not in done and r not in set(trees)]
         if not slow:
             return blocks
@@ -255,12 +267,13 @@ class DSparkProposer:
         return self.drafter.block_hidden(ids, anchor_pos, kv, ctx_pos, last)[:, 0]
 
     def _kernel_block(self, seqs, rows: list[int], lengths: list[int], anchors: list[int], cut: list[int],
-                      trees: set[int]):
+                      trees: set[int], fused: dict[int, int]):
         """The parallel stage in one kernel call (`DSparkKernel.block`), and the sequential stage of the
         greedy rows whose q is their raw logits and of the rows sampled with a temperature alone (each
-        row's uniforms from its generator): (hidden [B, gamma, H], base logits [B, gamma, V] (None when
+        row's uniforms from its generator): (hidden [B, gamma, H] and base logits [B, gamma, V] (None when
         every row was drafted here), {row: (tokens, q [n, V] or None, confidences)} of the rows drafted
-        here; never the rows `trees`, whose base logits go to their trees). The block's own K/V go to
+        here, never the rows `trees`, whose base logits go to their trees; {row: (block, record)} of
+        the greedy trees grown in the call, `fused` (row -> node budget)). The block's own K/V go to
         scratch slots past the paged ones."""
         g, B = self.gamma, len(rows)
         temps, ks, u = [0.0] * B, [0] * B, None
@@ -276,10 +289,17 @@ class DSparkProposer:
         ids = [seqs[i].seq_id for i in rows]
         self.cache, table, last = scratch_table(self.slots, self.cache, self.num_slots, ids, lengths, lengths, [g] * B)
         last = self.fused.index_select(0, torch.tensor(last)) if self.fused is not None else None  # [B, H]
-        toks, conf, probs, logits, hidden = self.kernel.block(anchors, last, lengths, ks, self.cache, table,
-                                                              not all(ks), temps if u is not None else None, u)
+        request = None
+        if fused:
+            floor = math.log(self.budget.price) if self.budget.price > 0 else -math.inf
+            request = TreeRequest([fused.get(r, 0) for r in range(B)], self.tree, self.calibration.ratios(), floor,
+                                  self.confidence)
+        outputs = any(k == 0 and r not in fused for r, k in enumerate(ks))
+        toks, conf, probs, logits, hidden, got = self.kernel.block(
+            anchors, last, lengths, ks, self.cache, table, outputs, temps if u is not None else None, u, request)
+        grown = {r: tree_block(*got[r]) for r in fused}
         return hidden, logits, {r: (toks[r], probs[r, :k] if temps[r] > 0 else None, conf[r])
-                                for r, k in enumerate(ks) if k}
+                                for r, k in enumerate(ks) if k}, grown
 
     @torch.inference_mode()
     def cache_error(self, seq, target) -> float:
@@ -307,8 +327,16 @@ class DSparkProposer:
         tree (`block.nodes` its accepted path) teaches the node calibration."""
         record = self._trees.pop(seq.seq_id, None)
         if record is not None and block.nodes is not None:
-            self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
+            if record.draws:
+                self.draw_calibration.observe_draws(record.parents, record.qs, block.nodes)
+            else:
+                self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
 
     def finish(self, seq):
         """The scheduler frees the sequence's blocks (the target's, or the drafter's own pool's)."""
         self._trees.pop(seq.seq_id, None)
+
+
+def _grows_a_tree(seq) -> bool:
+    """A row that drafts a tree: unconstrained, greedy with q its raw logits, or sampled."""
+    return getattr(seq, "grammar", None) is None and (raw_greedy(seq) or not seq.params.is_greedy)

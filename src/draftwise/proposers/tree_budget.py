@@ -64,6 +64,10 @@ class NodeCalibration:
         acc, n = self.tables[int(first)][b]
         return min(0.999, max(1e-6, q * (acc / n) / ((b + 0.5) / NUM_BINS)))
 
+    def ratios(self) -> list[float]:
+        """`rate`'s scale of q per (first?, bin), [2 * NUM_BINS] (other kind first), for the kernels."""
+        return [(acc / n) / ((b + 0.5) / NUM_BINS) for kind in self.tables for b, (acc, n) in enumerate(kind)]
+
     def _count(self, q: float, first: bool, accepted: bool) -> None:
         row = self.tables[int(first)][self._bin(q)]
         row[0] = row[0] * DECAY + (1.0 if accepted else 0.0)

@@ -35,6 +35,7 @@ struct ds_call {
     char *x, *h, *in, *buf, *z, *bias; /* rows [R, hid], [R, hid], [R, 2 hid], layers' scratch, [B, r], [B, V] */
     int64_t *prev, *act;               /* [B] each: x_{k-1} of each row, the rows drafting position k */
     long A;                            /* how many rows draft position k */
+    struct dw_tree_state *tree;        /* greedy rows' trees (dspark_tree.c), or NULL */
 };
 
 /* Thread 0: the block's input rows (the anchor's embedding, mask embeddings; with fc_in the fused
@@ -139,6 +140,18 @@ static int dspark_block_rows(void *p) {
         if (one) markov_choose(c, k);
         dw_team_barrier();
     }
+    for (long d = 0; c->tree && d < c->g; d++) { /* the trees: one product a depth for all expansions */
+        if (one) dw_tree_inputs(c->tree, d, ds, c->anchors, bf);
+        dw_team_barrier();
+        long E = dw_tree_rows(c->tree);
+        if (E == 0) break;
+        if (ds->rank) dw_product(ds->w2_kind, dw_tree_z(c->tree), ds->w2, ds->w2_bias, ds->w2_scale,
+                                 dw_tree_bias(c->tree), E, V, ds->rank, bf, nt);
+        dw_team_barrier();
+        if (one) dw_tree_expand(c->tree, d, c->io, ds, c->logits, c->h, hid, bf);
+        dw_team_barrier();
+    }
+    if (one && c->tree) dw_tree_output(c->tree);
     return rc;
 }
 
@@ -153,25 +166,29 @@ static int dspark_block_rows(void *p) {
  * argmax; t > 0: a draw from softmax(logits / t) with the uniform u[b * g + k], its q written to
  * out_probs [B, g, V] float32). out_tok, out_conf [B, g]: row b's first ks[b] entries written;
  * out_logits [B, g, V] float32 (may be NULL): U_k, and for the positions chosen here U_k + W2 z_k;
- * out_hidden [B, g, hid] (may be NULL) the final-normed hidden states h_k in the dtype. Returns 0,
- * or -1 when scratch memory was not available. */
+ * out_hidden [B, g, hid] (may be NULL) the final-normed hidden states h_k in the dtype. tree (may
+ * be NULL): the rows with tree->nodes[b] > 0 (and ks[b] = 0) grow a greedy tree from their base
+ * logits instead (dspark_tree.c, struct dw_dspark_tree). Returns 0, or -1 when scratch memory was
+ * not available. */
 int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *args, const struct dw_dspark *ds,
                     const int64_t *anchors, const void *last, const int64_t *ks, const float *temp,
                     const double *u, long B, int64_t *out_tok, float *out_conf, float *out_probs,
-                    float *out_logits, void *out_hidden) {
+                    float *out_logits, void *out_hidden, const struct dw_dspark_tree *tree) {
     long hid = args->hid, es = args->bf ? 2 : 4, g = args->T, R = B * g, V = io->V, r = ds->rank;
     long rows = es * (R * 4 * hid + B * r + B * V) + 64;
     long floats = out_logits ? 0 : R * V;
     char *mem = (char *)malloc(rows + sizeof(float) * floats + sizeof(int64_t) * 2 * B);
     char *buf = (char *)malloc(dw_decoder_buf_bytes(args, R > 0 ? R : 1));
-    if (!mem || !buf) {
+    struct dw_tree_state *ts = tree ? dw_tree_new(tree, B, g, r, V, es) : NULL;
+    if (!mem || !buf || (tree && !ts)) {
         free(mem);
         free(buf);
+        dw_tree_free(ts);
         return -1;
     }
     struct ds_call c = {io, args, ds, anchors, ks, last, temp, u, B, g, out_tok, out_conf, out_probs};
     c.x = mem, c.h = c.x + es * R * hid, c.in = c.h + es * R * hid, c.z = c.in + es * R * 2 * hid;
-    c.bias = c.z + es * B * r, c.buf = buf;
+    c.bias = c.z + es * B * r, c.buf = buf, c.tree = ts;
     c.logits = out_logits ? out_logits : (float *)(mem + rows);
     c.prev = (int64_t *)(mem + rows + sizeof(float) * floats), c.act = c.prev + B;
     for (long b = 0; b < B; b++) c.prev[b] = anchors[b];
@@ -179,6 +196,7 @@ int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *args, 
     if (rc == 0 && out_hidden) memcpy(out_hidden, c.h, es * R * hid);
     free(mem);
     free(buf);
+    dw_tree_free(ts);
     return rc ? -1 : 0;
 }
 

@@ -373,10 +373,40 @@ struct dw_dspark {
     const float *temps;
     long nfeat;
 };
+/* Greedy rows' trees grown in dw_dspark_block (model/dspark_native.py, proposers/dspark_tree.py):
+ * nodes[b] row b's node budget (0: no tree), width children per expanded node, ratio [2, bins]
+ * NodeCalibration's scale of q per (most probable token?, bin of q), floor the log of the step's
+ * price (-inf: none), confidence whether a node's confidence is the confidence head's (else max q).
+ * Out, [B, nodes max] each: out_n[b] nodes kept, then per node its token, parent (-1: the root),
+ * confidence, q(token) and whether it was its slot's most probable token. */
+struct dw_dspark_tree {
+    const int64_t *nodes;
+    long width, bins, max_nodes;
+    const float *ratio;
+    float floor;
+    int confidence;
+    int64_t *out_n, *out_tok, *out_parent;
+    float *out_conf, *out_q;
+    uint8_t *out_first;
+};
 int dw_dspark_block(const struct dw_io *io, const struct dw_decoder_args *a, const struct dw_dspark *ds,
                     const int64_t *anchors, const void *last, const int64_t *ks, const float *temp,
                     const double *u, long B, int64_t *out_tok, float *out_conf, float *out_probs,
-                    float *out_logits, void *out_hidden);
+                    float *out_logits, void *out_hidden, const struct dw_dspark_tree *tree);
+/* dspark_tree.c: the tree stage of dw_dspark_block (thread 0 but for the product of each depth) */
+struct dw_tree_state;
+__attribute__((visibility("hidden"))) struct dw_tree_state *dw_tree_new(const struct dw_dspark_tree *t, long B,
+                                                                        long g, long rank, long V, long es);
+__attribute__((visibility("hidden"))) void dw_tree_free(struct dw_tree_state *s);
+__attribute__((visibility("hidden"))) char *dw_tree_z(struct dw_tree_state *s);
+__attribute__((visibility("hidden"))) char *dw_tree_bias(struct dw_tree_state *s);
+__attribute__((visibility("hidden"))) long dw_tree_inputs(struct dw_tree_state *s, long d, const struct dw_dspark *ds,
+                                                          const int64_t *anchors, int bf);
+__attribute__((visibility("hidden"))) long dw_tree_rows(const struct dw_tree_state *s);
+__attribute__((visibility("hidden"))) void dw_tree_expand(struct dw_tree_state *s, long d, const struct dw_io *io,
+                                                          const struct dw_dspark *ds, const float *logits,
+                                                          const void *h, long hid, int bf);
+__attribute__((visibility("hidden"))) void dw_tree_output(struct dw_tree_state *s);
 int dw_dspark_commit(const struct dw_decoder_args *a, const struct dw_dspark *ds, const void *feat,
                      const int64_t *pos, const int64_t *slots, long n, void *fused_rows);
 
