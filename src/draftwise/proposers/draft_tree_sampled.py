@@ -53,7 +53,7 @@ class _Slot:
 
 
 @dataclass
-class SampledRow:
+class _Row:
     seq: object  # the History
     base: int  # key of the last committed token (the root)
     budget: int  # nodes at most
@@ -97,9 +97,9 @@ class SampledRow:
         while len(self.tokens) < self.budget:
             cands = [(s.reach * s.survive * calibration.rate(s.conf, s.draws == 0), 0, node)
                      for node, s in self.slots.items() if s.mass > 1e-9]
-            if self.feed_room() > 0:  # drafter K/V left for another fed node
+            if len(self.zone) < self.budget:  # drafter K/V left for another fed node
                 cands += [(g * calibration.rate(self.confs[v], True), 1, v)
-                          for v, g in enumerate(self.gains) if self.fed[v] < 0 and self.feedable(v)]
+                          for v, g in enumerate(self.gains) if self.fed[v] < 0]
             if not cands:
                 return []
             cands.sort(key=lambda c: (-c[0], c[1], c[2]))
@@ -107,16 +107,8 @@ class SampledRow:
                 self.draw(cands[0][2], calibration)
                 continue
             ranked = cands[: self.budget - len(self.tokens)]
-            return [v for _, kind, v in ranked if kind == 1][: min(width, self.feed_room())]
+            return [v for _, kind, v in ranked if kind == 1][: min(width, self.budget - len(self.zone))]
         return []
-
-    def feed_room(self) -> int:
-        """How many more nodes the drafter may feed: a chain's drafter K/V (budget - 1 fed nodes)."""
-        return self.budget - len(self.zone)
-
-    def feedable(self, node: int) -> bool:
-        """Whether the drafter can give q after `node` (a drafter whose positions end may not)."""
-        return True
 
 
 def draft_sampled_trees(runner: ModelRunner, seqs: list, num_draft: list[int], width: int, eos_ids: list[int],
@@ -125,7 +117,7 @@ def draft_sampled_trees(runner: ModelRunner, seqs: list, num_draft: list[int], w
     """Per sequence (see the module docstring) a tree of at most num_draft[i] nodes: feeds[i] at
     starts[i] is its catch-up, ending with the last committed token. Returns (block with q per
     slot, its record: the fed order of each node) per sequence."""
-    rows = [SampledRow(s, st + len(f) - 1, n) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
+    rows = [_Row(s, st + len(f) - 1, n) for s, st, f, n in zip(seqs, starts, feeds, num_draft)]
     q = _q(runner, rows, [[-1] for _ in rows], feeds, starts, [None] * len(rows), eos_ids)
     for row, qs in zip(rows, q):
         row.add_slot(-1, qs[0])
@@ -150,10 +142,10 @@ def draft_sampled_trees(runner: ModelRunner, seqs: list, num_draft: list[int], w
         for row, i, qs in zip(sub, active, q):
             for v, qv in zip(plans[i], qs):
                 row.add_slot(v, qv)
-    return [sampled_block(row) for row in rows]
+    return [_block(row) for row in rows]
 
 
-def _q(runner: ModelRunner, rows: list[SampledRow], nodes: list[list[int]], feeds, starts, specs,
+def _q(runner: ModelRunner, rows: list[_Row], nodes: list[list[int]], feeds, starts, specs,
        eos_ids: list[int]) -> list[torch.Tensor]:
     """One draft forward; per row, q at each fed node's slot ([len(nodes[i]), V]; node -1: the
     root), processed with the node's path in the history, as a chain's q has its proposals."""
@@ -171,7 +163,7 @@ def _q(runner: ModelRunner, rows: list[SampledRow], nodes: list[list[int]], feed
     return list(torch.split(q, counts))
 
 
-def sampled_block(row: SampledRow) -> tuple[DraftBlock, TreeRecord]:
+def _block(row: _Row) -> tuple[DraftBlock, TreeRecord]:
     n = len(row.tokens)
     probs = torch.zeros(n + 1, row.slots[-1].q.shape[-1])  # [n + 1, V]: a leaf's row is never read
     for node, s in row.slots.items():

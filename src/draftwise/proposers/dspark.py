@@ -37,13 +37,13 @@ The sharing arrangement:
   exact. A row drafts min(num_draft, gamma) tokens (a block is cut, never extended), fewer where its
   grammar ends; its confidences are the confidence head's c_k (what the `dspark` policy admits by).
   Grammar-forced proposals are left to the engine (`forced_tail`).
-- **Trees** (`--tree W`, lab `dspark:k=K:tree=W`): an unconstrained row (greedy with q its raw
-  logits, or sampled) drafts a tree of at most K nodes instead, grown from its block's base logits
-  by the Markov head (dspark_tree.py: greedy rows EAGLE-2's best-K tree sized by the step's
-  `TreeBudget`, sampled rows draw by draw without replacement; each expansion a rank-r product,
-  not a forward). Verification keeps the accepted path's K/V (engine/tree_verify.py), and the
-  engine hands the drafter the feature rows of that path (its root's and its nodes'), which
-  `commit_features` writes at the committed positions.
+- **Trees** (`--tree W`, lab `dspark:k=K:tree=W`): a greedy row whose q is its raw logits drafts a
+  tree of at most K nodes instead, grown from its block's base logits by the Markov head
+  (dspark_tree.py: EAGLE-2's best-K tree sized by the step's `TreeBudget`, each expansion a rank-r
+  product, not a forward; inside the block's kernel call where it runs). Verification keeps the
+  accepted path's K/V (engine/tree_verify.py), and the engine hands the drafter the feature rows
+  of that path (its root's and its nodes'), which `commit_features` writes at the committed
+  positions. Sampled rows draft chains.
   Where the kernels run the forward is one call (`DSparkKernel.block`, its block's own K/V in
   scratch slots past the paged ones), which also drafts the greedy rows whose q is their raw logits
   and the rows sampled with a temperature alone (`raw_greedy`, `temperature_only`: the same q_k,
@@ -62,7 +62,7 @@ from ..kv import KVManager, pool_tensor
 from ..model.dspark_native import DSparkKernel, TreeRequest
 from .base import DraftBlock, register_proposer
 from .draft_tree import TreeRecord
-from .dspark_tree import grows_trees, markov_sampled_trees, markov_trees, tree_block
+from .dspark_tree import grows_trees, markov_trees, tree_block
 from .feature_cache import checked_drafter, commit_slots, padded_context, scratch_table
 from .step_chooser import StepChooser, raw_greedy, temperature_only
 from .tree_budget import NodeCalibration, TreeBudget, tree_rows
@@ -98,8 +98,7 @@ class DSparkProposer:
         # greedy rows' trees (dspark_tree.py): children per expanded node (0: chains)
         self.tree = tree if grows_trees(self.drafter) else 0
         self.budget = TreeBudget()  # this step's (`set_tree_budget`)
-        self.calibration = NodeCalibration()  # greedy trees' node acceptance from q(token)
-        self.draw_calibration = NodeCalibration()  # sampled trees' first and later draws, from max q
+        self.calibration = NodeCalibration()  # the trees' node acceptance from q(token)
         self._trees: dict[int, TreeRecord] = {}  # seq_id -> the drafted tree's record
         self.confidence = True  # (the engine turns it off when its policy reads none)
 
@@ -217,27 +216,23 @@ class DSparkProposer:
             lengths.append(s.draft_computed)
         anchors = [seqs[i].all_ids[-1] for i in rows]
         cut = [min(num_draft[i], self.gamma) for i in rows]
-        nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, _grows_a_tree)
+        nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, raw_greedy)
         trees = [r for r, i in enumerate(rows) if i in set(trees)]  # (positions in rows)
         grown = {}  # greedy rows' trees grown in the kernel call: row -> (block, record)
         if self.kernel is not None:
-            fused = {r: nodes[rows[r]] for r in trees if self.kernel.sequential and seqs[rows[r]].params.is_greedy}
+            fused = {r: nodes[rows[r]] for r in trees if self.kernel.sequential}
             hidden, base, done, grown = self._kernel_block(seqs, rows, lengths, anchors, cut, set(trees), fused)
         else:
             hidden, base, done = self._block_hidden(seqs, rows, lengths, anchors), None, {}
         for r, (toks, probs, conf) in done.items():
             blocks[rows[r]] = DraftBlock(toks, probs, conf)
-        for sampled in (False, True):
-            grow = [r for r in trees if seqs[rows[r]].params.is_greedy != sampled and r not in grown]
-            if not grow:
-                continue
+        grow = [r for r in trees if r not in grown]
+        if grow:
             sel = torch.tensor(grow)
             h = hidden[sel]  # [T, gamma, H]
-            args = (self.drafter, h, self.drafter.head(h) if base is None else base[sel], [anchors[r] for r in grow])
-            budgets = [nodes[rows[r]] for r in grow]
-            got = (markov_sampled_trees(*args, [seqs[rows[r]] for r in grow], budgets, self.tree, self.eos_ids,
-                                        self.draw_calibration) if sampled else
-                   markov_trees(*args, budgets, self.tree, self.calibration, self.budget.price, self.confidence))
+            got = markov_trees(self.drafter, h, self.drafter.head(h) if base is None else base[sel],
+                               [anchors[r] for r in grow], [nodes[rows[r]] for r in grow], self.tree,
+                               self.calibration, self.budget.price, self.confidence)
             grown.update(zip(grow, got))
         for r, (blk, record) in grown.items():
             blocks[rows[r]] = blk
@@ -327,16 +322,9 @@ class DSparkProposer:
         tree (`block.nodes` its accepted path) teaches the node calibration."""
         record = self._trees.pop(seq.seq_id, None)
         if record is not None and block.nodes is not None:
-            if record.draws:
-                self.draw_calibration.observe_draws(record.parents, record.qs, block.nodes)
-            else:
-                self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
+            self.calibration.observe(record.parents, record.qs, record.firsts, block.nodes)
 
     def finish(self, seq):
         """The scheduler frees the sequence's blocks (the target's, or the drafter's own pool's)."""
         self._trees.pop(seq.seq_id, None)
 
-
-def _grows_a_tree(seq) -> bool:
-    """A row that drafts a tree: unconstrained, greedy with q its raw logits, or sampled."""
-    return getattr(seq, "grammar", None) is None and (raw_greedy(seq) or not seq.params.is_greedy)

@@ -20,25 +20,21 @@ block, every frontier node that ranks among the best N expanded at once.
 - A node's confidence is the confidence head's c at its slot (what the `dspark` policy reads),
   with its parent's token as x_{k-1}; without it, max_x q(x) there.
 
-Sampled rows (`markov_sampled_trees`) grow theirs draw by draw as the draft model's do
-(draft_tree_sampled.py: the next draw where its estimated gain is highest, each slot's children
-draws from q without replacement, never pruned), q at a node from the same block: the processed
-softmax(U_{d+1} + B(its token, .)) with its path in the history; a node at the block's last
-position has no slot.
+Where the block runs in one kernel call (the vanilla head), the same trees grow inside it
+(kernels/dspark_tree.c); `tree_block` turns what it returns into a block. Sampled rows draft
+chains: trees grown draw by draw over the block committed no more tokens per round than a chain
+of as many nodes on the embedded pair, at several times its drafting time.
 
 Heads whose bias carries a state over the block (rnn) or that move h_k (mlp) draft chains.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ..sampling import process_logits
 from .base import DraftBlock
 from .draft_tree import TreeRecord, TreeRow
-from .draft_tree_sampled import SampledRow, sampled_block
 from .tree_budget import NodeCalibration
 
 
@@ -96,63 +92,3 @@ def markov_trees(drafter, hidden: torch.Tensor, base: torch.Tensor, anchors: lis
             row.frontier = []
     return [row.block() for row in rows]
 
-
-@dataclass
-class _BlockRow(SampledRow):
-    """A sampled row over a block of `gamma` positions: q after a node is a rank-r product away, so
-    any node whose depth leaves a position after it may be expanded."""
-
-    gamma: int = 0
-
-    def depth(self, node: int) -> int:
-        d = 0
-        while self.parents[node] >= 0:
-            node, d = self.parents[node], d + 1
-        return d
-
-    def feed_room(self) -> int:
-        return self.budget
-
-    def feedable(self, node: int) -> bool:
-        return self.depth(node) + 1 < self.gamma
-
-
-def markov_sampled_trees(drafter, hidden: torch.Tensor, base: torch.Tensor, anchors: list[int], seqs: list,
-                         budgets: list[int], width: int, eos_ids: list[int],
-                         calibration: NodeCalibration) -> list[tuple[DraftBlock, TreeRecord]]:
-    """Sampled rows' trees (module docstring): hidden, base and anchors as `markov_trees` takes them,
-    seqs the rows' histories (their params, generators, outputs). Returns (block with q per slot,
-    drafting "distinct", its record) per row."""
-    rows = [_BlockRow(s, 0, n, gamma=base.shape[1]) for s, n in zip(seqs, budgets)]
-    who = [(b, -1) for b in range(len(rows))]
-    for (b, _), q in zip(who, _block_q(drafter, hidden, base, anchors, rows, who, eos_ids)):
-        rows[b].add_slot(-1, q)
-    active = list(range(len(rows)))
-    while active:
-        plans = {b: rows[b].plan(width, calibration) for b in active}
-        active = [b for b in active if plans[b]]
-        who = [(b, v) for b in active for v in plans[b]]
-        if not who:
-            break
-        for b, v in who:
-            rows[b].fed[v] = 0  # (its q is known)
-        for (b, v), q in zip(who, _block_q(drafter, hidden, base, anchors, rows, who, eos_ids)):
-            rows[b].add_slot(v, q)
-    return [sampled_block(row) for row in rows]
-
-
-def _block_q(drafter, hidden, base, anchors, rows: list[_BlockRow], who: list[tuple[int, int]],
-             eos_ids: list[int]) -> list[torch.Tensor]:
-    """q [V] after each (row b, node v) (-1: the root): the processed softmax(U_d + B(token, .)) at
-    the node's next position d, with its path in the history."""
-    sel = torch.tensor([b for b, _ in who])
-    pos = torch.tensor([0 if v < 0 else rows[b].depth(v) + 1 for b, v in who])
-    prev = torch.tensor([anchors[b] if v < 0 else rows[b].tokens[v] for b, v in who])
-    logits = base[sel, pos]  # [n, V]
-    if drafter.markov is not None:
-        logits = logits + drafter.markov.step(None, prev, hidden[sel, pos])[1]
-    seqs = [rows[b].seq for b, _ in who]
-    hists = [s.output_ids + (rows[b].path(v) if v >= 0 else []) for s, (b, v) in zip(seqs, who)]
-    logits = process_logits(logits.float(), [s.params for s in seqs], [s.prompt_ids for s in seqs], hists,
-                            eos_ids=[eos_ids] * len(seqs))
-    return list(torch.softmax(logits, dim=-1))
