@@ -217,7 +217,8 @@ class DSparkProposer:
         anchors = [seqs[i].all_ids[-1] for i in rows]
         cut = [min(num_draft[i], self.gamma) for i in rows]
         nodes, trees = tree_rows(self.budget, self.tree, seqs, num_draft, raw_greedy)
-        trees = [r for r, i in enumerate(rows) if i in set(trees)]  # (positions in rows)
+        tree_set = set(trees)
+        trees = [r for r, i in enumerate(rows) if i in tree_set]  # (positions in rows)
         grown = {}  # greedy rows' trees grown in the kernel call: row -> (block, record)
         if self.kernel is not None:
             fused = {r: nodes[rows[r]] for r in trees if self.kernel.sequential}
@@ -238,7 +239,7 @@ class DSparkProposer:
             blocks[rows[r]] = blk
             if record is not None:
                 self._trees[seqs[rows[r]].seq_id] = record
-        slow = [r for r in range(len(rows)) if r not in done and r not in set(trees)]
+        slow = [r for r in range(len(rows)) if r not in done and r not in grown]
         if not slow:
             return blocks
         choose = StepChooser([seqs[rows[r]] for r in slow], [cut[r] for r in slow], self.eos_ids)
@@ -327,4 +328,3 @@ class DSparkProposer:
     def finish(self, seq):
         """The scheduler frees the sequence's blocks (the target's, or the drafter's own pool's)."""
         self._trees.pop(seq.seq_id, None)
-
