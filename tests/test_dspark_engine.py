@@ -100,6 +100,36 @@ def decode_checking_drafter_cache(eng, ref, prompts, sp, multi, fresh):
         assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
 
 
+def assert_greedy_equals_plain(llm, plain, blocks):
+    """`llm`'s greedy outputs of `plain`'s prompts equal plain decoding's (near-ties aside), it drafted,
+    and with a pool of `blocks` it preempted. Returns its engine's stats."""
+    llm0, ps, sp, want = plain
+    outs = llm.generate(ps, sp)
+    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
+    st = llm.engine.stats
+    assert st.proposed_tokens > 0
+    if blocks:
+        assert st.preemptions > 0
+    return st
+
+
+def steps_checking(eng, seqs, steps: int, check) -> int:
+    """Up to `steps` engine steps; after each, every decoding sequence of `seqs` has its drafter's
+    cache as long as the target's committed context and passes `check(seq)`. Returns the checks run."""
+    checked = 0
+    for _ in range(steps):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+        for s in seqs:
+            if s.is_finished or s.is_prefilling or s.num_computed == 0:
+                continue
+            assert s.draft_computed == s.num_computed
+            check(s)
+            checked += 1
+    return checked
+
+
 def assert_equal_but_near_ties(target, ps, got, want):
     for p, g, w in zip(ps, got, want):
         j = correctness.first_difference(w, g)
@@ -110,15 +140,9 @@ def assert_equal_but_near_ties(target, ps, got, want):
 @pytest.mark.parametrize("seqs,blocks", [(1, None), (16, None), (16, 14)])
 def test_greedy_equals_plain(target_dir, dspark_dir, plain, method, seqs, blocks):
     """c = 1 and 16; 14 blocks of 16 tokens for 16 sequences of up to 54 tokens: preemptions."""
-    llm0, ps, sp, want = plain
     llm = LLM(str(target_dir), draft=str(dspark_dir), spec=SpecConfig(method=method, k=4), max_num_seqs=seqs,
               num_kv_blocks=blocks, max_model_len=64)
-    outs = llm.generate(ps, sp)
-    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
-    st = llm.engine.stats
-    assert st.proposed_tokens > 0
-    if blocks:
-        assert st.preemptions > 0
+    st = assert_greedy_equals_plain(llm, plain, blocks)
     if method != "dspark":  # the oracle's corrupted position moves: accepted lengths 0..k occur
         assert 0 < st.accepted_tokens < st.proposed_tokens
 
@@ -160,19 +184,12 @@ def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, dspark_dir, plai
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=30, ignore_eos=True)
               for i in range(len(ps))]
     seqs = [eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]
-    checked = 0
-    for _ in range(40):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-        for s in seqs:
-            if s.is_finished or s.is_prefilling or s.num_computed == 0:
-                continue
-            assert s.draft_computed == s.num_computed
-            assert prop.kv is None and prop.slots is eng.runner.kv  # the target's slots
-            assert_cache_is_fresh(prop, fresh_target, s)
-            checked += 1
-    assert checked > 20
+
+    def check(s):
+        assert prop.kv is None and prop.slots is eng.runner.kv  # the target's slots
+        assert_cache_is_fresh(prop, fresh_target, s)
+
+    assert steps_checking(eng, seqs, 40, check) > 20
     st = eng.stats
     assert st.proposed_tokens > st.accepted_tokens > 0
     if blocks:

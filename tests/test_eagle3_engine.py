@@ -28,6 +28,7 @@ from draftwise.train.eagle3 import build_drafter
 from draftwise.model.runner import ModelRunner
 from test_dspark_engine import AnnouncedPlainSteps  # noqa: F401 (registers its policy)
 from test_dspark_engine import assert_equal_but_near_ties, decode_checking_drafter_cache, make_dspark_dir
+from test_dspark_engine import assert_greedy_equals_plain, steps_checking
 from tiny_models import make_model_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output
@@ -82,16 +83,10 @@ def plain(target_dir):
 @pytest.mark.parametrize("seqs,blocks", [(1, None), (16, None), (16, 14)])
 def test_greedy_equals_plain(target_dir, eagle3_dir, plain, method, seqs, blocks):
     """c = 1 and 16; 14 blocks of 16 tokens for 16 sequences of up to 54 tokens: preemptions."""
-    llm0, ps, sp, want = plain
     llm = LLM(str(target_dir), draft=str(eagle3_dir), spec=SpecConfig(method=method, k=4), max_num_seqs=seqs,
               num_kv_blocks=blocks, max_model_len=64)
     assert llm.engine.runner.kv.prefix_cache is None  # (its rows read the next token: no prefix cache)
-    outs = llm.generate(ps, sp)
-    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
-    st = llm.engine.stats
-    assert st.proposed_tokens > 0
-    if blocks:
-        assert st.preemptions > 0
+    st = assert_greedy_equals_plain(llm, plain, blocks)
     if method != "eagle3":  # the oracle's corrupted position moves: accepted lengths 0..k occur
         assert 0 < st.accepted_tokens < st.proposed_tokens
 
@@ -140,24 +135,17 @@ def test_drafter_cache_equals_fresh_after_rollbacks(target_dir, eagle3_dir, plai
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=30, ignore_eos=True)
               for i in range(len(ps))]
     seqs = [eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]
-    checked = 0
-    for _ in range(40):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-        for s in seqs:
-            if s.is_finished or s.is_prefilling or s.num_computed == 0:
-                continue
-            n = s.draft_computed
-            assert n == s.num_computed
-            assert len(prop.kv.tables[s.seq_id]) == -(-n // prop.kv.block_size)
-            k, v, _, last = prop.context([s.seq_id], [n])
-            rows, (fk, fv) = fresh_rows(prop, fresh_target, s.all_ids[: n + 1])
-            assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
-            assert (last[0] - rows[0, -1]).abs().max() <= 1e-4  # the next round's step 1
-            assert prop.cache_error(s, fresh_target) <= 1e-4
-            checked += 1
-    assert checked > 20
+
+    def check(s):
+        n = s.draft_computed
+        assert len(prop.kv.tables[s.seq_id]) == -(-n // prop.kv.block_size)
+        k, v, _, last = prop.context([s.seq_id], [n])
+        rows, (fk, fv) = fresh_rows(prop, fresh_target, s.all_ids[: n + 1])
+        assert (k - fk).abs().max() <= 1e-4 and (v - fv).abs().max() <= 1e-4
+        assert (last[0] - rows[0, -1]).abs().max() <= 1e-4  # the next round's step 1
+        assert prop.cache_error(s, fresh_target) <= 1e-4
+
+    assert steps_checking(eng, seqs, 40, check) > 20
     st = eng.stats
     assert st.proposed_tokens > st.accepted_tokens > 0
     if blocks:

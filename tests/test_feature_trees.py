@@ -24,7 +24,8 @@ from draftwise.proposers.dspark import DSparkProposer
 from draftwise.proposers.dspark_tree import grows_trees, markov_trees
 from draftwise.proposers.eagle3 import Eagle3Proposer
 from draftwise.proposers.tree_budget import NUM_BINS, PRIOR_WEIGHT, NodeCalibration
-from test_dspark_engine import ORACLE, assert_cache_is_fresh, assert_equal_but_near_ties, make_dspark_dir
+from test_dspark_engine import ORACLE, assert_cache_is_fresh, make_dspark_dir
+from test_dspark_engine import assert_greedy_equals_plain, steps_checking
 from test_dspark_engine import plain  # noqa: F401 (the fixture: fills ORACLE)
 from test_eagle3_engine import make_eagle3_dir
 from tiny_models import make_model_dir
@@ -101,18 +102,13 @@ CASES = [("narrow", "dspark", 1, None), ("narrow", "dspark", 16, 14), ("wide", "
 @pytest.mark.parametrize("pair,method,seqs,blocks", CASES)
 def test_greedy_equals_plain(pairs, pair, method, seqs, blocks):
     """c = 1 and 16; 14 blocks of 16 tokens for 16 sequences of up to 54 tokens: preemptions."""
-    target, drafters, (llm0, ps, sp, want) = pairs[pair]
+    target, drafters, plain_outputs = pairs[pair]
     kind = "eagle3" if "eagle3" in method else "dspark"
     llm = LLM(str(target), draft=str(drafters[kind]), spec=SpecConfig(method=method, k=6, tree=2),
               max_num_seqs=seqs, num_kv_blocks=blocks, max_model_len=64)
     assert (llm.engine.proposer.kernel is not None) == (pair == "wide")
     SIBLING_PATHS.clear()
-    outs = llm.generate(ps, sp)
-    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
-    st = llm.engine.stats
-    assert st.proposed_tokens > 0
-    if blocks:
-        assert st.preemptions > 0
+    assert_greedy_equals_plain(llm, plain_outputs, blocks)
     if "oracle" not in method:  # verified trees taught the node calibration
         tables = llm.engine.proposer.calibration.tables
         assert sum(n for kind in tables for _, n in kind) > 2 * NUM_BINS * PRIOR_WEIGHT + 20
@@ -136,21 +132,14 @@ def test_drafter_cache_equals_fresh_after_sibling_paths(pairs, pair, method):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     seqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(ps)]
     SIBLING_PATHS.clear()
-    checked = 0
-    for _ in range(60):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-        for s in seqs:
-            if s.is_finished or s.is_prefilling or s.num_computed == 0:
-                continue
-            assert s.draft_computed == s.num_computed
-            if kind == "dspark":
-                assert_cache_is_fresh(eng.proposer, fresh, s)
-            else:
-                assert eng.proposer.cache_error(s, fresh) <= 1e-4
-            checked += 1
-    assert checked > 20 and len(SIBLING_PATHS) > 5
+
+    def check(s):
+        if kind == "dspark":
+            assert_cache_is_fresh(eng.proposer, fresh, s)
+        else:
+            assert eng.proposer.cache_error(s, fresh) <= 1e-4
+
+    assert steps_checking(eng, seqs, 60, check) > 20 and len(SIBLING_PATHS) > 5
     assert eng.stats.preemptions > 0
 
 
