@@ -214,17 +214,22 @@ def test_kernel_cache_writes_equal_a_fresh_forward(wide, plain, blocks):
         assert eng.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("vocab,confidence", [(None, False), (None, True), (512, True)])
-def test_kernel_trees_equal_the_pytorch_trees(wide, plain, vocab, confidence):
+@pytest.mark.parametrize("vocab,confidence,dtype", [(None, False, "float32"), (None, True, "float32"),
+                                                    (512, True, "float32"), (None, True, "bfloat16")])
+def test_kernel_trees_equal_the_pytorch_trees(wide, plain, vocab, confidence, dtype):
     """Greedy rows' trees grown in the block call (kernels/dspark_tree.c) are `markov_trees` over the
     same block's base logits: the same nodes and parents, their q and confidences up to float
-    rounding, with a learned calibration and a price; with --draft-vocab over the kept tokens."""
+    rounding, with a learned calibration and a price; with --draft-vocab over the kept tokens; in
+    bfloat16."""
     from draftwise.proposers.dspark_tree import markov_trees
     from draftwise.proposers.tree_budget import NodeCalibration
 
+    if not cpu_kernels.usable(getattr(torch, dtype)):
+        pytest.skip(f"no {dtype} kernels here")
     target, dspark, _, _, _ = wide
     _, ps, _, _ = plain
-    llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=8, tree=3), draft_vocab=vocab)
+    llm = LLM(str(target), draft=str(dspark), spec=SpecConfig(method="dspark", k=8, tree=3), draft_vocab=vocab,
+              dtype=dtype)
     prop = llm.engine.proposer
     prop.confidence = confidence
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
