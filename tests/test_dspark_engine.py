@@ -17,7 +17,6 @@ import torch
 
 from draftwise import LLM, SamplingParams, SpecConfig
 from draftwise.cli.main import main
-from draftwise.lab import correctness
 from draftwise.lab.runner import parse_configs
 from draftwise.model import load_model
 from draftwise.model.config import ModelLoadError
@@ -29,6 +28,7 @@ from draftwise.proposers import DraftBlock, register_proposer
 from draftwise.proposers.dspark import DSparkProposer
 from draftwise.sampling import process_logits
 from draftwise.train.dspark import build_drafter
+from drafter_checks import assert_equal_but_near_ties, assert_greedy_equals_plain, steps_checking
 from test_dspark_policy import COST
 from tiny_hybrid import make_hybrid_dir
 from tiny_models import make_model_dir
@@ -98,42 +98,6 @@ def decode_checking_drafter_cache(eng, ref, prompts, sp, multi, fresh):
                 assert eng.proposer.cache_error(seq, fresh) <= 1e-4
         assert seq.finish_reason == "length" and seq.error is None, seq.error
         assert_equal_but_near_ties(ref.engine.target.model, [p], [seq.output_ids], [w.token_ids])
-
-
-def assert_greedy_equals_plain(llm, plain, blocks):
-    """`llm`'s greedy outputs of `plain`'s prompts equal plain decoding's (near-ties aside), it drafted,
-    and with a pool of `blocks` it preempted. Returns its engine's stats."""
-    llm0, ps, sp, want = plain
-    outs = llm.generate(ps, sp)
-    assert_equal_but_near_ties(llm0.engine.target.model, ps, [o.token_ids for o in outs], want)
-    st = llm.engine.stats
-    assert st.proposed_tokens > 0
-    if blocks:
-        assert st.preemptions > 0
-    return st
-
-
-def steps_checking(eng, seqs, steps: int, check) -> int:
-    """Up to `steps` engine steps; after each, every decoding sequence of `seqs` has its drafter's
-    cache as long as the target's committed context and passes `check(seq)`. Returns the checks run."""
-    checked = 0
-    for _ in range(steps):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-        for s in seqs:
-            if s.is_finished or s.is_prefilling or s.num_computed == 0:
-                continue
-            assert s.draft_computed == s.num_computed
-            check(s)
-            checked += 1
-    return checked
-
-
-def assert_equal_but_near_ties(target, ps, got, want):
-    for p, g, w in zip(ps, got, want):
-        j = correctness.first_difference(w, g)
-        assert j is None or (j < len(w) and correctness.near_tie(target, p + w, len(p) + j)), (j, g, w)
 
 
 @pytest.mark.parametrize("method", ["dspark", "test-dspark-oracle"])

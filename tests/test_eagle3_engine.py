@@ -28,7 +28,7 @@ from draftwise.train.eagle3 import build_drafter
 from draftwise.model.runner import ModelRunner
 from test_dspark_engine import AnnouncedPlainSteps  # noqa: F401 (registers its policy)
 from test_dspark_engine import assert_equal_but_near_ties, decode_checking_drafter_cache, make_dspark_dir
-from test_dspark_engine import assert_greedy_equals_plain, steps_checking
+from drafter_checks import assert_greedy_equals_plain, steps_checking
 from tiny_models import make_model_dir
 
 ORACLE: dict[tuple, list[int]] = {}  # prompt -> the plain greedy output

@@ -25,7 +25,7 @@ from draftwise.proposers.dspark_tree import grows_trees, markov_trees
 from draftwise.proposers.eagle3 import Eagle3Proposer
 from draftwise.proposers.tree_budget import NUM_BINS, PRIOR_WEIGHT, NodeCalibration
 from test_dspark_engine import ORACLE, assert_cache_is_fresh, make_dspark_dir
-from test_dspark_engine import assert_greedy_equals_plain, steps_checking
+from drafter_checks import assert_greedy_equals_plain, steps_checking
 from test_dspark_engine import plain  # noqa: F401 (the fixture: fills ORACLE)
 from test_eagle3_engine import make_eagle3_dir
 from tiny_models import make_model_dir
