@@ -101,6 +101,8 @@ def tree_rows(budget: TreeBudget, width: int, seqs: list, num_draft: list[int],
     """(each row's node budget, the rows that draft a tree): a greedy row's budget with a price is up
     to its cap (the gains then decide, one node too), else as planned; a row drafts a tree where
     `width` > 0, `eligible(seq)` holds and it may hold two nodes or more (or one that pays)."""
+    if not width:  # (a chain drafter's every round: nothing to weigh)
+        return list(num_draft), []
     priced = [budget.price > 0 and n > 0 and len(budget.caps) == len(num_draft) and s.params.is_greedy
               for s, n in zip(seqs, num_draft)]
     nodes = [max(n, budget.caps[i]) if p else n for i, (n, p) in enumerate(zip(num_draft, priced))]
